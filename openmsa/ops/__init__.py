@@ -1,0 +1,1 @@
+"""One module per stage of MSA; ``msa`` joins them into the public functions."""

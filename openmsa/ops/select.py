@@ -1,0 +1,169 @@
+"""Fused index scoring, block max-pool and top-k block selection (SPEC section 3, steps 1-4).
+
+One program owns a tile of ``TILE_TOKENS`` consecutive query tokens of one sequence times the
+``G = Hi / Hik`` index heads that share one index key head: ``G * TILE_TOKENS`` rows of one MMA.
+It walks the sequence's key blocks from the first to the tile's own block. For each block it
+computes the scores ``[rows, BLOCK]`` on the tensor cores, max-pools them to one score per row
+and merges that into a per-row top-k kept in registers. Block scores never reach memory; the only
+output is the kept block ids. See docs/KERNELS.md for the design and its measurements.
+
+Top-k bookkeeping: each candidate becomes one int64 key ``(order-preserving score bits << 32) |
+(MAX_ID - block id)``. Keys are unique, a larger key is a better block, and equal scores prefer the
+lower id, as the SPEC asks. Forced blocks get the score +inf so they enter and are never evicted.
+A new key replaces the row's smallest key when it is larger.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .schedule import batch_cu_seqlens, query_tile_schedule
+
+
+
+@triton.jit
+def _order_preserving_bits(score):
+    """fp32 -> int32 whose signed order is the float order."""
+    bits = score.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _merge_block(keys, block_score, block_id, forced):
+    """Merges one candidate block per row into the rows' top-k keys [ROWS, TOPK_SLOTS]."""
+    score_bits = tl.where(forced, 0x7F800000, _order_preserving_bits(block_score))  # +inf bits
+    candidate = (score_bits.to(tl.int64) << 32) | (0x7FFFFFFF - block_id)
+    smallest = tl.min(keys, axis=1)
+    replace = (keys == smallest[:, None]) & (candidate > smallest)[:, None]
+    return tl.where(replace, candidate[:, None], keys)
+
+
+@triton.jit
+def _select_fwd_kernel(
+    IQ, IK, IDS, CU_SEQLENS, SCHEDULE,
+    stride_iq_t, stride_iq_h, stride_ik_t, stride_ik_h, stride_ids_t, stride_ids_h,
+    scale,
+    G: tl.constexpr, TILE_TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TOP_K: tl.constexpr, TOPK_SLOTS: tl.constexpr, NUM_LOCAL: tl.constexpr,
+    NUM_SINK: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    entry = tl.program_id(0).to(tl.int64)
+    key_head = tl.program_id(1).to(tl.int64)
+    sequence = tl.load(SCHEDULE + 2 * entry).to(tl.int64)
+    if sequence < 0:
+        return
+    tile = tl.load(SCHEDULE + 2 * entry + 1).to(tl.int64)
+    seq_start = tl.load(CU_SEQLENS + sequence).to(tl.int64)
+    seq_len = tl.load(CU_SEQLENS + sequence + 1).to(tl.int64) - seq_start
+
+    rows = tl.arange(0, ROWS)
+    token = tile * TILE_TOKENS + rows // G  # [ROWS] position in the sequence
+    head = key_head * G + rows % G  # [ROWS] index head
+    row_valid = (rows < G * TILE_TOKENS) & (token < seq_len)  # ROWS is G * TILE_TOKENS padded
+    dims = tl.arange(0, HEAD_DIM)
+    iq = tl.load(IQ + (seq_start + token)[:, None] * stride_iq_t + head[:, None] * stride_iq_h
+                 + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
+
+    # Every token of the tile lies in one block: BLOCK is a multiple of TILE_TOKENS.
+    own_block = (tile * TILE_TOKENS) // BLOCK
+    last_token = tl.minimum(tile * TILE_TOKENS + TILE_TOKENS, seq_len) - 1  # [ ] scalar
+    slots = tl.arange(0, TOPK_SLOTS).to(tl.int64)
+    # Empty slots hold distinct, very small keys; padding slots past TOP_K hold the largest key so
+    # they are never the row minimum and never replaced.
+    keys = tl.where(slots[None, :] < TOP_K, slots[None, :] - 0x7FFFFFFFFFFFFFFF,
+                    0x7FFFFFFFFFFFFFFF)
+    keys = tl.broadcast_to(keys, (ROWS, TOPK_SLOTS))
+
+    key_offsets = tl.arange(0, BLOCK)
+    ik_base = IK + seq_start * stride_ik_t + key_head * stride_ik_h
+    behind_first = own_block  # blocks 0 .. own_block - 1 are fully visible
+    for block in range(0, behind_first):
+        ik = tl.load(ik_base + (block * BLOCK + key_offsets)[:, None] * stride_ik_t
+                     + dims[None, :])  # [BLOCK, D]
+        scores = tl.dot(iq, tl.trans(ik), input_precision=PRECISION)  # [ROWS, BLOCK]
+        if NEGATIVE_SCALE:
+            pooled = tl.min(scores, axis=1) * scale
+        else:
+            pooled = tl.max(scores, axis=1) * scale
+        behind = own_block - block
+        forced = (behind < NUM_LOCAL) | (block < NUM_SINK)
+        keys = _merge_block(keys, pooled, block, forced)
+
+    # The own block: causal mask, always forced.
+    key_pos = own_block * BLOCK + key_offsets
+    ik = tl.load(ik_base + key_pos[:, None] * stride_ik_t + dims[None, :],
+                 mask=(key_pos <= last_token)[:, None], other=0.0)
+    scores = tl.dot(iq, tl.trans(ik), input_precision=PRECISION)
+    visible = key_pos[None, :] <= token[:, None]
+    if NEGATIVE_SCALE:
+        pooled = tl.min(tl.where(visible, scores, float("inf")), axis=1) * scale
+    else:
+        pooled = tl.max(tl.where(visible, scores, float("-inf")), axis=1) * scale
+    keys = _merge_block(keys, pooled, own_block, rows >= 0)
+
+    block_ids = 0x7FFFFFFF - keys.to(tl.int32)  # the low 32 bits
+    block_ids = tl.where(keys < -(1 << 62), -1, block_ids)
+    tl.store(IDS + (seq_start + token)[:, None] * stride_ids_t + head[:, None] * stride_ids_h
+             + slots[None, :], block_ids, mask=row_valid[:, None] & (slots[None, :] < TOP_K))
+
+
+def _tile_tokens(index_heads_per_key_head: int, block_size: int) -> int:
+    """Tokens per program: a power of two dividing the block, giving about 128 MMA rows."""
+    tokens = 1
+    while tokens * 2 <= block_size and tokens * 2 * index_heads_per_key_head <= 128:
+        tokens *= 2
+    return tokens
+
+
+def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: torch.Tensor,
+                      *, top_k: int, block_size: int, index_softmax_scale: float,
+                      num_local_blocks: int, num_sink_blocks: int) -> torch.Tensor:
+    """Kept block ids for packed inputs.
+
+    index_q: [T, Hi, Di]; index_k: [T, Hik, Di]; cu_seqlens: int32 [N + 1].
+    Returns int32 [T, Hi, top_k], block ids relative to each sequence's start, -1 unused.
+    """
+    total, num_index_heads, head_dim = index_q.shape
+    num_key_heads = index_k.shape[1]
+    heads_per_key_head = num_index_heads // num_key_heads
+    if index_q.stride(-1) != 1:
+        index_q = index_q.contiguous()
+    if index_k.stride(-1) != 1:
+        index_k = index_k.contiguous()
+    ids = torch.empty(total, num_index_heads, top_k, dtype=torch.int32, device=index_q.device)
+    tile_tokens = _tile_tokens(heads_per_key_head, block_size)
+    schedule = query_tile_schedule(cu_seqlens, total, tile_tokens)
+    interpreting = index_q.device.type == "cpu"
+    precision = "ieee" if index_q.dtype == torch.float32 else "tf32"
+    grid = (schedule.shape[0], num_key_heads)
+    _select_fwd_kernel[grid](
+        index_q, index_k, ids, cu_seqlens, schedule,
+        index_q.stride(0), index_q.stride(1), index_k.stride(0), index_k.stride(1),
+        ids.stride(0), ids.stride(1),
+        index_softmax_scale,
+        G=heads_per_key_head, TILE_TOKENS=tile_tokens,
+        ROWS=max(16, triton.next_power_of_2(heads_per_key_head * tile_tokens)), BLOCK=block_size, HEAD_DIM=head_dim,
+        TOP_K=top_k, TOPK_SLOTS=max(2, triton.next_power_of_2(top_k)),
+        NUM_LOCAL=num_local_blocks, NUM_SINK=num_sink_blocks,
+        NEGATIVE_SCALE=index_softmax_scale < 0, PRECISION=precision,
+        num_warps=4 if interpreting else 8, num_stages=1 if interpreting else 3,
+    )
+    return ids
+
+
+def select_blocks_packed_or_batched(index_q, index_k, cu_seqlens, **options) -> torch.Tensor:
+    """``select_blocks_fwd`` for ``[B, S, ...]`` (cu_seqlens None) or packed ``[T, ...]`` input
+    (a 4-D batch of one allowed). Returns ids in the SPEC layout: ``[B, Hi, S, top_k]`` or
+    ``[Hi, T, top_k]``."""
+    if cu_seqlens is None:
+        batch, seqlen = index_q.shape[:2]
+        flat_q, flat_k = index_q.reshape(batch * seqlen, *index_q.shape[2:]), \
+            index_k.reshape(batch * seqlen, *index_k.shape[2:])
+        cu = batch_cu_seqlens(batch, seqlen, index_q.device)
+        ids = select_blocks_fwd(flat_q, flat_k, cu, **options)
+        return ids.view(batch, seqlen, *ids.shape[1:]).permute(0, 2, 1, 3)
+    flat_q = index_q.reshape(index_q.shape[-3:])
+    flat_k = index_k.reshape(index_k.shape[-3:])
+    return select_blocks_fwd(flat_q, flat_k, cu_seqlens, **options).permute(1, 0, 2)

@@ -1,0 +1,315 @@
+"""Argument checking shared by every backend.
+
+Every check runs before any computation and raises ``TypeError`` (wrong type) or ``ValueError``
+(wrong value) with a message that names the argument, what was expected and what was received.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_BLOCK_SIZES = (64, 128)
+MAX_TOP_K = 64
+BACKENDS = ("auto", "triton", "reference")
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# float64 is accepted by the eager reference only (useful as a high-precision oracle).
+REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
+
+
+@dataclass(frozen=True)
+class MSAProblem:
+    """Validated, resolved description of one ``msa_attention`` call."""
+
+    packed: bool  # inputs are [T, heads, dim] with cu_seqlens
+    batch: int  # B (1 when packed)
+    seqlen: int  # S (T when packed)
+    num_heads: int  # H
+    num_kv_heads: int  # Hkv
+    num_index_heads: int  # Hi
+    num_index_kv_heads: int  # Hik
+    head_dim: int  # D
+    index_head_dim: int  # Di
+    top_k: int
+    block_size: int
+    softmax_scale: float
+    index_softmax_scale: float
+    num_local_blocks: int
+    num_sink_blocks: int
+    warmup: bool
+
+
+def _fail(name: str, expected: str, received) -> ValueError:
+    return ValueError(f"{name}: expected {expected}, received {received}")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, received {type(value).__name__}")
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, received {type(value).__name__}")
+
+
+def _resolve_scale(name: str, value, head_dim: int) -> float:
+    if value is None:
+        return head_dim**-0.5
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float or None, received {type(value).__name__}")
+    try:
+        value_as_float = float(value)
+    except OverflowError:
+        value_as_float = math.inf
+    if not math.isfinite(value_as_float):
+        raise _fail(name, "a finite number", value)
+    return value_as_float
+
+
+def check_backend(backend) -> None:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a str, received {type(backend).__name__}")
+    if backend not in BACKENDS:
+        raise _fail("backend", f"one of {BACKENDS}", repr(backend))
+
+
+def validate_cu_seqlens(cu_seqlens, total_tokens: int, device: torch.device, max_seqlen) -> None:
+    """Checks ``cu_seqlens`` (and ``max_seqlen``) against the packed token count ``total_tokens``.
+
+    Reading the values needs one device-to-host copy; it is skipped while a CUDA graph is being
+    captured (capture forbids the copy), where the caller vouches for well-formed offsets.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens: expected a torch.Tensor, received {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise _fail("cu_seqlens", "dtype torch.int32", cu_seqlens.dtype)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise _fail("cu_seqlens", "a 1-D tensor [num_sequences + 1] with at least 2 entries",
+                    f"shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise _fail("cu_seqlens", f"device {device} (the device of q)", cu_seqlens.device)
+    if max_seqlen is not None:
+        _check_int("max_seqlen", max_seqlen)
+        if max_seqlen < 1:
+            raise _fail("max_seqlen", "an int >= 1", max_seqlen)
+    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0:
+        raise _fail("cu_seqlens", "first entry 0", offsets[0])
+    lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+    if any(length < 0 for length in lengths):
+        raise _fail("cu_seqlens", "non-decreasing offsets", offsets)
+    if offsets[-1] != total_tokens:
+        raise _fail("cu_seqlens", f"last entry equal to the packed token count T={total_tokens}",
+                    offsets[-1])
+    if max_seqlen is not None and max_seqlen < max(lengths):
+        raise _fail("max_seqlen", f">= the longest sequence in cu_seqlens ({max(lengths)})",
+                    max_seqlen)
+
+
+def validate_block_indices(block_indices, problem: MSAProblem, cu_seqlens,
+                           device: torch.device) -> None:
+    """Checks externally given kept-block ids: int32/int64 ``[B, Hi, S, k]`` (packed ``[Hi, T, k]``)
+    whose rows hold the query's own block and otherwise only earlier blocks or -1."""
+    if not isinstance(block_indices, torch.Tensor):
+        raise TypeError(
+            f"block_indices: expected a torch.Tensor, received {type(block_indices).__name__}")
+    if block_indices.dtype not in (torch.int32, torch.int64):
+        raise _fail("block_indices", "dtype torch.int32 or torch.int64", block_indices.dtype)
+    if problem.packed:
+        leading = (problem.num_index_heads, problem.seqlen)
+        layout = "[Hi, T, top_k]"
+    else:
+        leading = (problem.batch, problem.num_index_heads, problem.seqlen)
+        layout = "[B, Hi, S, top_k]"
+    if block_indices.dim() != len(leading) + 1 or tuple(block_indices.shape[:-1]) != leading:
+        raise _fail("block_indices", f"shape {layout} = {leading + ('k',)}",
+                    tuple(block_indices.shape))
+    if block_indices.shape[-1] < 1:
+        raise _fail("block_indices", "at least one slot in the last dimension",
+                    tuple(block_indices.shape))
+    if block_indices.device != device:
+        raise _fail("block_indices", f"device {device} (the device of q)", block_indices.device)
+    if problem.warmup:
+        raise _fail("block_indices", "None when warmup=True (warmup keeps every causal block)",
+                    "a tensor")
+    if block_indices.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    query_block = query_positions(problem, cu_seqlens, device) // problem.block_size
+    if problem.packed:
+        query_block = query_block[None, :, None]  # against [Hi, T, k]
+    else:
+        query_block = query_block[None, None, :, None]  # against [B, Hi, S, k]
+    if bool((block_indices < -1).any()) or bool((block_indices > query_block).any()):
+        raise _fail("block_indices", "entries in [-1, own block of the query] (-1 = unused; "
+                    "ids count blocks from the start of the query's sequence)",
+                    "an entry outside that range")
+    if not bool((block_indices == query_block).any(dim=-1).all()):
+        raise _fail("block_indices", "the query's own block in every row (it is always kept)",
+                    "a row without it")
+
+
+def query_positions(problem: MSAProblem, cu_seqlens, device) -> torch.Tensor:
+    """Position of every query inside its own sequence: int64 [S] (packed: [T])."""
+    positions = torch.arange(problem.seqlen, device=device)
+    if not problem.packed:
+        return positions
+    starts = cu_seqlens[:-1].long()
+    lengths = cu_seqlens[1:].long() - starts
+    return positions - torch.repeat_interleave(starts, lengths, output_size=problem.seqlen)
+
+
+def _check_tensors(tensors: dict, backend: str, cu_seqlens, max_seqlen) -> None:
+    """Types, dtypes, devices, ranks and leading dims of the named tensors (the first is the
+    one the others must match)."""
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, received {type(tensor).__name__}")
+    first_name, first = next(iter(tensors.items()))
+    allowed = REFERENCE_DTYPES if backend == "reference" else KERNEL_DTYPES
+    if first.dtype not in allowed:
+        raise _fail(first_name, f"dtype in {allowed} for backend={backend!r}", first.dtype)
+    for name, tensor in tensors.items():
+        if tensor.dtype != first.dtype:
+            raise _fail(name, f"dtype {first.dtype} (the dtype of {first_name})", tensor.dtype)
+        if tensor.device != first.device:
+            raise _fail(name, f"device {first.device} (the device of {first_name})",
+                        tensor.device)
+
+    shape = tuple(first.shape)
+    if cu_seqlens is not None:
+        if first.dim() == 4:
+            if first.shape[0] != 1:
+                raise _fail(first_name, "batch dimension 1 (or a 3-D [T, heads, dim] tensor) "
+                            "with cu_seqlens", f"shape {shape}")
+        elif first.dim() != 3:
+            raise _fail(first_name, "a 3-D [T, heads, dim] tensor with cu_seqlens",
+                        f"shape {shape}")
+    elif first.dim() != 4:
+        raise _fail(first_name, "a 4-D [B, S, heads, dim] tensor (or 3-D [T, heads, dim] with "
+                    "cu_seqlens)", f"shape {shape}")
+    rank = first.dim()
+    layout = "[B, S, heads, dim]" if rank == 4 else "[T, heads, dim]"
+    for name, tensor in tensors.items():
+        if tensor.dim() != rank:
+            raise _fail(name, f"a {rank}-D {layout} tensor like {first_name}",
+                        f"shape {tuple(tensor.shape)}")
+        if tensor.shape[:-2] != first.shape[:-2]:
+            raise _fail(name, f"leading dimensions {shape[:-2]} (those of {first_name})",
+                        tuple(tensor.shape[:-2]))
+    if max_seqlen is not None and cu_seqlens is None:
+        raise _fail("max_seqlen", "None unless cu_seqlens is given", max_seqlen)
+    if first.shape[-3] == 0 or (rank == 4 and first.shape[0] == 0):
+        raise _fail(first_name, "at least one query token", f"shape {shape}")
+    if cu_seqlens is not None:
+        validate_cu_seqlens(cu_seqlens, first.shape[-3], first.device, max_seqlen)
+
+
+def _check_index_heads(index_q, index_k) -> None:
+    if index_k.shape[-1] != index_q.shape[-1]:
+        raise _fail("index_k", f"head dim {index_q.shape[-1]} (the head dim of index_q)",
+                    index_k.shape[-1])
+    if index_q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise _fail("index_q", f"head dim in {SUPPORTED_HEAD_DIMS}", index_q.shape[-1])
+    for name, heads in (("index_q", index_q.shape[-2]), ("index_k", index_k.shape[-2])):
+        if heads < 1:
+            raise _fail(name, "at least one head", heads)
+    if index_q.shape[-2] % index_k.shape[-2]:
+        raise _fail("index_k", f"a number of heads dividing the {index_q.shape[-2]} heads of "
+                    "index_q", index_k.shape[-2])
+
+
+def _check_selection_options(top_k, block_size, num_local_blocks, num_sink_blocks) -> None:
+    _check_int("block_size", block_size)
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise _fail("block_size", f"one of {SUPPORTED_BLOCK_SIZES}", block_size)
+    _check_int("top_k", top_k)
+    if not 1 <= top_k <= MAX_TOP_K:
+        raise _fail("top_k", f"an int in [1, {MAX_TOP_K}]", top_k)
+    _check_int("num_local_blocks", num_local_blocks)
+    if num_local_blocks < 1:
+        raise _fail("num_local_blocks", "an int >= 1 (the query's own block is always kept)",
+                    num_local_blocks)
+    _check_int("num_sink_blocks", num_sink_blocks)
+    if num_sink_blocks < 0:
+        raise _fail("num_sink_blocks", "an int >= 0", num_sink_blocks)
+    if num_local_blocks + num_sink_blocks > top_k:
+        raise _fail("num_local_blocks + num_sink_blocks", f"<= top_k={top_k}",
+                    num_local_blocks + num_sink_blocks)
+
+
+def validate_select_args(index_q, index_k, *, top_k, block_size, index_softmax_scale,
+                         num_local_blocks, num_sink_blocks, cu_seqlens, max_seqlen,
+                         backend) -> float:
+    """Validates the arguments of ``select_blocks``; returns the resolved index scale."""
+    check_backend(backend)
+    _check_tensors({"index_q": index_q, "index_k": index_k}, backend, cu_seqlens, max_seqlen)
+    _check_index_heads(index_q, index_k)
+    _check_selection_options(top_k, block_size, num_local_blocks, num_sink_blocks)
+    return _resolve_scale("index_softmax_scale", index_softmax_scale, index_q.shape[-1])
+
+
+def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_scale,
+                      index_softmax_scale, num_local_blocks, num_sink_blocks, warmup, cu_seqlens,
+                      max_seqlen, deterministic, return_indices, backend) -> MSAProblem:
+    """Validates the arguments of ``msa_attention`` (SPEC sections 2, 5, 6 and 7)."""
+    tensors = {"q": q, "k": k, "v": v, "index_q": index_q, "index_k": index_k}
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, received {type(tensor).__name__}")
+    check_backend(backend)
+    for name, flag in (("warmup", warmup), ("deterministic", deterministic),
+                       ("return_indices", return_indices)):
+        _check_bool(name, flag)
+    _check_tensors(tensors, backend, cu_seqlens, max_seqlen)
+
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    num_kv_heads = k.shape[-2]
+    if tuple(v.shape) != tuple(k.shape):
+        raise _fail("v", f"shape {tuple(k.shape)} (the shape of k)", tuple(v.shape))
+    if k.shape[-1] != head_dim:
+        raise _fail("k", f"head dim {head_dim} (the head dim of q)", k.shape[-1])
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise _fail("q", f"head dim in {SUPPORTED_HEAD_DIMS}", head_dim)
+    for name, heads in (("q", num_heads), ("k", num_kv_heads)):
+        if heads < 1:
+            raise _fail(name, "at least one head", heads)
+    _check_index_heads(index_q, index_k)
+    num_index_heads = index_q.shape[-2]
+    if num_heads % num_kv_heads:
+        raise _fail("k", f"a number of heads dividing the {num_heads} heads of q", num_kv_heads)
+    if num_heads % num_index_heads:
+        raise _fail("index_q", f"a number of heads dividing the {num_heads} heads of q",
+                    num_index_heads)
+    if num_index_heads % num_kv_heads:
+        raise _fail("index_q", f"a multiple of the {num_kv_heads} heads of k (all main heads of "
+                    "one index head must share one KV head)", num_index_heads)
+    _check_selection_options(top_k, block_size, num_local_blocks, num_sink_blocks)
+    scale = _resolve_scale("softmax_scale", softmax_scale, head_dim)
+    index_scale = _resolve_scale("index_softmax_scale", index_softmax_scale, index_q.shape[-1])
+    if warmup and return_indices:
+        raise _fail("return_indices", "False when warmup=True (warmup selects no blocks)", True)
+
+    return MSAProblem(
+        packed=cu_seqlens is not None,
+        batch=1 if cu_seqlens is not None else q.shape[0],
+        seqlen=q.shape[-3],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        num_index_heads=num_index_heads,
+        num_index_kv_heads=index_k.shape[-2],
+        head_dim=head_dim,
+        index_head_dim=index_q.shape[-1],
+        top_k=top_k,
+        block_size=block_size,
+        softmax_scale=scale,
+        index_softmax_scale=index_scale,
+        num_local_blocks=num_local_blocks,
+        num_sink_blocks=num_sink_blocks,
+        warmup=warmup,
+    )

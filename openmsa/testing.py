@@ -1,0 +1,122 @@
+"""Helpers to compare an MSA implementation with the reference (used by tests and ``openmsa check``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .ops.msa import naive_msa_attention
+
+INPUT_NAMES = ("q", "k", "v", "index_q", "index_k")
+QUANTITY_NAMES = ("out", "kl") + tuple(f"d{name}" for name in INPUT_NAMES)
+
+
+@dataclass
+class MSACase:
+    """One problem shape; ``seqlens`` set means packed input with those sequence lengths."""
+
+    name: str
+    batch: int = 1
+    seqlen: int = 256
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    num_index_heads: int = 2
+    num_index_kv_heads: int = 1
+    head_dim: int = 64
+    index_head_dim: int = 64
+    seqlens: tuple[int, ...] | None = None
+    options: dict = field(default_factory=dict)  # keyword arguments of msa_attention
+
+    def shape_label(self) -> str:
+        tokens = f"T={sum(self.seqlens)} packed" if self.seqlens else f"B={self.batch} S={self.seqlen}"
+        return (f"{tokens} H{self.num_heads}/{self.num_kv_heads} Hi{self.num_index_heads}/"
+                f"{self.num_index_kv_heads} D{self.head_dim}/{self.index_head_dim}")
+
+
+def random_inputs(case: MSACase, dtype: torch.dtype, device, seed: int = 0):
+    """Random q, k, v, index_q, index_k (requiring grad) and cu_seqlens (or None)."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    if case.seqlens:
+        lead = (sum(case.seqlens),)
+        offsets = torch.tensor([0, *case.seqlens], dtype=torch.int64).cumsum(0)
+        cu_seqlens = offsets.to(torch.int32).to(device)
+    else:
+        lead = (case.batch, case.seqlen)
+        cu_seqlens = None
+    shapes = ((case.num_heads, case.head_dim), (case.num_kv_heads, case.head_dim),
+              (case.num_kv_heads, case.head_dim), (case.num_index_heads, case.index_head_dim),
+              (case.num_index_kv_heads, case.index_head_dim))
+    tensors = [torch.randn(*lead, *shape, generator=generator).to(device=device, dtype=dtype)
+               .requires_grad_() for shape in shapes]
+    return tensors, cu_seqlens
+
+
+def run_with_grads(fn, inputs, cu_seqlens, out_grad, kl_weight: float, **options):
+    """Runs ``fn`` (an msa_attention-like function), back-propagates ``<out, out_grad> +
+    kl_weight * kl`` and returns ``(values, indices)``: values maps QUANTITY_NAMES to tensors."""
+    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    result = fn(*inputs, cu_seqlens=cu_seqlens, **options)
+    out, kl = result[0], result[1]
+    indices = result[2] if len(result) > 2 else None
+    loss = (out.double() * out_grad.double()).sum() + kl_weight * kl.double()
+    grads = torch.autograd.grad(loss, inputs)
+    values = {"out": out.detach(), "kl": kl.detach()}
+    values.update({f"d{name}": grad for name, grad in zip(INPUT_NAMES, grads)})
+    return values, indices
+
+
+def rel_rms_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in float64 (absolute error if expected is 0)."""
+    actual, expected = actual.double(), expected.double()
+    diff = (actual - expected).norm().item()
+    scale = expected.norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def same_block_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Rows (all but the last dim) where the two id lists hold the same set (order ignored)."""
+    return (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)
+
+
+@dataclass
+class Comparison:
+    errors: dict  # quantity -> rel RMS error vs the high-precision reference
+    baseline_errors: dict  # quantity -> rel RMS error of the reference run in the test dtype
+    selection_agreement: float | None  # share of rows whose kept sets match the reference's
+
+    def passed(self, tolerance: float, baseline_factor: float = 2.0) -> bool:
+        """FlashAttention's rule: error at most ``baseline_factor`` x the reference's own error in
+        the same dtype, or below ``tolerance``."""
+        return all(err <= max(tolerance, baseline_factor * self.baseline_errors[name])
+                   for name, err in self.errors.items())
+
+
+def compare_with_reference(fn, case: MSACase, dtype: torch.dtype, device, seed: int = 0,
+                           kl_weight: float = 1.0) -> Comparison:
+    """Runs ``fn`` in ``dtype`` and the reference in high precision (float64 on CPU, float32 on
+    GPU) and in ``dtype``, all on ``fn``'s kept blocks, and returns the relative errors."""
+    device = torch.device(device)
+    high = torch.float64 if device.type == "cpu" else torch.float32
+    inputs, cu_seqlens = random_inputs(case, dtype, device, seed)
+    lead = inputs[0].shape[:-2]
+    out_grad = torch.randn(*lead, case.num_heads, case.head_dim,
+                           generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    warmup = case.options.get("warmup", False)
+    options = dict(case.options, return_indices=not warmup)
+    values, indices = run_with_grads(fn, inputs, cu_seqlens, out_grad, kl_weight, **options)
+
+    agreement = None
+    reference_options = dict(options)
+    if indices is not None:
+        _, ref_indices = run_with_grads(naive_msa_attention, [t.to(high) for t in inputs],
+                                        cu_seqlens, out_grad, kl_weight, **options)
+        agreement = same_block_sets(indices, ref_indices).float().mean().item()
+        reference_options = dict(options, block_indices=indices)
+    expected, _ = run_with_grads(naive_msa_attention, [t.to(high) for t in inputs], cu_seqlens,
+                                 out_grad, kl_weight, **reference_options)
+    low, _ = run_with_grads(naive_msa_attention, inputs, cu_seqlens, out_grad, kl_weight,
+                            **reference_options)
+    errors = {name: rel_rms_error(values[name], expected[name]) for name in QUANTITY_NAMES}
+    baseline = {name: rel_rms_error(low[name], expected[name]) for name in QUANTITY_NAMES}
+    return Comparison(errors, baseline, agreement)

@@ -1,0 +1,14 @@
+"""The reference on CUDA agrees with itself on the CPU (bf16 rule: within 2x the reference's own
+bf16 error). Skipped without a GPU."""
+
+import pytest
+import torch
+
+from openmsa import cli, msa_attention
+from openmsa.testing import compare_with_reference
+
+
+@pytest.mark.parametrize("case", cli.GPU_CASES, ids=lambda c: c.name)
+def test_auto_backend_bf16_matches_fp32_reference(case):
+    comparison = compare_with_reference(msa_attention, case, torch.bfloat16, "cuda")
+    assert comparison.passed(cli.TOLERANCE[torch.bfloat16]), comparison.errors

@@ -1,0 +1,127 @@
+"""The Triton block-selection kernel against the reference, under the CPU interpreter.
+
+Inputs hold small integers, so every index score is an exact integer in fp32 and fp16 whatever
+the summation order: kernel and reference must then agree exactly, ties included (ties go to the
+lower block id), with no near-tie ambiguity.
+"""
+
+import pytest
+import torch
+
+import openmsa
+from openmsa.ops import msa as msa_module
+from openmsa.ops import select as select_module
+from openmsa.testing import MSACase, random_inputs
+
+pytestmark = pytest.mark.skipif(not msa_module.INTERPRETING,
+                                reason="needs TRITON_INTERPRET=1 (the README's test command)")
+
+
+def integer_index_inputs(seqlens_or_shape, num_index_heads, num_index_kv_heads, head_dim=64,
+                         dtype=torch.float32, seed=0, low=-2, high=3):
+    generator = torch.Generator().manual_seed(seed)
+    lead = seqlens_or_shape
+    index_q = torch.randint(low, high, (*lead, num_index_heads, head_dim), generator=generator)
+    index_k = torch.randint(low, high, (*lead, num_index_kv_heads, head_dim), generator=generator)
+    return index_q.to(dtype), index_k.to(dtype)
+
+
+SELECT_CASES = [
+    # (name, lead shape or seqlens, Hi, Hik, head dim, dtype, options)
+    ("batch2_partial_block", (2, 300), 4, 2, 64, torch.float32, dict(top_k=3, block_size=64)),
+    ("top_k_1", (1, 200), 2, 2, 64, torch.float32, dict(top_k=1, block_size=64)),
+    ("top_k_above_visible_blocks", (1, 300), 2, 1, 64, torch.float32,
+     dict(top_k=8, block_size=64)),
+    ("local_and_sink", (1, 450), 2, 1, 64, torch.float32,
+     dict(top_k=4, block_size=64, num_local_blocks=2, num_sink_blocks=1)),
+    ("block_128_head_dim_128", (1, 400), 4, 1, 128, torch.float32,
+     dict(top_k=2, block_size=128)),
+    ("three_heads_per_key_head", (1, 260), 6, 2, 64, torch.float32,
+     dict(top_k=2, block_size=64)),
+    ("negative_scale", (1, 300), 2, 1, 64, torch.float32,
+     dict(top_k=2, block_size=64, index_softmax_scale=-0.5)),
+    ("fp16", (2, 200), 2, 1, 64, torch.float16, dict(top_k=2, block_size=64)),
+]
+
+
+@pytest.mark.parametrize("case", SELECT_CASES, ids=lambda c: c[0])
+def test_kernel_selection_equals_reference(case):
+    _, lead, hi, hik, head_dim, dtype, options = case
+    options = dict(options)
+    options.setdefault("index_softmax_scale", 1.0)
+    index_q, index_k = integer_index_inputs(lead, hi, hik, head_dim, dtype)
+    kernel = openmsa.select_blocks(index_q, index_k, backend="triton", **options)
+    reference = openmsa.select_blocks(index_q, index_k, backend="reference", **options)
+    assert kernel.dtype == torch.int32 and kernel.shape == reference.shape
+    torch.testing.assert_close(kernel.sort(dim=-1).values, reference.sort(dim=-1).values,
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seqlens", [(70, 1, 200, 129), (64, 128, 65)])
+def test_packed_selection_equals_reference_and_each_sequence_alone(seqlens):
+    index_q, index_k = integer_index_inputs((sum(seqlens),), 4, 2, seed=1)
+    cu_seqlens = torch.tensor([0, *seqlens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    options = dict(top_k=3, block_size=64, index_softmax_scale=1.0, num_sink_blocks=1)
+    kernel = openmsa.select_blocks(index_q, index_k, cu_seqlens=cu_seqlens, backend="triton",
+                                   **options)
+    reference = openmsa.select_blocks(index_q, index_k, cu_seqlens=cu_seqlens,
+                                      backend="reference", **options)
+    assert kernel.shape == (4, sum(seqlens), 3)
+    assert torch.equal(kernel.sort(dim=-1).values, reference.sort(dim=-1).values)
+    offsets = cu_seqlens.tolist()
+    for start, end in zip(offsets, offsets[1:]):
+        alone = openmsa.select_blocks(index_q[None, start:end], index_k[None, start:end],
+                                      backend="triton", **options)
+        assert torch.equal(kernel[:, start:end].sort(dim=-1).values,
+                           alone[0].sort(dim=-1).values)
+
+
+def test_ties_go_to_the_lower_block_id():
+    index_q, index_k = integer_index_inputs((1, 64 * 6), 2, 1)
+    index_k[:] = 1.0  # every key scores the same: all blocks tie
+    ids = openmsa.select_blocks(index_q, index_k, top_k=3, block_size=64, backend="triton")
+    assert all(set(row.tolist()) == {5, 0, 1} for row in ids[0, :, -1])
+
+
+def test_every_slot_is_written(monkeypatch):
+    """The id buffer is poisoned before the kernel: no poison may survive."""
+    original_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        return original_empty(*args, **kwargs).fill_(-7777)
+
+    index_q, index_k = integer_index_inputs((2, 200), 2, 1)
+    monkeypatch.setattr(select_module.torch, "empty", poisoned_empty)
+    ids = openmsa.select_blocks(index_q, index_k, top_k=5, block_size=64, backend="triton")
+    monkeypatch.undo()
+    assert (ids >= -1).all()
+    own = torch.arange(200) // 64
+    assert (ids == own[:, None]).any(dim=-1).all()
+
+
+def test_msa_attention_triton_backend_uses_the_kernel_selection():
+    case = MSACase("x", batch=1, seqlen=200, num_heads=4, num_kv_heads=2, num_index_heads=2)
+    inputs, _ = random_inputs(case, torch.float32, "cpu", seed=2)
+    index_q, index_k = integer_index_inputs((1, 200), 2, 1)
+    q, k, v = (t.detach() for t in inputs[:3])
+    options = dict(top_k=2, block_size=64, index_softmax_scale=1.0, return_indices=True)
+    out, kl, ids = openmsa.msa_attention(q, k, v, index_q, index_k, backend="triton", **options)
+    ref_out, ref_kl, ref_ids = openmsa.msa_attention(q, k, v, index_q, index_k,
+                                                     backend="reference", **options)
+    assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kl, ref_kl, rtol=1e-6, atol=1e-6)
+
+
+def test_query_tile_schedule_covers_every_tile_once_longest_first():
+    from openmsa.ops.schedule import query_tile_schedule
+
+    cu_seqlens = torch.tensor([0, 70, 71, 271, 271, 400], dtype=torch.int32)
+    schedule = query_tile_schedule(cu_seqlens, 400, tile_tokens=64)
+    real = schedule[schedule[:, 0] >= 0].tolist()
+    expected = sorted((s, t) for s, n in enumerate([70, 1, 200, 0, 129])
+                      for t in range(-(-n // 64)))
+    assert sorted(map(tuple, real)) == expected
+    tiles = [t for _, t in real]
+    assert tiles == sorted(tiles, reverse=True)
+    assert (schedule[len(real):] == -1).all()
