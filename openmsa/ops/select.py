@@ -67,7 +67,7 @@ def _select_fwd_kernel(
                  + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
 
     # Every token of the tile lies in one block: BLOCK is a multiple of TILE_TOKENS.
-    own_block = (tile * TILE_TOKENS) // BLOCK
+    own_block = ((tile * TILE_TOKENS) // BLOCK).to(tl.int32)
     last_token = tl.minimum(tile * TILE_TOKENS + TILE_TOKENS, seq_len) - 1  # [ ] scalar
     slots = tl.arange(0, TOPK_SLOTS).to(tl.int64)
     # Empty slots hold distinct, very small keys; padding slots past TOP_K hold the largest key so
@@ -76,10 +76,9 @@ def _select_fwd_kernel(
                     0x7FFFFFFFFFFFFFFF)
     keys = tl.broadcast_to(keys, (ROWS, TOPK_SLOTS))
 
-    key_offsets = tl.arange(0, BLOCK)
+    key_offsets = tl.arange(0, BLOCK).to(tl.int64)  # int64: positions x strides can pass 2^31
     ik_base = IK + seq_start * stride_ik_t + key_head * stride_ik_h
-    behind_first = own_block  # blocks 0 .. own_block - 1 are fully visible
-    for block in range(0, behind_first):
+    for block in range(0, own_block):  # blocks before the own block are fully visible
         ik = tl.load(ik_base + (block * BLOCK + key_offsets)[:, None] * stride_ik_t
                      + dims[None, :])  # [BLOCK, D]
         scores = tl.dot(iq, tl.trans(ik), input_precision=PRECISION)  # [ROWS, BLOCK]
@@ -109,21 +108,24 @@ def _select_fwd_kernel(
              + slots[None, :], block_ids, mask=row_valid[:, None] & (slots[None, :] < TOP_K))
 
 
-def _tile_tokens(index_heads_per_key_head: int, block_size: int) -> int:
-    """Tokens per program: a power of two dividing the block, giving about 128 MMA rows."""
+def _tile_tokens(index_heads_per_key_head: int, block_size: int, tile_rows: int) -> int:
+    """Tokens per program: a power of two dividing the block, giving about ``tile_rows`` MMA
+    rows (G heads x tokens)."""
     tokens = 1
-    while tokens * 2 <= block_size and tokens * 2 * index_heads_per_key_head <= 128:
+    while tokens * 2 <= block_size and tokens * 2 * index_heads_per_key_head <= tile_rows:
         tokens *= 2
     return tokens
 
 
 def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: torch.Tensor,
                       *, top_k: int, block_size: int, index_softmax_scale: float,
-                      num_local_blocks: int, num_sink_blocks: int) -> torch.Tensor:
+                      num_local_blocks: int, num_sink_blocks: int, tile_rows: int = 128,
+                      num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
     """Kept block ids for packed inputs.
 
     index_q: [T, Hi, Di]; index_k: [T, Hik, Di]; cu_seqlens: int32 [N + 1].
     Returns int32 [T, Hi, top_k], block ids relative to each sequence's start, -1 unused.
+    ``tile_rows``, ``num_warps`` and ``num_stages`` tune the kernel (benchmarks sweep them).
     """
     total, num_index_heads, head_dim = index_q.shape
     num_key_heads = index_k.shape[1]
@@ -133,9 +135,9 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
     if index_k.stride(-1) != 1:
         index_k = index_k.contiguous()
     ids = torch.empty(total, num_index_heads, top_k, dtype=torch.int32, device=index_q.device)
-    tile_tokens = _tile_tokens(heads_per_key_head, block_size)
+    tile_tokens = _tile_tokens(heads_per_key_head, block_size, tile_rows)
     schedule = query_tile_schedule(cu_seqlens, total, tile_tokens)
-    interpreting = index_q.device.type == "cpu"
+    interpreting = index_q.device.type == "cpu"  # the Triton interpreter
     precision = "ieee" if index_q.dtype == torch.float32 else "tf32"
     grid = (schedule.shape[0], num_key_heads)
     _select_fwd_kernel[grid](
@@ -148,7 +150,7 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
         TOP_K=top_k, TOPK_SLOTS=max(2, triton.next_power_of_2(top_k)),
         NUM_LOCAL=num_local_blocks, NUM_SINK=num_sink_blocks,
         NEGATIVE_SCALE=index_softmax_scale < 0, PRECISION=precision,
-        num_warps=4 if interpreting else 8, num_stages=1 if interpreting else 3,
+        num_warps=num_warps, num_stages=1 if interpreting else num_stages,
     )
     return ids
 

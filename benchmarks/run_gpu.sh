@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The GPU run: GPU tests, bf16 check against the reference, benchmarks. Prints a short table last.
+#   bash benchmarks/run_gpu.sh OUTDIR
+# Runs from the repository root with the machine's own torch and triton (nothing is installed).
+set -u
+out=${1:?usage: run_gpu.sh OUTDIR}
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export OPENMSA_GPU_RECORD="$out/gpu_tests.jsonl"
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+} 2>&1 | tee "$out/env.txt"
+python3 -m pytest -q -rA tests/gpu 2>&1 | tee "$out/pytest_gpu.log" | tail -25
+python3 -m openmsa.cli check 2>&1 | tee "$out/check.txt"
+python3 benchmarks/bench_select.py --out "$out" "${@:2}" 2>&1 | tee "$out/bench_select.log"
