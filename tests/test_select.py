@@ -41,6 +41,7 @@ SELECT_CASES = [
     ("negative_scale", (1, 300), 2, 1, 64, torch.float32,
      dict(top_k=2, block_size=64, index_softmax_scale=-0.5)),
     ("fp16", (2, 200), 2, 1, 64, torch.float16, dict(top_k=2, block_size=64)),
+    ("head_dim_256", (1, 200), 2, 1, 256, torch.float32, dict(top_k=2, block_size=64)),
 ]
 
 

@@ -120,12 +120,13 @@ def _tile_tokens(index_heads_per_key_head: int, block_size: int, tile_rows: int)
 def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: torch.Tensor,
                       *, top_k: int, block_size: int, index_softmax_scale: float,
                       num_local_blocks: int, num_sink_blocks: int, tile_rows: int = 128,
-                      num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
+                      num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
     """Kept block ids for packed inputs.
 
     index_q: [T, Hi, Di]; index_k: [T, Hik, Di]; cu_seqlens: int32 [N + 1].
     Returns int32 [T, Hi, top_k], block ids relative to each sequence's start, -1 unused.
-    ``tile_rows``, ``num_warps`` and ``num_stages`` tune the kernel (benchmarks sweep them).
+    ``tile_rows``, ``num_warps`` and ``num_stages`` tune the kernel; the defaults won the sweep
+    of benchmarks/bench_select.py on an H200 (see docs/KERNELS.md).
     """
     total, num_index_heads, head_dim = index_q.shape
     num_key_heads = index_k.shape[1]
