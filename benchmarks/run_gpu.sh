@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# The GPU run: GPU tests, bf16 check against the reference, benchmarks. Prints a short table last.
-#   bash benchmarks/run_gpu.sh OUTDIR
+# The GPU run: GPU tests, bf16 check against the reference, benchmarks. Prints short tables last.
+#   bash benchmarks/run_gpu.sh OUTDIR [all|select|attention]   (default: all)
 # Runs from the repository root with the machine's own torch and triton (nothing is installed).
 set -u
-out=${1:?usage: run_gpu.sh OUTDIR}
+out=${1:?usage: run_gpu.sh OUTDIR [all|select|attention]}
+benchmarks=${2:-all}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OPENMSA_GPU_RECORD="$out/gpu_tests.jsonl"
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  git log -1 --format='commit %H' 2>/dev/null
 } 2>&1 | tee "$out/env.txt"
-python3 -m pytest -q -rA tests/gpu 2>&1 | tee "$out/pytest_gpu.log" | tail -25
+python3 -m pytest -q -rA tests/gpu 2>&1 | tee "$out/pytest_gpu.log" | grep -E "passed|failed|error" | tail -30
 python3 -m openmsa.cli check 2>&1 | tee "$out/check.txt"
-python3 benchmarks/bench_select.py --out "$out" "${@:2}" 2>&1 | tee "$out/bench_select.log"
+if [ "$benchmarks" = all ] || [ "$benchmarks" = select ]; then
+  python3 benchmarks/bench_select.py --out "$out" 2>&1 | tee "$out/bench_select.log" | tail -8
+fi
+if [ "$benchmarks" = all ] || [ "$benchmarks" = attention ]; then
+  python3 benchmarks/bench_attention.py --out "$out" 2>&1 | tee "$out/bench_attention.log" | tail -12
+fi

@@ -1,7 +1,9 @@
 """openmsa: Triton training kernels for MiniMax Sparse Attention (MSA)."""
 
-from .ops.msa import msa_attention, naive_msa_attention, select_blocks
+from .ops.msa import msa_attention, naive_msa_attention, select_blocks, sparse_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["msa_attention", "naive_msa_attention", "select_blocks", "__version__"]
+__all__ = [
+    "msa_attention", "naive_msa_attention", "select_blocks", "sparse_attention", "__version__",
+]

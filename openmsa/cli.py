@@ -33,8 +33,9 @@ GPU_CASES = (
     MSACase("warmup", batch=1, seqlen=2048, num_heads=8, num_kv_heads=2, num_index_heads=2,
             head_dim=128, index_head_dim=128, options=dict(block_size=128, warmup=True)),
 )
-# An error is accepted below this, or below twice the reference's own error in the same dtype.
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# An error passes when it is at most twice the error of the reference computing in the same
+# dtype, or below this floor (for quantities the two compute identically).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-3}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

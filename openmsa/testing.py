@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .ops.msa import naive_msa_attention
+from .ops.naive import naive_msa_forward
+from .ops.validate import validate_msa_args
 
 INPUT_NAMES = ("q", "k", "v", "index_q", "index_k")
 QUANTITY_NAMES = ("out", "kl") + tuple(f"d{name}" for name in INPUT_NAMES)
@@ -92,6 +94,24 @@ class Comparison:
                    for name, err in self.errors.items())
 
 
+def _reference_computing_in_input_dtype(q, k, v, index_q, index_k, *, cu_seqlens=None,
+                                        block_indices=None, return_indices=False, **options):
+    """The reference with every matmul and softmax in the inputs' dtype (FlashAttention's
+    baseline: what the same math costs in that precision)."""
+    problem = validate_msa_args(q, k, v, index_q, index_k, cu_seqlens=cu_seqlens,
+                                return_indices=return_indices, backend="reference",
+                                **_with_defaults(options))
+    return naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens, block_indices,
+                             compute_dtype=q.dtype)
+
+
+def _with_defaults(options: dict) -> dict:
+    defaults = dict(top_k=16, block_size=128, softmax_scale=None, index_softmax_scale=None,
+                    num_local_blocks=1, num_sink_blocks=0, warmup=False, max_seqlen=None,
+                    deterministic=False)
+    return dict(defaults, **options)
+
+
 def compare_with_reference(fn, case: MSACase, dtype: torch.dtype, device, seed: int = 0,
                            kl_weight: float = 1.0) -> Comparison:
     """Runs ``fn`` in ``dtype`` and the reference in high precision (float64 on CPU, float32 on
@@ -115,8 +135,8 @@ def compare_with_reference(fn, case: MSACase, dtype: torch.dtype, device, seed: 
         reference_options = dict(options, block_indices=indices)
     expected, _ = run_with_grads(naive_msa_attention, [t.to(high) for t in inputs], cu_seqlens,
                                  out_grad, kl_weight, **reference_options)
-    low, _ = run_with_grads(naive_msa_attention, inputs, cu_seqlens, out_grad, kl_weight,
-                            **reference_options)
+    low, _ = run_with_grads(_reference_computing_in_input_dtype, inputs, cu_seqlens, out_grad,
+                            kl_weight, **reference_options)
     errors = {name: rel_rms_error(values[name], expected[name]) for name in QUANTITY_NAMES}
     baseline = {name: rel_rms_error(low[name], expected[name]) for name in QUANTITY_NAMES}
     return Comparison(errors, baseline, agreement)

@@ -6,10 +6,12 @@ import os
 
 import torch
 
+from .attention import SparseAttentionFunction
+from .layout import ids_from_token_major, ids_to_token_major, packed_offsets, packed_tokens
 from .naive import naive_msa_forward, naive_select_blocks
-from .select import select_blocks_packed_or_batched
+from .select import select_blocks_fwd
 from .validate import (check_backend, validate_block_indices, validate_msa_args,
-                       validate_select_args)
+                       validate_select_args, validate_sparse_args)
 
 # Triton decides at import time whether kernels are compiled or interpreted on the CPU.
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -73,9 +75,10 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
 
     Backends: ``"auto"`` uses the Triton kernels for CUDA tensors and the eager reference for CPU
     tensors; ``"triton"`` forces the kernels (CPU tensors need ``TRITON_INTERPRET=1``, for
-    tests); ``"reference"`` forces the eager reference. In this release only the block selection
-    is a Triton kernel: the sparse attention, the KL and warmup run the eager reference on the
-    kernel's kept blocks, on whichever device the tensors live.
+    tests); ``"reference"`` forces the eager reference. In this release the block selection and
+    the sparse main attention (forward and backward) are Triton kernels; the KL value and its
+    gradient, and the whole of warmup mode, still run the eager reference (on the kernel's kept
+    blocks, on whichever device the tensors live).
     """
     problem = validate_msa_args(
         q, k, v, index_q, index_k, top_k=top_k, block_size=block_size,
@@ -85,18 +88,28 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         return_indices=return_indices, backend=backend)
     if block_indices is not None:
         validate_block_indices(block_indices, problem, cu_seqlens, q.device)
-    if not _use_kernels(backend, q.device):
+    if not _use_kernels(backend, q.device) or warmup:
+        # Warmup (dense attention, KL over the whole prefix) has no kernel yet: the eager
+        # reference runs it on every backend.
         return _return(*naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens,
                                           block_indices), return_indices)
-    if block_indices is None and not warmup:
-        block_indices = select_blocks_packed_or_batched(
-            index_q, index_k, cu_seqlens, top_k=top_k, block_size=block_size,
-            index_softmax_scale=problem.index_softmax_scale,
-            num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks)
-    # The selection above is the Triton kernel. The sparse attention and the KL still run the
-    # eager reference on the kernel's kept blocks until their kernels land (see the docstring).
-    return _return(*naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens,
-                                      block_indices), return_indices)
+    cu = packed_offsets(cu_seqlens, problem.batch, problem.seqlen, q.device)
+    if block_indices is None:
+        ids = select_blocks_fwd(packed_tokens(index_q), packed_tokens(index_k), cu, top_k=top_k,
+                                block_size=block_size,
+                                index_softmax_scale=problem.index_softmax_scale,
+                                num_local_blocks=num_local_blocks,
+                                num_sink_blocks=num_sink_blocks)
+        block_indices = ids_from_token_major(ids, problem.packed, problem.batch, problem.seqlen)
+    else:
+        ids = ids_to_token_major(block_indices, problem.packed)
+    out, _ = SparseAttentionFunction.apply(packed_tokens(q), packed_tokens(k), packed_tokens(v),
+                                           ids, cu, block_size, problem.softmax_scale)
+    # The KL has no kernel yet: the eager reference computes it on the kernel's kept blocks
+    # (q, k, v detached, since kl sends them no gradient).
+    _, kl, _ = naive_msa_forward(q.detach(), k.detach(), v.detach(), index_q, index_k, problem,
+                                 cu_seqlens, block_indices)
+    return _return(out.view(q.shape), kl, block_indices, return_indices)
 
 
 def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, top_k: int = 16,
@@ -118,9 +131,36 @@ def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, top_k: int = 
         backend=backend)
     options = dict(top_k=top_k, block_size=block_size, index_softmax_scale=scale,
                    num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks)
-    if _use_kernels(backend, index_q.device):
-        return select_blocks_packed_or_batched(index_q, index_k, cu_seqlens, **options)
-    return naive_select_blocks(index_q, index_k, cu_seqlens, **options)
+    if not _use_kernels(backend, index_q.device):
+        return naive_select_blocks(index_q, index_k, cu_seqlens, **options)
+    packed = cu_seqlens is not None
+    batch, seqlen = (1, index_q.shape[-3]) if packed else index_q.shape[:2]
+    ids = select_blocks_fwd(packed_tokens(index_q), packed_tokens(index_k),
+                            packed_offsets(cu_seqlens, batch, seqlen, index_q.device), **options)
+    return ids_from_token_major(ids, packed, batch, seqlen)
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     block_indices: torch.Tensor, *, block_size: int = 128,
+                     softmax_scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
+                     max_seqlen: int | None = None, backend: str = "auto") -> torch.Tensor:
+    """The main attention alone, over given kept blocks (SPEC section 3, steps 5-6).
+
+    ``block_indices``: kept block ids ``[B, Hi, S, k]`` (packed ``[Hi, T, k]``) as
+    ``select_blocks`` returns them; ``Hi`` index heads, each shared by ``H / Hi`` main heads.
+    Every row must hold its query's own block. Returns ``out`` (q's shape and dtype), which
+    back-propagates to q, k and v. The Triton backward is deterministic by construction.
+    """
+    problem = validate_sparse_args(q, k, v, block_indices, block_size=block_size,
+                                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                                   max_seqlen=max_seqlen, backend=backend)
+    if not _use_kernels(backend, q.device):
+        return naive_msa_forward(q, k, v, None, None, problem, cu_seqlens, block_indices)[0]
+    cu = packed_offsets(cu_seqlens, problem.batch, problem.seqlen, q.device)
+    out, _ = SparseAttentionFunction.apply(
+        packed_tokens(q), packed_tokens(k), packed_tokens(v),
+        ids_to_token_major(block_indices, problem.packed), cu, block_size, problem.softmax_scale)
+    return out.view(q.shape)
 
 
 def naive_msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor,

@@ -125,25 +125,27 @@ def _attend_chunk(q, k, v, index_q, index_k, block_ids, first_query: int, proble
     """Steps 1-7 for queries ``first_query .. first_query + C - 1`` of one batch of sequences.
 
     q: [B, C, H, D]; k, v: [B, N, Hkv, D] with N = first_query + C (later keys are never visible);
-    index_q: [B, C, Hi, Di]; index_k: [B, N, Hik, Di];
+    index_q: [B, C, Hi, Di]; index_k: [B, N, Hik, Di] (both None: main attention alone, on given
+    block_ids, and a zero KL);
     block_ids: [B, Hi, C, k] externally given kept blocks, or None to select them here.
     Returns out [B, C, H, D] (compute dtype), the chunk's unnormalized KL sum (0-dim) and the
     kept block ids [B, Hi, C, top_k] (None in warmup).
     """
     p = problem
-    num_queries, num_keys = q.shape[1], k.shape[1]
+    batch, num_queries, num_keys = q.shape[0], q.shape[1], k.shape[1]
     q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
-    index_q, index_k = index_q.to(compute_dtype), index_k.to(compute_dtype)
 
     query_pos = torch.arange(first_query, first_query + num_queries, device=q.device)
     key_pos = torch.arange(num_keys, device=q.device)
     causal = key_pos[None, :] <= query_pos[:, None]  # [C, N]
 
     # Step 1: index scores [B, Hi, C, N].
-    z = _index_scores(index_q, index_k, causal, p.index_softmax_scale)
+    if index_q is not None:
+        z = _index_scores(index_q.to(compute_dtype), index_k.to(compute_dtype), causal,
+                          p.index_softmax_scale)
 
     if p.warmup:
-        kept = causal.expand_as(z)
+        kept = causal.expand(batch, p.num_index_heads, num_queries, num_keys)
     else:
         if block_ids is None:  # Steps 2-4.
             block_ids = _select_from_index_scores(z.detach(), query_pos, p.block_size, p.top_k,
@@ -161,8 +163,10 @@ def _attend_chunk(q, k, v, index_q, index_k, block_ids, first_query: int, proble
     probs = torch.softmax(logits, dim=-1)
     out = torch.einsum("bhij,bjhd->bihd", probs, v)
 
+    if index_q is None:
+        return out, q.new_zeros(()), block_ids
+
     # Step 7: KL(teacher || student) on the kept tokens.
-    batch = q.shape[0]
     teacher = probs.detach().view(batch, p.num_index_heads, heads_per_index_head,
                                   num_queries, num_keys).mean(dim=2)
     log_student = torch.log_softmax(z.masked_fill(~kept, float("-inf")), dim=-1)
@@ -178,11 +182,13 @@ def _attend_sequences(q, k, v, index_q, index_k, block_ids, problem: MSAProblem,
     batch, seqlen = q.shape[0], q.shape[1]
     chunk = max(1, _CHUNK_ELEMENTS // (batch * problem.num_heads * seqlen))
     needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k, v, index_q, index_k))
+        t is not None and t.requires_grad for t in (q, k, v, index_q, index_k))
     outs, kl_sum, ids = [], q.new_zeros((), dtype=compute_dtype), []
     for start in range(0, seqlen, chunk):
         end = min(start + chunk, seqlen)
-        args = (q[:, start:end], k[:, :end], v[:, :end], index_q[:, start:end], index_k[:, :end],
+        index_chunk = (None, None) if index_q is None else (index_q[:, start:end],
+                                                            index_k[:, :end])
+        args = (q[:, start:end], k[:, :end], v[:, :end], *index_chunk,
                 None if block_ids is None else block_ids[:, :, start:end], start, problem,
                 compute_dtype)
         if needs_grad:
@@ -197,27 +203,31 @@ def _attend_sequences(q, k, v, index_q, index_k, block_ids, problem: MSAProblem,
 
 
 def naive_msa_forward(q, k, v, index_q, index_k, problem: MSAProblem, cu_seqlens=None,
-                      block_indices=None):
+                      block_indices=None, compute_dtype=None):
     """Reference MSA on validated inputs.
 
     Returns ``(out, kl, block_ids)``: ``out`` in q's dtype and shape, ``kl`` a float32 0-dim
     tensor, ``block_ids`` int32 ``[B, Hi, S, top_k]`` (packed: ``[Hi, T, top_k]``; None in warmup).
     Given ``block_indices`` are used instead of selecting; then ``block_ids`` is that tensor.
+    ``compute_dtype`` defaults to float32 (float64 for float64 inputs); tests set the input's
+    16-bit dtype to get the error of a reference that computes in that dtype.
     """
-    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if block_indices is not None:
         block_indices = block_indices.long()
     if cu_seqlens is None:
         out, kl_sum, block_ids = _attend_sequences(q, k, v, index_q, index_k, block_indices,
                                                    problem, compute_dtype)
     else:
-        flat = [t.reshape(t.shape[-3:]) for t in (q, k, v, index_q, index_k)]  # [T, heads, dim]
+        flat = [None if t is None else t.reshape(t.shape[-3:])  # [T, heads, dim]
+                for t in (q, k, v, index_q, index_k)]
         offsets = cu_seqlens.tolist()
         outs, kl_sum, ids = [], q.new_zeros((), dtype=compute_dtype), []
         for start, end in zip(offsets[:-1], offsets[1:]):
             if end == start:
                 continue
-            seq = [t[None, start:end] for t in flat]
+            seq = [None if t is None else t[None, start:end] for t in flat]
             seq_ids = None if block_indices is None else block_indices[None, :, start:end]
             out, seq_kl, seq_block_ids = _attend_sequences(*seq, seq_ids, problem, compute_dtype)
             outs.append(out[0])

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .schedule import batch_cu_seqlens, query_tile_schedule
+from .schedule import query_tile_schedule
 
 
 
@@ -154,19 +154,3 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
         num_warps=num_warps, num_stages=1 if interpreting else num_stages,
     )
     return ids
-
-
-def select_blocks_packed_or_batched(index_q, index_k, cu_seqlens, **options) -> torch.Tensor:
-    """``select_blocks_fwd`` for ``[B, S, ...]`` (cu_seqlens None) or packed ``[T, ...]`` input
-    (a 4-D batch of one allowed). Returns ids in the SPEC layout: ``[B, Hi, S, top_k]`` or
-    ``[Hi, T, top_k]``."""
-    if cu_seqlens is None:
-        batch, seqlen = index_q.shape[:2]
-        flat_q, flat_k = index_q.reshape(batch * seqlen, *index_q.shape[2:]), \
-            index_k.reshape(batch * seqlen, *index_k.shape[2:])
-        cu = batch_cu_seqlens(batch, seqlen, index_q.device)
-        ids = select_blocks_fwd(flat_q, flat_k, cu, **options)
-        return ids.view(batch, seqlen, *ids.shape[1:]).permute(0, 2, 1, 3)
-    flat_q = index_q.reshape(index_q.shape[-3:])
-    flat_k = index_k.reshape(index_k.shape[-3:])
-    return select_blocks_fwd(flat_q, flat_k, cu_seqlens, **options).permute(1, 0, 2)

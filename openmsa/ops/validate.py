@@ -313,3 +313,45 @@ def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_s
         num_sink_blocks=num_sink_blocks,
         warmup=warmup,
     )
+
+
+def validate_sparse_args(q, k, v, block_indices, *, block_size, softmax_scale, cu_seqlens,
+                         max_seqlen, backend) -> MSAProblem:
+    """Validates the arguments of ``sparse_attention``; the index heads ``Hi`` and the slots per
+    row are those of ``block_indices`` (``[B, Hi, S, k]`` or packed ``[Hi, T, k]``)."""
+    check_backend(backend)
+    tensors = {"q": q, "k": k, "v": v}
+    _check_tensors(tensors, backend, cu_seqlens, max_seqlen)
+    if tuple(v.shape) != tuple(k.shape):
+        raise _fail("v", f"shape {tuple(k.shape)} (the shape of k)", tuple(v.shape))
+    head_dim, num_heads, num_kv_heads = q.shape[-1], q.shape[-2], k.shape[-2]
+    if k.shape[-1] != head_dim:
+        raise _fail("k", f"head dim {head_dim} (the head dim of q)", k.shape[-1])
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise _fail("q", f"head dim in {SUPPORTED_HEAD_DIMS}", head_dim)
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise _fail("k", f"a number of heads dividing the {num_heads} heads of q", num_kv_heads)
+    if not isinstance(block_indices, torch.Tensor):
+        raise TypeError(
+            f"block_indices: expected a torch.Tensor, received {type(block_indices).__name__}")
+    packed = cu_seqlens is not None
+    if block_indices.dim() != (3 if packed else 4):
+        raise _fail("block_indices", "a [Hi, T, k] tensor" if packed else "a [B, Hi, S, k] tensor",
+                    f"shape {tuple(block_indices.shape)}")
+    num_index_heads = block_indices.shape[-3]
+    if num_index_heads < 1 or num_heads % num_index_heads or num_index_heads % num_kv_heads:
+        raise _fail("block_indices", f"a number of index heads (dim -3) dividing the {num_heads} "
+                    f"heads of q and a multiple of the {num_kv_heads} heads of k",
+                    num_index_heads)
+    _check_int("block_size", block_size)
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise _fail("block_size", f"one of {SUPPORTED_BLOCK_SIZES}", block_size)
+    problem = MSAProblem(
+        packed=packed, batch=1 if packed else q.shape[0], seqlen=q.shape[-3],
+        num_heads=num_heads, num_kv_heads=num_kv_heads, num_index_heads=num_index_heads,
+        num_index_kv_heads=1, head_dim=head_dim, index_head_dim=head_dim,
+        top_k=max(1, block_indices.shape[-1]), block_size=block_size,
+        softmax_scale=_resolve_scale("softmax_scale", softmax_scale, head_dim),
+        index_softmax_scale=1.0, num_local_blocks=1, num_sink_blocks=0, warmup=False)
+    validate_block_indices(block_indices, problem, cu_seqlens, q.device)
+    return problem

@@ -1,0 +1,162 @@
+"""Benchmark of the sparse main attention (forward, backward) against dense SDPA (GPU only).
+
+    python benchmarks/bench_attention.py --out DIR
+
+For each shape, kept blocks come from the selection kernel on two kinds of index inputs:
+"random" (independent random index queries: consecutive tokens pick unrelated blocks) and
+"coherent" (index queries drift slowly along the sequence, as a trained index branch's would,
+so neighbouring tokens pick similar blocks). For both it reports the union of kept blocks over
+8 consecutive tokens (what a query-outer kernel that packs 8 tokens would have to walk), then
+times the kernels. Effective TFLOP/s count 4 * D FLOPs per kept (query, key, main head) triple
+for the forward and 2.5x that for the backward; dense SDPA (PyTorch's default backend, cuDNN on
+an H200) counts the causal triangle the same way, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from openmsa.ops.attention import SparseAttentionProblem, sparse_attention_bwd, sparse_attention_fwd
+from openmsa.ops.schedule import batch_cu_seqlens
+from openmsa.ops.select import select_blocks_fwd
+
+SHAPES = [
+    # (name, S, H, Hkv, Hi, D)
+    ("H16/Hkv2/Hi4", 16384, 16, 2, 4, 128),
+    ("H16/Hkv2/Hi4", 32768, 16, 2, 4, 128),
+    ("H64/Hkv4/Hi4", 32768, 64, 4, 4, 128),
+    ("H64/Hkv4/Hi4", 131072, 64, 4, 4, 128),
+]
+
+
+def index_inputs(kind, seqlen, num_index_heads, head_dim, generator):
+    device = "cuda"
+    index_k = torch.randn(seqlen, 1, head_dim, device=device, generator=generator)
+    if kind == "random":
+        index_q = torch.randn(seqlen, num_index_heads, head_dim, device=device,
+                              generator=generator)
+    else:  # a slow random walk: neighbouring tokens ask similar questions
+        steps = torch.randn(seqlen, num_index_heads, head_dim, device=device,
+                            generator=generator)
+        index_q = torch.cumsum(steps * 0.05, dim=0) + torch.randn(
+            1, num_index_heads, head_dim, device=device, generator=generator)
+        index_q = index_q / index_q.norm(dim=-1, keepdim=True) * head_dim ** 0.5
+    return index_q.bfloat16(), index_k.bfloat16()
+
+
+def kept_triples(ids, block_size, num_heads):
+    """Number of kept (query, key, main head) triples: ids [S, Hi, k] of one sequence."""
+    seqlen, num_index_heads, _ = ids.shape
+    pos = torch.arange(seqlen, device=ids.device)[:, None, None]
+    keys = torch.clamp(pos - ids.long() * block_size + 1, max=block_size)
+    keys = torch.where(ids >= 0, keys, 0)
+    return keys.sum().item() * (num_heads // num_index_heads)
+
+
+def union_blocks(ids, tokens=8):
+    """Mean number of distinct blocks kept by `tokens` consecutive tokens (per index head)."""
+    seqlen, num_index_heads, top_k = ids.shape
+    usable = seqlen // tokens * tokens
+    grouped = ids[:usable].view(-1, tokens, num_index_heads, top_k).permute(0, 2, 1, 3)
+    grouped = grouped.reshape(-1, tokens * top_k).sort(dim=-1).values
+    distinct = (grouped[:, 1:] != grouped[:, :-1]) & (grouped[:, 1:] >= 0)
+    return (distinct.sum(-1) + (grouped[:, 0] >= 0)).float().mean().item()
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--top-k", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--max-seqlen", type=int, default=131072)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for name, seqlen, heads, kv_heads, index_heads, head_dim in SHAPES:
+        if seqlen > args.max_seqlen:
+            continue
+        generator = torch.Generator(device="cuda").manual_seed(seqlen + heads)
+        q = torch.randn(seqlen, heads, head_dim, device="cuda", generator=generator).bfloat16()
+        k = torch.randn(seqlen, kv_heads, head_dim, device="cuda",
+                        generator=generator).bfloat16()
+        v = torch.randn(seqlen, kv_heads, head_dim, device="cuda",
+                        generator=generator).bfloat16()
+        dout = torch.randn_like(q)
+        cu = batch_cu_seqlens(1, seqlen, "cuda")
+        scale = head_dim ** -0.5
+
+        # Dense SDPA baseline, same run, [B, H, S, D] layout.
+        qd, kd, vd = (t.transpose(0, 1)[None].contiguous().requires_grad_() for t in (q, k, v))
+        dense_out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+        dense_fwd = bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
+                                                                 enable_gqa=True))
+        dense_bwd = bench(lambda: torch.autograd.grad(dense_out, (qd, kd, vd),
+                                                      dout.transpose(0, 1)[None],
+                                                      retain_graph=True))
+        dense_flops = 4.0 * heads * head_dim * seqlen * (seqlen + 1) / 2
+        del qd, kd, vd, dense_out
+
+        for kind in ("random", "coherent"):
+            index_q, index_k = index_inputs(kind, seqlen, index_heads, head_dim, generator)
+            ids = select_blocks_fwd(index_q, index_k, cu, top_k=args.top_k,
+                                    block_size=args.block_size, index_softmax_scale=scale,
+                                    num_local_blocks=1, num_sink_blocks=0)
+            triples = kept_triples(ids, args.block_size, heads)
+            union = union_blocks(ids)
+            build_ms = bench(lambda: SparseAttentionProblem(q, k, ids, cu, args.block_size,
+                                                            scale))
+            problem = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale)
+            fwd_ms = bench(lambda: sparse_attention_fwd(q, k, v, problem))
+            out, lse = sparse_attention_fwd(q, k, v, problem)
+            bwd_ms = bench(lambda: sparse_attention_bwd(q, k, v, out, lse, dout, problem))
+            fwd_again = bench(lambda: sparse_attention_fwd(q, k, v, problem))
+            flops = 4.0 * head_dim * triples
+            row = dict(shape=name, seqlen=seqlen, selection=kind, union_of_8_tokens=union,
+                       csr_ms=build_ms, fwd_ms=fwd_ms, fwd_ms_repeat=fwd_again, bwd_ms=bwd_ms,
+                       fwd_tflops=flops / fwd_ms / 1e9, bwd_tflops=2.5 * flops / bwd_ms / 1e9,
+                       dense_fwd_ms=dense_fwd, dense_bwd_ms=dense_bwd,
+                       dense_fwd_tflops=dense_flops / dense_fwd / 1e9,
+                       dense_bwd_tflops=2.5 * dense_flops / dense_bwd / 1e9,
+                       speedup_fwd=dense_fwd / (fwd_ms + build_ms),
+                       speedup_bwd=dense_bwd / bwd_ms,
+                       peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del out, lse, problem, ids, index_q, index_k
+            torch.cuda.empty_cache()
+        del q, k, v, dout
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=triton.__version__, date=time.strftime("%Y-%m-%d"), args=vars(args),
+                  rows=rows)
+    with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"\nsparse attention, {result['gpu']}, bf16, top_k={args.top_k} "
+          f"block={args.block_size}; TFLOP/s on kept pairs; speedups vs dense SDPA same run")
+    print(f"{'shape':>13} {'S':>7} {'select':>8} {'union8':>6} {'csr':>6} {'fwd ms':>7} "
+          f"{'TF/s':>5} {'bwd ms':>7} {'TF/s':>5} {'dense f/b ms':>14} {'x fwd':>6} "
+          f"{'x bwd':>6}")
+    for r in rows:
+        print(f"{r['shape']:>13} {r['seqlen']:>7} {r['selection']:>8} "
+              f"{r['union_of_8_tokens']:>6.1f} {r['csr_ms']:>6.2f} {r['fwd_ms']:>7.2f} "
+              f"{r['fwd_tflops']:>5.0f} {r['bwd_ms']:>7.2f} {r['bwd_tflops']:>5.0f} "
+              f"{r['dense_fwd_ms']:>6.1f}/{r['dense_bwd_ms']:>7.1f} {r['speedup_fwd']:>6.1f} "
+              f"{r['speedup_bwd']:>6.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Key-block -> queries work lists (CSR), built on the device without host synchronization.
+
+Selection gives every (token, index head) ``top_k`` block ids. The sparse attention kernels walk
+the other way: for one key block of one index head, all the (token, slot) pairs that kept it,
+packed ``tile_tokens`` at a time into one MMA tile. All sizes that reach the host (grid sizes,
+buffer sizes) are upper bounds known from the shapes alone, so nothing waits for the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BlockWork:
+    """Pairs ``(token, index head, slot)`` with a kept block, grouped by bucket.
+
+    A bucket is ``(global block, index head)`` with ``global block = first block of the token's
+    sequence + block id``; buckets are numbered ``global_block * Hi + index_head``.
+    """
+
+    pair_token: torch.Tensor  # int32 [P]: packed token of each pair, sorted by bucket then token
+    pair_slot: torch.Tensor  # int64 [P]: flat index token * Hi * top_k + head * top_k + slot
+    bucket_start: torch.Tensor  # int32 [NB * Hi]: first pair of each bucket
+    bucket_count: torch.Tensor  # int32 [NB * Hi]: pairs in each bucket
+    block_sequence: torch.Tensor  # int32 [NB]: sequence of each global block (-1: padding)
+    block_local: torch.Tensor  # int32 [NB]: block index within its sequence
+    tiles: torch.Tensor  # int32 [num_tiles, 2]: (bucket, first pair); bucket -1 = padding
+    num_global_blocks: int  # NB, an upper bound (padding blocks have sequence -1)
+    tile_tokens: int
+
+
+def sequence_of_tokens(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """int64 [T]: the sequence each packed token belongs to."""
+    return torch.searchsorted(cu_seqlens[1:].long(),
+                              torch.arange(total_tokens, device=cu_seqlens.device), right=True)
+
+
+def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
+                     tile_tokens: int) -> BlockWork:
+    """block_ids: int32 ``[T, Hi, top_k]`` (``-1`` unused), relative to each sequence's start."""
+    total, num_index_heads, top_k = block_ids.shape
+    device = block_ids.device
+    num_sequences = cu_seqlens.numel() - 1
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    blocks_per_sequence = (lengths + block_size - 1) // block_size
+    first_block = torch.cumsum(blocks_per_sequence, 0) - blocks_per_sequence
+    num_global_blocks = total // block_size + num_sequences  # >= sum of blocks_per_sequence
+
+    global_block = torch.arange(num_global_blocks, device=device)
+    block_sequence = torch.searchsorted(torch.cumsum(blocks_per_sequence, 0), global_block,
+                                        right=True)
+    padding_block = block_sequence >= num_sequences
+    block_sequence = torch.where(padding_block, 0, block_sequence)
+    block_local = global_block - first_block[block_sequence]
+    block_sequence = torch.where(padding_block, -1, block_sequence)
+
+    # Bucket of every pair; unused slots go to an extra bucket past the end.
+    num_buckets = num_global_blocks * num_index_heads
+    token_block = first_block[sequence_of_tokens(cu_seqlens, total)]  # [T]
+    heads = torch.arange(num_index_heads, device=device)
+    ids = block_ids.long()
+    bucket = (token_block[:, None, None] + ids) * num_index_heads + heads[None, :, None]
+    bucket = torch.where(ids >= 0, bucket, num_buckets).flatten()
+    # Stable: pairs of a bucket stay in token order, so the work list is deterministic.
+    order = torch.argsort(bucket, stable=True)
+    counts = torch.zeros(num_buckets + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    counts = counts[:num_buckets]
+    starts = torch.cumsum(counts, 0) - counts
+
+    tiles_per_bucket = (counts + tile_tokens - 1) // tile_tokens
+    tile_end = torch.cumsum(tiles_per_bucket, 0)
+    num_tiles = total * num_index_heads * top_k // tile_tokens + num_buckets  # upper bound
+    entry = torch.arange(num_tiles, device=device)
+    tile_bucket = torch.searchsorted(tile_end, entry, right=True)
+    valid = tile_bucket < num_buckets
+    tile_bucket = torch.where(valid, tile_bucket, 0)
+    tile_in_bucket = entry - (tile_end[tile_bucket] - tiles_per_bucket[tile_bucket])
+    first_pair = starts[tile_bucket] + tile_in_bucket * tile_tokens
+    tiles = torch.stack([torch.where(valid, tile_bucket, -1), torch.where(valid, first_pair, 0)],
+                        dim=1)
+    return BlockWork(
+        pair_token=(order // (num_index_heads * top_k)).to(torch.int32),
+        pair_slot=order,
+        bucket_start=starts.to(torch.int32),
+        bucket_count=counts.to(torch.int32),
+        block_sequence=block_sequence.to(torch.int32),
+        block_local=block_local.to(torch.int32),
+        tiles=tiles.to(torch.int32).contiguous(),
+        num_global_blocks=num_global_blocks,
+        tile_tokens=tile_tokens,
+    )

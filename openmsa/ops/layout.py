@@ -1,0 +1,37 @@
+"""Conversions between the public layouts and the packed, token-major layouts of the kernels."""
+
+from __future__ import annotations
+
+import torch
+
+from .schedule import batch_cu_seqlens
+
+
+def packed_tokens(tensor: torch.Tensor) -> torch.Tensor:
+    """``[B, S, heads, dim]`` or ``[T, heads, dim]`` -> ``[tokens, heads, dim]`` with a unit
+    stride in the last dim (a view when the input allows one)."""
+    flat = tensor.reshape(-1, *tensor.shape[-2:])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def packed_offsets(cu_seqlens, batch: int, seqlen: int, device) -> torch.Tensor:
+    """``cu_seqlens`` itself, or the offsets of ``batch`` rows of ``seqlen`` tokens."""
+    return cu_seqlens if cu_seqlens is not None else batch_cu_seqlens(batch, seqlen, device)
+
+
+def ids_to_token_major(block_ids: torch.Tensor, packed: bool) -> torch.Tensor:
+    """SPEC layout (``[B, Hi, S, k]`` or packed ``[Hi, T, k]``) -> int32 ``[tokens, Hi, k]``."""
+    if packed:
+        token_major = block_ids.permute(1, 0, 2)
+    else:
+        batch, heads, seqlen, slots = block_ids.shape
+        token_major = block_ids.permute(0, 2, 1, 3).reshape(batch * seqlen, heads, slots)
+    return token_major.to(torch.int32).contiguous()
+
+
+def ids_from_token_major(token_major: torch.Tensor, packed: bool, batch: int,
+                         seqlen: int) -> torch.Tensor:
+    """int32 ``[tokens, Hi, k]`` -> the SPEC layout (a view)."""
+    if packed:
+        return token_major.permute(1, 0, 2)
+    return token_major.view(batch, seqlen, *token_major.shape[1:]).permute(0, 2, 1, 3)

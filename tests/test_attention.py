@@ -1,0 +1,139 @@
+"""The Triton sparse attention (forward and backward) against the reference, under the CPU
+interpreter, on the same kept blocks."""
+
+import math
+
+import pytest
+import torch
+
+import openmsa
+from openmsa.ops import attention as attention_module
+from openmsa.ops import msa as msa_module
+from openmsa.ops.layout import ids_to_token_major, packed_offsets, packed_tokens
+from openmsa.testing import (INPUT_NAMES, QUANTITY_NAMES, MSACase, random_inputs, rel_rms_error,
+                             run_with_grads)
+
+pytestmark = pytest.mark.skipif(not msa_module.INTERPRETING,
+                                reason="needs TRITON_INTERPRET=1 (the README's test command)")
+
+CASES = [
+    MSACase("batch2_partial_block", batch=2, seqlen=200, num_heads=4, num_kv_heads=2,
+            num_index_heads=2, options=dict(top_k=3, block_size=64)),
+    MSACase("packed_with_sink", seqlens=(70, 1, 150, 65), num_heads=8, num_kv_heads=2,
+            num_index_heads=4, num_index_kv_heads=2,
+            options=dict(top_k=3, block_size=64, num_sink_blocks=1)),
+    MSACase("three_heads_per_index_head", batch=1, seqlen=200, num_heads=6, num_kv_heads=2,
+            num_index_heads=2, options=dict(top_k=2, block_size=64)),
+    MSACase("block_128_head_dim_128", batch=1, seqlen=300, num_heads=4, num_kv_heads=1,
+            num_index_heads=1, head_dim=128, options=dict(top_k=2, block_size=128)),
+    MSACase("one_main_head_per_index_head", batch=1, seqlen=140, num_heads=4, num_kv_heads=4,
+            num_index_heads=4, options=dict(top_k=1, block_size=64, softmax_scale=0.3)),
+]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def _kernel_and_reference(case, dtype, seed=0):
+    inputs, cu_seqlens = random_inputs(case, dtype, "cpu", seed=seed)
+    out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(seed + 1))
+    options = dict(case.options, return_indices=True)
+    got, ids = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 1.0,
+                              backend="triton", **options)
+    high = [t.double() for t in inputs]
+    expected, _ = run_with_grads(openmsa.msa_attention, high, cu_seqlens, out_grad, 1.0,
+                                 backend="reference", block_indices=ids, **options)
+    return got, expected, ids
+
+
+DTYPE_CASES = [(case, torch.float32) for case in CASES] + [
+    (case, torch.float16) for case in CASES[:2]]  # fp16 on two cases keeps the CPU suite short
+
+
+@pytest.mark.parametrize("case,dtype", DTYPE_CASES,
+                         ids=lambda x: str(x).replace("torch.", "") if isinstance(
+                             x, torch.dtype) else x.name)
+def test_msa_attention_kernels_match_reference(case, dtype):
+    got, expected, _ = _kernel_and_reference(case, dtype)
+    for name in QUANTITY_NAMES:
+        error = rel_rms_error(got[name], expected[name])
+        assert error < TOLERANCE[dtype], (name, error)
+
+
+def test_sparse_attention_decomposed_api_matches_reference():
+    case = CASES[1]
+    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=3)
+    q, k, v, index_q, index_k = (t.detach() for t in inputs)
+    ids = openmsa.select_blocks(index_q, index_k, cu_seqlens=cu_seqlens, backend="triton",
+                                top_k=3, block_size=64, num_sink_blocks=1)
+    out_grad = torch.randn_like(q)
+
+    def run(backend):
+        tensors = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = openmsa.sparse_attention(*tensors, ids, block_size=64, cu_seqlens=cu_seqlens,
+                                       backend=backend)
+        grads = torch.autograd.grad((out * out_grad).sum(), tensors)
+        return [out, *grads]
+
+    for got, expected in zip(run("triton"), run("reference")):
+        assert rel_rms_error(got, expected) < 1e-5
+
+
+def test_log_sum_exp_matches_the_kept_logits():
+    case = CASES[0]
+    inputs, _ = random_inputs(case, torch.float32, "cpu", seed=4)
+    q, k, v, index_q, index_k = (t.detach() for t in inputs)
+    ids = openmsa.select_blocks(index_q, index_k, top_k=3, block_size=64, backend="triton")
+    cu = packed_offsets(None, 2, 200, "cpu")
+    scale = 64 ** -0.5
+    _, lse2 = attention_module.SparseAttentionFunction.apply(
+        packed_tokens(q), packed_tokens(k), packed_tokens(v), ids_to_token_major(ids, False),
+        cu, 64, scale)
+    # Reference: logsumexp over the kept, causal keys of scale * q.k, per (token, head).
+    pos = torch.arange(200)
+    kept = (ids[..., None] == (pos // 64)).any(-2) & (pos[None, :] <= pos[:, None])  # [B,Hi,S,S]
+    logits = scale * torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(2, dim=2))
+    logits = logits.masked_fill(~kept.repeat_interleave(2, dim=1), float("-inf"))
+    expected = torch.logsumexp(logits, -1).permute(0, 2, 1).reshape(400, 4)
+    torch.testing.assert_close(lse2 * math.log(2), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_every_output_element_is_written(monkeypatch):
+    """All kernel buffers are poisoned with NaN (floats) or -7777 (ints) before the kernels."""
+    case = CASES[1]
+    clean, _, _ = _kernel_and_reference(case, torch.float32)
+    original_empty, original_empty_like = torch.empty, torch.empty_like
+
+    def poison(tensor):
+        return tensor.fill_(float("nan") if tensor.is_floating_point() else -7777)
+
+    monkeypatch.setattr(attention_module.torch, "empty",
+                        lambda *a, **kw: poison(original_empty(*a, **kw)))
+    monkeypatch.setattr(attention_module.torch, "empty_like",
+                        lambda *a, **kw: poison(original_empty_like(*a, **kw)))
+    poisoned, _, _ = _kernel_and_reference(case, torch.float32)
+    monkeypatch.undo()
+    for name in ("out", "dq", "dk", "dv"):
+        assert torch.equal(poisoned[name], clean[name]), name
+
+
+def test_backward_is_bitwise_deterministic():
+    case = CASES[1]
+    first, _, _ = _kernel_and_reference(case, torch.float32, seed=5)
+    second, _, _ = _kernel_and_reference(case, torch.float32, seed=5)
+    for name in QUANTITY_NAMES:
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_packed_equals_each_sequence_alone():
+    case = CASES[1]
+    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=6)
+    out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(7))
+    options = dict(case.options, return_indices=True, backend="triton")
+    packed, _ = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 0.0,
+                               **options)
+    offsets = cu_seqlens.tolist()
+    for start, end in zip(offsets, offsets[1:]):
+        alone, _ = run_with_grads(openmsa.msa_attention, [t[None, start:end] for t in inputs],
+                                  None, out_grad[None, start:end], 0.0, **options)
+        for name in ("out",) + tuple(f"d{n}" for n in INPUT_NAMES[:3]):
+            torch.testing.assert_close(packed[name][start:end], alone[name][0], rtol=1e-6,
+                                       atol=1e-6)
