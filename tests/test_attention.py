@@ -137,3 +137,17 @@ def test_packed_equals_each_sequence_alone():
         for name in ("out",) + tuple(f"d{n}" for n in INPUT_NAMES[:3]):
             torch.testing.assert_close(packed[name][start:end], alone[name][0], rtol=1e-6,
                                        atol=1e-6)
+
+
+def test_key_outer_forward_schedule_matches_query_outer():
+    case = CASES[1]
+    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=8)
+    q, k, v, index_q, index_k = (packed_tokens(t.detach()) for t in inputs)
+    ids = ids_to_token_major(openmsa.select_blocks(
+        index_q, index_k, cu_seqlens=cu_seqlens, backend="triton", top_k=3, block_size=64,
+        num_sink_blocks=1), packed=True)
+    problem = attention_module.SparseAttentionProblem(q, k, ids, cu_seqlens, 64, 0.125)
+    out_query, lse_query = attention_module.sparse_attention_fwd(q, k, v, problem, "query")
+    out_key, lse_key = attention_module.sparse_attention_fwd(q, k, v, problem, "key")
+    torch.testing.assert_close(out_key, out_query, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse_key, lse_query, rtol=1e-5, atol=1e-6)

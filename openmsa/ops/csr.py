@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .schedule import query_tile_schedule
+
 
 @dataclass
 class BlockWork:
@@ -93,3 +95,43 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
         num_global_blocks=num_global_blocks,
         tile_tokens=tile_tokens,
     )
+
+
+@dataclass
+class QueryTileWork:
+    """Query tiles (``tile_tokens`` consecutive tokens of one sequence, most work first) and, per
+    tile and index head, the sorted distinct blocks its tokens kept: the blocks a query-outer
+    kernel walks."""
+
+    schedule: torch.Tensor  # int32 [E, 2]: (sequence, tile within the sequence); -1 = padding
+    union: torch.Tensor  # int32 [E, Hi, tile_tokens * top_k]: distinct kept blocks, ascending
+    union_count: torch.Tensor  # int32 [E, Hi]: how many entries of ``union`` are blocks
+    tile_tokens: int
+
+
+def build_query_tile_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                          tile_tokens: int) -> QueryTileWork:
+    """block_ids: int32 ``[T, Hi, top_k]`` (``-1`` unused), relative to each sequence's start."""
+    total, num_index_heads, top_k = block_ids.shape
+    schedule = query_tile_schedule(cu_seqlens, total, tile_tokens)
+    sequence, tile = schedule[:, 0].long(), schedule[:, 1].long()
+    real = sequence >= 0
+    sequence = sequence.clamp(min=0)
+    start = cu_seqlens[sequence].long()
+    length = cu_seqlens[sequence + 1].long() - start
+    position = tile[:, None] * tile_tokens + torch.arange(tile_tokens, device=block_ids.device)
+    token_valid = real[:, None] & (position < length[:, None])  # [E, tile_tokens]
+    token = torch.where(token_valid, start[:, None] + position, 0)
+    ids = torch.where(token_valid[..., None, None], block_ids[token], -1)  # [E, tok, Hi, k]
+    ids = ids.permute(0, 2, 1, 3).reshape(schedule.shape[0], num_index_heads, -1).long()
+    # Sort, turn repeats into sentinels, sort again: the distinct blocks first, ascending.
+    sentinel = 1 << 40
+    ids = torch.where(ids < 0, sentinel, ids).sort(dim=-1).values
+    repeat = torch.zeros_like(ids, dtype=torch.bool)
+    repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
+    ids = torch.where(repeat, sentinel, ids).sort(dim=-1).values
+    count = (ids < sentinel).sum(dim=-1)
+    # contiguous: sorting a permuted tensor can keep the permuted memory order.
+    return QueryTileWork(schedule=schedule,
+                         union=torch.where(ids < sentinel, ids, -1).to(torch.int32).contiguous(),
+                         union_count=count.to(torch.int32).contiguous(), tile_tokens=tile_tokens)
