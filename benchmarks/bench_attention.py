@@ -85,8 +85,8 @@ def tune(args, seqlen=32768, heads=64, kv_heads=4, index_heads=4, head_dim=128):
     problem = SparseAttentionProblem(q, k, ids, cu, args.block_size, head_dim ** -0.5)
     out, lse = sparse_attention_fwd(q, k, v, problem)
     sweep, best_fwd, best_bwd = [], None, None
-    for num_warps in (4, 8):
-        for num_stages in (1, 2, 3):
+    for num_warps in (8,):  # 4 warps ran 1.3-3x slower on an H200 (docs/KERNELS.md)
+        for num_stages in (1, 2):
             config = dict(num_warps=num_warps, num_stages=num_stages)
             try:
                 fwd = bench(lambda: sparse_attention_fwd(q, k, v, problem, **config))
@@ -103,6 +103,21 @@ def tune(args, seqlen=32768, heads=64, kv_heads=4, index_heads=4, head_dim=128):
             if best_bwd is None or bwd < best_bwd[1]:
                 best_bwd = (config, bwd)
     return best_fwd[0], best_bwd[0], sweep
+
+
+def kernel_times(fn):
+    """Milliseconds per kernel name for one call of ``fn`` (torch profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in profile.key_averages():
+        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if total > 0 and ("_kernel" in event.key or "sort" in event.key.lower()):
+            times[event.key[:60]] = total / 1000
+    return dict(sorted(times.items(), key=lambda item: -item[1])[:8])
 
 
 def bench(fn):
@@ -170,6 +185,10 @@ def main() -> None:
                        speedup_fwd=dense_fwd / (fwd_ms + build_ms),
                        speedup_bwd=dense_bwd / bwd_ms,
                        peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+            row["bwd_kernels_ms"] = kernel_times(
+                lambda: sparse_attention_bwd(q, k, v, out, lse, dout, problem, **bwd_config))
+            row["build_kernels_ms"] = kernel_times(
+                lambda: SparseAttentionProblem(q, k, ids, cu, args.block_size, scale))
             rows.append(row)
             print(json.dumps(row), flush=True)
             del out, lse, problem, ids, index_q, index_k

@@ -134,6 +134,7 @@ def _sparse_attn_fwd_query_kernel(
     row_ids = tl.load(IDS + (token * HI + index_head)[:, None] * TOP_K + slots[None, :],
                       mask=valid[:, None] & (slots[None, :] < TOP_K), other=-1)  # [ROWS, K]
     key_offsets = tl.arange(0, BLOCK).to(tl.int64)
+    first_position = tl.min(tl.where(valid, position, 1 << 62))
     running_max = tl.full((ROWS,), float("-inf"), tl.float32)
     running_sum = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
@@ -147,10 +148,12 @@ def _sparse_attn_fwd_query_kernel(
         v = tl.load(V + (seq_start + key_pos)[:, None] * stride_v_t + kv_head * stride_v_h
                     + dims[None, :], mask=key_valid[:, None], other=0.0)
         member = tl.max((row_ids == block).to(tl.int32), axis=1) > 0  # row's token kept it
-        visible = (member[:, None] & key_valid[None, :]
-                   & (key_pos[None, :] <= position[:, None]))
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        scores = tl.where(visible, scores, float("-inf"))
+        # A block before the tile's first token that every row kept needs no mask.
+        if (block * BLOCK + BLOCK > first_position) | (tl.min(member.to(tl.int32)) == 0):
+            visible = (member[:, None] & key_valid[None, :]
+                       & (key_pos[None, :] <= position[:, None]))
+            scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
         rescale = tl.exp2(running_max - safe_max)
@@ -192,6 +195,7 @@ def _sparse_attn_dq_kernel(
     row_ids = tl.load(IDS + (token * HI + index_head)[:, None] * TOP_K + slots[None, :],
                       mask=valid[:, None] & (slots[None, :] < TOP_K), other=-1)
     key_offsets = tl.arange(0, BLOCK).to(tl.int64)
+    first_position = tl.min(tl.where(valid, position, 1 << 62))
     dq = tl.zeros((ROWS, HEAD_DIM), tl.float32)
     union_base = UNION + (entry * HI + index_head) * UNION_SLOTS
     for u in range(0, tl.load(UNION_COUNT + entry * HI + index_head)):
@@ -203,10 +207,12 @@ def _sparse_attn_dq_kernel(
         v = tl.load(V + (seq_start + key_pos)[:, None] * stride_v_t + kv_head * stride_v_h
                     + dims[None, :], mask=key_valid[:, None], other=0.0)
         member = tl.max((row_ids == block).to(tl.int32), axis=1) > 0
-        visible = (member[:, None] & key_valid[None, :]
-                   & (key_pos[None, :] <= position[:, None]))
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        probs = tl.where(visible, tl.exp2(scores - lse[:, None]), 0.0)
+        probs = tl.exp2(scores - lse[:, None])
+        if (block * BLOCK + BLOCK > first_position) | (tl.min(member.to(tl.int32)) == 0):
+            visible = (member[:, None] & key_valid[None, :]
+                       & (key_pos[None, :] <= position[:, None]))
+            probs = tl.where(visible, probs, 0.0)
         dprobs = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
         dscores = probs * (dprobs - delta[:, None])
         dq += tl.dot(dscores.to(k.dtype), k, input_precision=PRECISION)
@@ -325,10 +331,12 @@ def _sparse_attn_dkdv_kernel(
             delta = tl.load(DELTA + token * (HI * GQ) + head, mask=valid, other=0.0)
             # Transposed products keep the block's keys as the MMA's M dimension.
             scores_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
-            query_pos = token - seq_start
-            visible = (key_valid[:, None] & valid[None, :]
-                       & (key_pos[:, None] <= query_pos[None, :]))
-            probs_t = tl.where(visible, tl.exp2(scores_t - lse[None, :]), 0.0)  # [BLOCK, ROWS]
+            probs_t = tl.exp2(scores_t - lse[None, :])  # [BLOCK, ROWS]
+            # Padding rows have q = dO = 0 and add nothing; only queries inside the block (the
+            # first pairs: they are in token order) need the causal mask.
+            if tl.load(PAIR_TOKEN + first_pair) - seq_start < block * BLOCK + BLOCK - 1:
+                query_pos = token - seq_start
+                probs_t = tl.where(key_pos[:, None] <= query_pos[None, :], probs_t, 0.0)
             dv += tl.dot(probs_t.to(dout.dtype), dout, input_precision=PRECISION)
             dprobs_t = tl.dot(v, tl.trans(dout), input_precision=PRECISION)
             dscores_t = probs_t * (dprobs_t - delta[None, :])  # d loss / d (scaled logits)
