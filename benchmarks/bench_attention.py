@@ -24,7 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from openmsa.ops.attention import SparseAttentionProblem, sparse_attention_bwd, sparse_attention_fwd
+from openmsa.ops.attention import (SparseAttentionProblem, attention_delta, attention_dkdv,
+                                   attention_dq, sparse_attention_bwd, sparse_attention_fwd)
 from openmsa.ops.schedule import batch_cu_seqlens
 from openmsa.ops.select import select_blocks_fwd
 
@@ -72,7 +73,7 @@ def union_blocks(ids, tokens=8):
 
 
 def tune(args, seqlen=32768, heads=64, kv_heads=4, index_heads=4, head_dim=128):
-    """Sweeps warps x pipeline stages for the forward and the backward (coherent selection)."""
+    """Sweeps tile rows x warps x pipeline stages for each kernel (coherent selection)."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(seqlen, h, head_dim, device="cuda", generator=generator).bfloat16()
                for h in (heads, kv_heads, kv_heads))
@@ -82,27 +83,41 @@ def tune(args, seqlen=32768, heads=64, kv_heads=4, index_heads=4, head_dim=128):
     ids = select_blocks_fwd(index_q, index_k, cu, top_k=args.top_k, block_size=args.block_size,
                             index_softmax_scale=head_dim ** -0.5, num_local_blocks=1,
                             num_sink_blocks=0)
-    problem = SparseAttentionProblem(q, k, ids, cu, args.block_size, head_dim ** -0.5)
-    out, lse = sparse_attention_fwd(q, k, v, problem)
-    sweep, best_fwd, best_bwd = [], None, None
-    for num_warps in (8,):  # 4 warps ran 1.3-3x slower on an H200 (docs/KERNELS.md)
-        for num_stages in (1, 2):
-            config = dict(num_warps=num_warps, num_stages=num_stages)
-            try:
-                fwd = bench(lambda: sparse_attention_fwd(q, k, v, problem, **config))
-                bwd = bench(lambda: sparse_attention_bwd(q, k, v, out, lse, dout, problem,
-                                                         **config))
-            except Exception as error:  # out of shared memory or registers
-                print(f"config {config} failed: {type(error).__name__}"[:200])
-                continue
-            sweep.append(dict(config, fwd_ms=fwd, bwd_ms=bwd))
-            print(f"tune S={seqlen} H{heads} coherent {config}: fwd {fwd:.2f} ms, bwd {bwd:.2f} ms",
-                  flush=True)
-            if best_fwd is None or fwd < best_fwd[1]:
-                best_fwd = (config, fwd)
-            if best_bwd is None or bwd < best_bwd[1]:
-                best_bwd = (config, bwd)
-    return best_fwd[0], best_bwd[0], sweep
+    scale = head_dim ** -0.5
+    base = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale)
+    out, lse = sparse_attention_fwd(q, k, v, base)
+    delta = attention_delta(out, dout, base)
+    sweep, best = [], {}
+
+    def record(kernel, config, fn):
+        try:
+            ms = bench(fn)
+        except Exception as error:  # out of shared memory or registers
+            print(f"{kernel} {config} failed: {type(error).__name__}"[:200], flush=True)
+            return
+        sweep.append(dict(config, kernel=kernel, ms=ms))
+        print(f"tune S={seqlen} H{heads} coherent {kernel} {config}: {ms:.2f} ms", flush=True)
+        if kernel not in best or ms < best[kernel][1]:
+            best[kernel] = (config, ms)
+
+    for rows in (64, 128):
+        problem = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale, query_rows=rows,
+                                         key_rows=rows)
+        for num_warps in (4, 8):
+            for num_stages in (1, 2):
+                config = dict(rows=rows, num_warps=num_warps, num_stages=num_stages)
+                launch = dict(num_warps=num_warps, num_stages=num_stages)
+                record("fwd", config, lambda: sparse_attention_fwd(q, k, v, problem, **launch))
+                record("dq", config, lambda: attention_dq(q, k, v, dout, lse, delta, problem,
+                                                          **launch))
+                record("dkdv", config, lambda: attention_dkdv(q, k, v, dout, lse, delta,
+                                                              problem, **launch))
+    problem = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale, key_rows=32)
+    for num_warps in (4, 8):
+        config = dict(rows=32, num_warps=num_warps, num_stages=1)
+        record("dkdv", config, lambda: attention_dkdv(q, k, v, dout, lse, delta, problem,
+                                                      num_warps=num_warps, num_stages=1))
+    return {kernel: config for kernel, (config, _) in best.items()}, sweep
 
 
 def kernel_times(fn):
@@ -133,7 +148,7 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    fwd_config, bwd_config, sweep = tune(args)
+    best_configs, sweep = tune(args)
     for name, seqlen, heads, kv_heads, index_heads, head_dim in SHAPES:
         if seqlen > args.max_seqlen:
             continue
@@ -168,12 +183,11 @@ def main() -> None:
             build_ms = bench(lambda: SparseAttentionProblem(q, k, ids, cu, args.block_size,
                                                             scale))
             problem = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale)
-            fwd_ms = bench(lambda: sparse_attention_fwd(q, k, v, problem, **fwd_config))
+            fwd_ms = bench(lambda: sparse_attention_fwd(q, k, v, problem))
             fwd_key_ms = bench(lambda: sparse_attention_fwd(q, k, v, problem, "key"))
             out, lse = sparse_attention_fwd(q, k, v, problem)
-            bwd_ms = bench(lambda: sparse_attention_bwd(q, k, v, out, lse, dout, problem,
-                                                        **bwd_config))
-            fwd_again = bench(lambda: sparse_attention_fwd(q, k, v, problem, **fwd_config))
+            bwd_ms = bench(lambda: sparse_attention_bwd(q, k, v, out, lse, dout, problem))
+            fwd_again = bench(lambda: sparse_attention_fwd(q, k, v, problem))
             flops = 4.0 * head_dim * triples
             row = dict(shape=name, seqlen=seqlen, selection=kind, union_of_8_tokens=union,
                        csr_ms=build_ms, fwd_ms=fwd_ms, fwd_ms_repeat=fwd_again, bwd_ms=bwd_ms,
@@ -186,7 +200,9 @@ def main() -> None:
                        speedup_bwd=dense_bwd / bwd_ms,
                        peak_gib=torch.cuda.max_memory_allocated() / 2**30)
             row["bwd_kernels_ms"] = kernel_times(
-                lambda: sparse_attention_bwd(q, k, v, out, lse, dout, problem, **bwd_config))
+                lambda: sparse_attention_bwd(q, k, v, out, lse, dout, problem))
+            counts = problem.block_work.bucket_count.float()
+            row["pairs_per_key_block_max_over_mean"] = (counts.max() / counts.mean()).item()
             row["build_kernels_ms"] = kernel_times(
                 lambda: SparseAttentionProblem(q, k, ids, cu, args.block_size, scale))
             rows.append(row)
@@ -199,7 +215,7 @@ def main() -> None:
 
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, date=time.strftime("%Y-%m-%d"), args=vars(args),
-                  sweep=sweep, fwd_config=fwd_config, bwd_config=bwd_config, rows=rows)
+                  sweep=sweep, best_configs=best_configs, rows=rows)
     with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(f"\nsparse attention, {result['gpu']}, bf16, top_k={args.top_k} "

@@ -402,8 +402,14 @@ class SparseAttentionProblem:
                     UNION_SLOTS=self.query_work.union.shape[-1], PRECISION=_precision(q))
 
 
+# Launch configurations: the winners of benchmarks/bench_attention.py's sweep on an H200.
+FWD_CONFIG = dict(num_warps=8, num_stages=2)
+DQ_CONFIG = dict(num_warps=8, num_stages=2)
+DKDV_CONFIG = dict(num_warps=8, num_stages=2)
+
+
 def sparse_attention_fwd(q, k, v, problem: SparseAttentionProblem, schedule="query",
-                         num_warps=8, num_stages=2):
+                         num_warps=FWD_CONFIG["num_warps"], num_stages=FWD_CONFIG["num_stages"]):
     """q: [T, H, D]; k, v: [T, Hkv, D]. Returns out [T, H, D] (q's dtype) and lse2 [T, H] fp32.
 
     ``schedule="query"`` walks each query tile's kept blocks (the default: no partial outputs);
@@ -442,16 +448,19 @@ def sparse_attention_fwd(q, k, v, problem: SparseAttentionProblem, schedule="que
     return out, lse
 
 
-def sparse_attention_bwd(q, k, v, out, lse, dout, problem: SparseAttentionProblem, num_warps=8,
-                         num_stages=2):
-    """Gradients dq [T, H, D], dk, dv [T, Hkv, D] (inputs' dtypes) of the sparse attention:
-    dq query-outer (the forward's walk), dk and dv key-outer (no atomics, deterministic)."""
-    p = problem
-    delta = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
-    rows = _combine_rows_for(1, q)
+def attention_delta(out, dout, p: SparseAttentionProblem):
+    """[T, H] fp32: sum_d dO * O per (token, head)."""
+    delta = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=out.device)
+    rows = _combine_rows_for(1, out)
     _delta_kernel[(triton.cdiv(p.total * p.num_heads, rows),)](
         out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
         p.total * p.num_heads, NUM_HEADS=p.num_heads, HEAD_DIM=p.head_dim, ROWS=rows)
+    return delta
+
+
+def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, num_warps=8,
+                 num_stages=2):
+    """dq, query-outer: each query tile walks its kept-block union (the forward's walk)."""
     dq = torch.empty_like(q)
     work = p.query_work
     _sparse_attn_dq_kernel[(work.schedule.shape[0], p.num_index_heads)](
@@ -459,6 +468,12 @@ def sparse_attention_bwd(q, k, v, out, lse, dout, problem: SparseAttentionProble
         p.cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), p.scale,
         p.scale * LOG2_E, **p.query_constants(q), num_warps=num_warps, num_stages=num_stages)
+    return dq
+
+
+def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem, num_warps=8,
+                   num_stages=2):
+    """dk, dv, key-outer: one program per (key block, KV head), no atomics."""
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     blocks = p.block_work
     _sparse_attn_dkdv_kernel[(p.dkdv_order.numel(),)](
@@ -470,6 +485,15 @@ def sparse_attention_bwd(q, k, v, out, lse, dout, problem: SparseAttentionProble
         HI=p.num_index_heads, GQ=p.gq, KV_GROUP=p.kv_group, NUM_KV_HEADS=p.num_kv_heads,
         TOK=p.key_tokens, ROWS=p.key_rows, BLOCK=p.block_size, HEAD_DIM=p.head_dim,
         PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages)
+    return dk, dv
+
+
+def sparse_attention_bwd(q, k, v, out, lse, dout, problem: SparseAttentionProblem):
+    """Gradients dq [T, H, D], dk, dv [T, Hkv, D] (inputs' dtypes) of the sparse attention:
+    dq query-outer, dk and dv key-outer; deterministic (every sum runs in a fixed order)."""
+    delta = attention_delta(out, dout, problem)
+    dq = attention_dq(q, k, v, dout, lse, delta, problem, **DQ_CONFIG)
+    dk, dv = attention_dkdv(q, k, v, dout, lse, delta, problem, **DKDV_CONFIG)
     return dq, dk, dv
 
 
