@@ -1,18 +1,20 @@
 """Sparse main attention over the kept blocks (SPEC section 3, steps 5-6), forward and backward.
 
-Key-block-outer: a program takes one key block and a tile of the (token, slot) pairs that kept it
-(``openmsa.ops.csr``), and stacks the tile's tokens x the index head's ``GQ = H / Hi`` main heads
-into the rows of one MMA, so the tensor cores see 64-128 rows although each token brings only
-``GQ``. See docs/KERNELS.md for the design and its measurements.
+Each token brings only ``GQ = H / Hi`` query rows (the main heads of its index head), too few for
+the tensor cores, so rows are stacked from several tokens:
 
-Forward: each (token, slot) gets a partial output normalized over its block and the block's
-log-sum-exp; a combine kernel merges the ``top_k`` partials of a query per head. Backward: one
-program per (key block, KV head) accumulates dK and dV over every pair that kept the block (no
-atomics), and writes each pair's dQ contribution to its slot; a combine kernel sums the slots.
-Both passes are deterministic: every sum runs in a fixed order.
+- Forward and dQ are query-outer: a program takes ``TOK`` consecutive tokens x ``GQ`` heads
+  (~128 MMA rows) of one index head and walks the distinct blocks those tokens kept, flash-
+  attention style; each row only sees the blocks its own token kept. Neighbouring tokens of a
+  trained index branch keep nearly the same blocks, so the walk is close to ``top_k`` blocks.
+- dK and dV are key-outer: a program takes one key block and up to ``SEGMENT_PAIRS`` of the
+  (token, index head) pairs that kept it (a key-block -> queries list built on the device,
+  ``openmsa.ops.csr``), ``TOK x GQ`` rows at a time, and writes fp32 partials that a small kernel
+  sums per block in a fixed order (no atomics: deterministic).
 
 Log-sum-exps are kept in base 2 of the scaled scores (``lse2 = log2 sum 2^(c * log2(e) * q.k)``),
 so ``P = 2^(c * log2(e) * q.k - lse2)``; the natural-log LSE is ``lse2 * ln 2``.
+See docs/KERNELS.md for the design, the alternatives measured and the figures.
 """
 
 from __future__ import annotations
@@ -26,70 +28,6 @@ import triton.language as tl
 from .csr import BlockWork, QueryTileWork, build_block_work, build_query_tile_work
 
 LOG2_E = math.log2(math.e)
-
-
-@triton.jit
-def _load_pair_rows(PAIR_TOKEN, PAIR_SLOT, first_pair, pair_end, index_head,
-                    GQ: tl.constexpr, TOK: tl.constexpr, ROWS: tl.constexpr):
-    """Rows of one tile: TOK pairs x GQ heads. Returns (valid, packed token, flat slot, head)."""
-    rows = tl.arange(0, ROWS)
-    pair = first_pair + rows // GQ
-    valid = (rows < TOK * GQ) & (pair < pair_end)
-    token = tl.load(PAIR_TOKEN + pair, mask=valid, other=0).to(tl.int64)
-    slot = tl.load(PAIR_SLOT + pair, mask=valid, other=0)
-    head = index_head * GQ + rows % GQ
-    return valid, token, slot, head
-
-
-@triton.jit
-def _sparse_attn_fwd_kernel(
-    Q, K, V, O_PART, LSE_PART, TILES, PAIR_TOKEN, PAIR_SLOT, BUCKET_START, BUCKET_COUNT,
-    BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    scale_log2,
-    HI: tl.constexpr, GQ: tl.constexpr, KV_GROUP: tl.constexpr, TOK: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-):
-    tile = tl.program_id(0).to(tl.int64)
-    bucket = tl.load(TILES + 2 * tile).to(tl.int64)
-    if bucket < 0:
-        return
-    first_pair = tl.load(TILES + 2 * tile + 1).to(tl.int64)
-    global_block = bucket // HI
-    index_head = bucket % HI
-    pair_end = (tl.load(BUCKET_START + bucket) + tl.load(BUCKET_COUNT + bucket)).to(tl.int64)
-    sequence = tl.load(BLOCK_SEQUENCE + global_block).to(tl.int64)
-    block = tl.load(BLOCK_LOCAL + global_block).to(tl.int64)
-    seq_start = tl.load(CU_SEQLENS + sequence).to(tl.int64)
-    seq_len = tl.load(CU_SEQLENS + sequence + 1).to(tl.int64) - seq_start
-    kv_head = index_head // KV_GROUP
-
-    valid, token, slot, head = _load_pair_rows(PAIR_TOKEN, PAIR_SLOT, first_pair, pair_end,
-                                               index_head, GQ, TOK, ROWS)
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
-                mask=valid[:, None], other=0.0)  # [ROWS, D]
-    key_pos = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # [BLOCK] position in sequence
-    key_valid = key_pos < seq_len
-    k = tl.load(K + (seq_start + key_pos)[:, None] * stride_k_t + kv_head * stride_k_h
-                + dims[None, :], mask=key_valid[:, None], other=0.0)  # [BLOCK, D]
-    v = tl.load(V + (seq_start + key_pos)[:, None] * stride_v_t + kv_head * stride_v_h
-                + dims[None, :], mask=key_valid[:, None], other=0.0)
-
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [ROWS, BLOCK]
-    query_pos = token - seq_start
-    visible = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
-    scores = tl.where(visible, scores, float("-inf"))
-    row_max = tl.max(scores, axis=1)
-    row_max = tl.where(valid, row_max, 0.0)  # padding rows see no key
-    probs = tl.exp2(scores - row_max[:, None])
-    row_sum = tl.sum(probs, axis=1)
-    row_sum = tl.where(valid, row_sum, 1.0)
-    out = tl.dot(probs.to(v.dtype), v, input_precision=PRECISION) / row_sum[:, None]  # [ROWS, D]
-    partial = slot * GQ + head % GQ  # [ROWS] row of the (token, head, slot) partial
-    tl.store(O_PART + partial[:, None] * HEAD_DIM + dims[None, :], out.to(O_PART.dtype.element_ty),
-             mask=valid[:, None])
-    tl.store(LSE_PART + partial, row_max + tl.log2(row_sum), mask=valid)
 
 
 @triton.jit
@@ -221,52 +159,6 @@ def _sparse_attn_dq_kernel(
 
 
 @triton.jit
-def _combine_rows(pair_row_base, NUM_PAIR_ROWS, HI: tl.constexpr, GQ: tl.constexpr,
-                  ROWS: tl.constexpr):
-    """Rows of a combine program: consecutive (token, index head) pair rows x GQ heads.
-    Returns (valid, pair_row, token, head)."""
-    rows = tl.arange(0, ROWS)
-    pair_row = pair_row_base + rows // GQ
-    valid = (rows < (ROWS // GQ) * GQ) & (pair_row < NUM_PAIR_ROWS)
-    token = pair_row // HI
-    head = (pair_row % HI) * GQ + rows % GQ
-    return valid, pair_row, token, head
-
-
-@triton.jit
-def _combine_fwd_kernel(
-    O_PART, LSE_PART, IDS, OUT, LSE, stride_o_t, stride_o_h, NUM_PAIR_ROWS,
-    HI: tl.constexpr, GQ: tl.constexpr, TOP_K: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    """Merges the top_k partials of each (token, head): out and its lse2."""
-    valid, pair_row, token, head = _combine_rows(tl.program_id(0).to(tl.int64) * (ROWS // GQ),
-                                                 NUM_PAIR_ROWS, HI, GQ, ROWS)
-    dims = tl.arange(0, HEAD_DIM)
-    running_max = tl.full((ROWS,), float("-inf"), tl.float32)
-    running_sum = tl.zeros((ROWS,), tl.float32)
-    acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
-    for s in range(TOP_K):
-        flat_slot = pair_row * TOP_K + s
-        kept = valid & (tl.load(IDS + flat_slot, mask=valid, other=-1) >= 0)
-        partial = flat_slot * GQ + head % GQ
-        lse = tl.load(LSE_PART + partial, mask=kept, other=float("-inf"))
-        part = tl.load(O_PART + partial[:, None] * HEAD_DIM + dims[None, :], mask=kept[:, None],
-                       other=0.0).to(tl.float32)
-        new_max = tl.maximum(running_max, lse)
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # no kept slot yet
-        rescale = tl.exp2(running_max - safe_max)
-        weight = tl.exp2(lse - safe_max)
-        acc = acc * rescale[:, None] + part * weight[:, None]
-        running_sum = running_sum * rescale + weight
-        running_max = new_max
-    running_sum = tl.where(valid, running_sum, 1.0)
-    tl.store(OUT + token[:, None] * stride_o_t + head[:, None] * stride_o_h + dims[None, :],
-             (acc / running_sum[:, None]).to(OUT.dtype.element_ty), mask=valid[:, None])
-    tl.store(LSE + token * (HI * GQ) + head, running_max + tl.log2(running_sum), mask=valid)
-
-
-@triton.jit
 def _delta_kernel(OUT, DOUT, DELTA, stride_o_t, stride_o_h, stride_do_t, stride_do_h,
                   NUM_ROWS, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
     """DELTA[t, h] = sum_d dO * O (fp32), the softmax-backward correction; rows are (t, h)."""
@@ -283,26 +175,30 @@ def _delta_kernel(OUT, DOUT, DELTA, stride_o_t, stride_o_h, stride_do_t, stride_
 
 @triton.jit
 def _sparse_attn_dkdv_kernel(
-    Q, K, V, DOUT, LSE, DELTA, DK, DV, ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT,
-    BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
+    Q, K, V, DOUT, LSE, DELTA, DK_PART, DV_PART, SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN,
+    BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_do_t, stride_do_h, stride_dk_t, stride_dk_h, stride_dv_t, stride_dv_h,
-    scale, scale_log2,
-    HI: tl.constexpr, GQ: tl.constexpr, KV_GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    TOK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    stride_do_t, stride_do_h, scale_log2,
+    HI: tl.constexpr, GQ: tl.constexpr, KV_GROUP: tl.constexpr, TOK: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Key-outer dK, dV: one program per (global key block, KV head), taken in ORDER (most pairs
-    first), accumulates over every (token, head) that kept the block, in token order."""
-    item = tl.load(ORDER + tl.program_id(0)).to(tl.int64)
-    global_block = item // NUM_KV_HEADS
-    kv_head = item % NUM_KV_HEADS
-    sequence = tl.load(BLOCK_SEQUENCE + global_block).to(tl.int64)
-    if sequence < 0:
+    """Key-outer dK, dV of one segment (up to SEGMENT_PAIRS (token, index head) pairs that kept
+    one key block), taken in SEGMENT_ORDER (most pairs first); fp32 partials, unscaled dK."""
+    segment = tl.load(SEGMENT_ORDER + tl.program_id(0)).to(tl.int64)
+    bucket = tl.load(SEGMENTS + 2 * segment).to(tl.int64)
+    if bucket < 0:
         return
+    first = tl.load(SEGMENTS + 2 * segment + 1).to(tl.int64)
+    global_block = bucket // HI
+    index_head = bucket % HI
+    kv_head = index_head // KV_GROUP
+    sequence = tl.load(BLOCK_SEQUENCE + global_block).to(tl.int64)
     block = tl.load(BLOCK_LOCAL + global_block).to(tl.int64)
     seq_start = tl.load(CU_SEQLENS + sequence).to(tl.int64)
     seq_len = tl.load(CU_SEQLENS + sequence + 1).to(tl.int64) - seq_start
+    bucket_end = (tl.load(BUCKET_START + bucket) + tl.load(BUCKET_COUNT + bucket)).to(tl.int64)
+    last = tl.minimum(first + SEGMENT_PAIRS, bucket_end)
     dims = tl.arange(0, HEAD_DIM)
     key_pos = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     key_valid = key_pos < seq_len
@@ -313,38 +209,69 @@ def _sparse_attn_dkdv_kernel(
     dk = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
     rows = tl.arange(0, ROWS)
-    for member in range(KV_GROUP):  # the index heads that read this KV head
-        index_head = kv_head * KV_GROUP + member
-        bucket = global_block * HI + index_head
-        pair_start = tl.load(BUCKET_START + bucket).to(tl.int64)
-        pair_end = pair_start + tl.load(BUCKET_COUNT + bucket).to(tl.int64)
-        for first_pair in range(pair_start, pair_end, TOK):
-            pair = first_pair + rows // GQ
-            valid = (rows < TOK * GQ) & (pair < pair_end)
-            token = tl.load(PAIR_TOKEN + pair, mask=valid, other=0).to(tl.int64)
-            head = index_head * GQ + rows % GQ
-            q = tl.load(Q + token[:, None] * stride_q_t + head[:, None] * stride_q_h
-                        + dims[None, :], mask=valid[:, None], other=0.0)  # [ROWS, D]
-            dout = tl.load(DOUT + token[:, None] * stride_do_t + head[:, None] * stride_do_h
-                           + dims[None, :], mask=valid[:, None], other=0.0)
-            lse = tl.load(LSE + token * (HI * GQ) + head, mask=valid, other=0.0)
-            delta = tl.load(DELTA + token * (HI * GQ) + head, mask=valid, other=0.0)
-            # Transposed products keep the block's keys as the MMA's M dimension.
-            scores_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
-            probs_t = tl.exp2(scores_t - lse[None, :])  # [BLOCK, ROWS]
-            # Padding rows have q = dO = 0 and add nothing; only queries inside the block (the
-            # first pairs: they are in token order) need the causal mask.
-            if tl.load(PAIR_TOKEN + first_pair) - seq_start < block * BLOCK + BLOCK - 1:
-                query_pos = token - seq_start
-                probs_t = tl.where(key_pos[:, None] <= query_pos[None, :], probs_t, 0.0)
-            dv += tl.dot(probs_t.to(dout.dtype), dout, input_precision=PRECISION)
-            dprobs_t = tl.dot(v, tl.trans(dout), input_precision=PRECISION)
-            dscores_t = probs_t * (dprobs_t - delta[None, :])  # d loss / d (scaled logits)
-            dk += tl.dot(dscores_t.to(q.dtype), q, input_precision=PRECISION)
+    head = index_head * GQ + rows % GQ
+    for first_pair in range(first, last, TOK):
+        pair = first_pair + rows // GQ
+        valid = (rows < TOK * GQ) & (pair < last)
+        token = tl.load(PAIR_TOKEN + pair, mask=valid, other=0).to(tl.int64)
+        q = tl.load(Q + token[:, None] * stride_q_t + head[:, None] * stride_q_h
+                    + dims[None, :], mask=valid[:, None], other=0.0)  # [ROWS, D]
+        dout = tl.load(DOUT + token[:, None] * stride_do_t + head[:, None] * stride_do_h
+                       + dims[None, :], mask=valid[:, None], other=0.0)
+        lse = tl.load(LSE + token * (HI * GQ) + head, mask=valid, other=0.0)
+        delta = tl.load(DELTA + token * (HI * GQ) + head, mask=valid, other=0.0)
+        # Transposed products keep the block's keys as the MMA's M dimension.
+        scores_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
+        probs_t = tl.exp2(scores_t - lse[None, :])  # [BLOCK, ROWS]
+        # Padding rows have q = dO = 0 and add nothing; only queries inside the block (the
+        # first pairs of a bucket: they are in token order) need the causal mask.
+        if tl.load(PAIR_TOKEN + first_pair) - seq_start < block * BLOCK + BLOCK - 1:
+            query_pos = token - seq_start
+            probs_t = tl.where(key_pos[:, None] <= query_pos[None, :], probs_t, 0.0)
+        dv += tl.dot(probs_t.to(dout.dtype), dout, input_precision=PRECISION)
+        dprobs_t = tl.dot(v, tl.trans(dout), input_precision=PRECISION)
+        dscores_t = probs_t * (dprobs_t - delta[None, :])  # d loss / d (scaled logits)
+        dk += tl.dot(dscores_t.to(q.dtype), q, input_precision=PRECISION)
+    offsets = (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(DK_PART + offsets, dk)
+    tl.store(DV_PART + offsets, dv)
+
+
+@triton.jit
+def _reduce_dkdv_kernel(
+    DK_PART, DV_PART, DK, DV, BUCKET_SEGMENTS_END, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
+    stride_dk_t, stride_dk_h, stride_dv_t, stride_dv_h, scale,
+    HI: tl.constexpr, KV_GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """dK, dV of one (key block, KV head): the sum of its segments' partials, in order."""
+    global_block = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    sequence = tl.load(BLOCK_SEQUENCE + global_block).to(tl.int64)
+    if sequence < 0:
+        return
+    block = tl.load(BLOCK_LOCAL + global_block).to(tl.int64)
+    seq_start = tl.load(CU_SEQLENS + sequence).to(tl.int64)
+    seq_len = tl.load(CU_SEQLENS + sequence + 1).to(tl.int64) - seq_start
+    # The buckets of this KV head's index heads are contiguous, so are their segments.
+    first_bucket = global_block * HI + kv_head * KV_GROUP
+    first_segment = tl.load(BUCKET_SEGMENTS_END + first_bucket - 1, mask=first_bucket > 0,
+                            other=0).to(tl.int64)
+    end_segment = tl.load(BUCKET_SEGMENTS_END + first_bucket + KV_GROUP - 1).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    keys = tl.arange(0, BLOCK)
+    dk = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+    for segment in range(first_segment, end_segment):
+        offsets = (segment * BLOCK + keys)[:, None] * HEAD_DIM + dims[None, :]
+        dk += tl.load(DK_PART + offsets)
+        dv += tl.load(DV_PART + offsets)
+    key_pos = block * BLOCK + keys.to(tl.int64)
+    key_valid = (key_pos < seq_len)[:, None]
     tl.store(DK + (seq_start + key_pos)[:, None] * stride_dk_t + kv_head * stride_dk_h
-             + dims[None, :], (dk * scale).to(DK.dtype.element_ty), mask=key_valid[:, None])
+             + dims[None, :], (dk * scale).to(DK.dtype.element_ty), mask=key_valid)
     tl.store(DV + (seq_start + key_pos)[:, None] * stride_dv_t + kv_head * stride_dv_h
-             + dims[None, :], dv.to(DV.dtype.element_ty), mask=key_valid[:, None])
+             + dims[None, :], dv.to(DV.dtype.element_ty), mask=key_valid)
 
 
 def _rows_for(gq: int, target_rows: int) -> tuple[int, int]:
@@ -389,11 +316,7 @@ class SparseAttentionProblem:
         self.query_work: QueryTileWork = build_query_tile_work(block_ids, cu_seqlens,
                                                                self.query_tokens)
         self.block_work: BlockWork = build_block_work(block_ids, cu_seqlens, block_size,
-                                                      self.key_tokens)
-        # dK/dV programs, most pairs first (longest-processing-time order evens out the tail).
-        pairs = self.block_work.bucket_count.view(-1, self.num_kv_heads, self.kv_group).sum(-1)
-        self.dkdv_order = torch.argsort(pairs.flatten(), descending=True,
-                                        stable=True).to(torch.int32)
+                                                      SEGMENT_PAIRS)
 
     def query_constants(self, q):
         return dict(HI=self.num_index_heads, GQ=self.gq, KV_GROUP=self.kv_group,
@@ -404,47 +327,26 @@ class SparseAttentionProblem:
 
 # Launch configurations: the winners of benchmarks/bench_attention.py's sweep on an H200.
 FWD_CONFIG = dict(num_warps=8, num_stages=2)
+# Pairs per dK/dV program: bounds a program's work when many queries keep the same block.
+SEGMENT_PAIRS = 2048
 DQ_CONFIG = dict(num_warps=8, num_stages=2)
 DKDV_CONFIG = dict(num_warps=8, num_stages=2)
 
 
-def sparse_attention_fwd(q, k, v, problem: SparseAttentionProblem, schedule="query",
+def sparse_attention_fwd(q, k, v, problem: SparseAttentionProblem,
                          num_warps=FWD_CONFIG["num_warps"], num_stages=FWD_CONFIG["num_stages"]):
     """q: [T, H, D]; k, v: [T, Hkv, D]. Returns out [T, H, D] (q's dtype) and lse2 [T, H] fp32.
 
-    ``schedule="query"`` walks each query tile's kept blocks (the default: no partial outputs);
-    ``"key"`` is the key-block-outer alternative with per-slot partials and a combine, kept for
-    comparison (docs/KERNELS.md has both measured).
-    """
+    Query-outer: each (query tile, index head) walks the distinct blocks its tokens kept."""
     p = problem
     out = torch.empty_like(q)
     lse = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
-    if schedule == "query":
-        work = p.query_work
-        _sparse_attn_fwd_query_kernel[(work.schedule.shape[0], p.num_index_heads)](
-            q, k, v, out, lse, p.block_ids, work.schedule, work.union, work.union_count,
-            p.cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), out.stride(0), out.stride(1), p.scale * LOG2_E,
-            **p.query_constants(q), num_warps=num_warps, num_stages=num_stages)
-        return out, lse
-    work = p.block_work
-    slots = p.total * p.num_index_heads * p.top_k
-    out_part = torch.empty(slots * p.gq, p.head_dim, dtype=q.dtype, device=q.device)
-    lse_part = torch.empty(slots * p.gq, dtype=torch.float32, device=q.device)
-    _sparse_attn_fwd_kernel[(work.tiles.shape[0],)](
-        q, k, v, out_part, lse_part, work.tiles, work.pair_token, work.pair_slot,
-        work.bucket_start, work.bucket_count, work.block_sequence, work.block_local,
+    work = p.query_work
+    _sparse_attn_fwd_query_kernel[(work.schedule.shape[0], p.num_index_heads)](
+        q, k, v, out, lse, p.block_ids, work.schedule, work.union, work.union_count,
         p.cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), p.scale * LOG2_E,
-        HI=p.num_index_heads, GQ=p.gq, KV_GROUP=p.kv_group, TOK=p.key_tokens, ROWS=p.key_rows,
-        BLOCK=p.block_size, HEAD_DIM=p.head_dim, PRECISION=_precision(q),
-        num_warps=num_warps, num_stages=num_stages)
-    rows = _combine_rows_for(p.gq, q)
-    pair_rows = p.total * p.num_index_heads
-    _combine_fwd_kernel[(triton.cdiv(pair_rows, rows // p.gq),)](
-        out_part, lse_part, p.block_ids, out, lse, out.stride(0), out.stride(1), pair_rows,
-        HI=p.num_index_heads, GQ=p.gq, TOP_K=p.top_k, HEAD_DIM=p.head_dim, ROWS=rows,
-        num_warps=4)
+        v.stride(1), out.stride(0), out.stride(1), p.scale * LOG2_E,
+        **p.query_constants(q), num_warps=num_warps, num_stages=num_stages)
     return out, lse
 
 
@@ -473,18 +375,26 @@ def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, num_warps
 
 def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem, num_warps=8,
                    num_stages=2):
-    """dk, dv, key-outer: one program per (key block, KV head), no atomics."""
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    """dk, dv, key-outer: fp32 partials per segment of pairs, then an in-order sum per block."""
     blocks = p.block_work
-    _sparse_attn_dkdv_kernel[(p.dkdv_order.numel(),)](
-        q, k, v, dout, lse, delta, dk, dv, p.dkdv_order, blocks.pair_token,
-        blocks.bucket_start, blocks.bucket_count, blocks.block_sequence, blocks.block_local,
-        p.cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
-        dv.stride(1), p.scale, p.scale * LOG2_E,
-        HI=p.num_index_heads, GQ=p.gq, KV_GROUP=p.kv_group, NUM_KV_HEADS=p.num_kv_heads,
-        TOK=p.key_tokens, ROWS=p.key_rows, BLOCK=p.block_size, HEAD_DIM=p.head_dim,
+    num_segments = blocks.segments.shape[0]
+    dk_part = torch.empty(num_segments * p.block_size, p.head_dim, dtype=torch.float32,
+                          device=q.device)
+    dv_part = torch.empty_like(dk_part)
+    _sparse_attn_dkdv_kernel[(num_segments,)](
+        q, k, v, dout, lse, delta, dk_part, dv_part, blocks.segments, blocks.segment_order,
+        blocks.pair_token, blocks.bucket_start, blocks.bucket_count, blocks.block_sequence,
+        blocks.block_local, p.cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), p.scale * LOG2_E,
+        HI=p.num_index_heads, GQ=p.gq, KV_GROUP=p.kv_group, TOK=p.key_tokens, ROWS=p.key_rows,
+        BLOCK=p.block_size, HEAD_DIM=p.head_dim, SEGMENT_PAIRS=blocks.segment_pairs,
         PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    _reduce_dkdv_kernel[(blocks.num_global_blocks, p.num_kv_heads)](
+        dk_part, dv_part, dk, dv, blocks.bucket_segments_end, blocks.block_sequence,
+        blocks.block_local, p.cu_seqlens, dk.stride(0), dk.stride(1), dv.stride(0),
+        dv.stride(1), p.scale, HI=p.num_index_heads, KV_GROUP=p.kv_group,
+        NUM_KV_HEADS=p.num_kv_heads, BLOCK=p.block_size, HEAD_DIM=p.head_dim, num_warps=4)
     return dk, dv
 
 

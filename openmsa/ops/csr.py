@@ -17,21 +17,25 @@ from .schedule import query_tile_schedule
 
 @dataclass
 class BlockWork:
-    """Pairs ``(token, index head, slot)`` with a kept block, grouped by bucket.
+    """Pairs ``(token, index head)`` with a kept block, grouped by bucket, and the buckets cut
+    into segments of at most ``segment_pairs`` pairs (one backward program each, so a block kept
+    by very many queries is shared by several programs).
 
     A bucket is ``(global block, index head)`` with ``global block = first block of the token's
-    sequence + block id``; buckets are numbered ``global_block * Hi + index_head``.
+    sequence + block id``; buckets are numbered ``global_block * Hi + index_head``, so the buckets
+    (and segments) of one KV head's index heads are contiguous.
     """
 
     pair_token: torch.Tensor  # int32 [P]: packed token of each pair, sorted by bucket then token
-    pair_slot: torch.Tensor  # int64 [P]: flat index token * Hi * top_k + head * top_k + slot
     bucket_start: torch.Tensor  # int32 [NB * Hi]: first pair of each bucket
     bucket_count: torch.Tensor  # int32 [NB * Hi]: pairs in each bucket
+    bucket_segments_end: torch.Tensor  # int32 [NB * Hi]: segments of buckets 0..b (inclusive)
     block_sequence: torch.Tensor  # int32 [NB]: sequence of each global block (-1: padding)
     block_local: torch.Tensor  # int32 [NB]: block index within its sequence
-    tiles: torch.Tensor  # int32 [num_tiles, 2]: (bucket, first pair); bucket -1 = padding
+    segments: torch.Tensor  # int32 [num_segments, 2]: (bucket, first pair); bucket -1 = padding
+    segment_order: torch.Tensor  # int32 [num_segments]: segments, most pairs first
     num_global_blocks: int  # NB, an upper bound (padding blocks have sequence -1)
-    tile_tokens: int
+    segment_pairs: int
 
 
 def sequence_of_tokens(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
@@ -41,7 +45,7 @@ def sequence_of_tokens(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Ten
 
 
 def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
-                     tile_tokens: int) -> BlockWork:
+                     segment_pairs: int) -> BlockWork:
     """block_ids: int32 ``[T, Hi, top_k]`` (``-1`` unused), relative to each sequence's start."""
     total, num_index_heads, top_k = block_ids.shape
     device = block_ids.device
@@ -73,27 +77,30 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
     counts = counts[:num_buckets]
     starts = torch.cumsum(counts, 0) - counts
 
-    tiles_per_bucket = (counts + tile_tokens - 1) // tile_tokens
-    tile_end = torch.cumsum(tiles_per_bucket, 0)
-    num_tiles = total * num_index_heads * top_k // tile_tokens + num_buckets  # upper bound
-    entry = torch.arange(num_tiles, device=device)
-    tile_bucket = torch.searchsorted(tile_end, entry, right=True)
-    valid = tile_bucket < num_buckets
-    tile_bucket = torch.where(valid, tile_bucket, 0)
-    tile_in_bucket = entry - (tile_end[tile_bucket] - tiles_per_bucket[tile_bucket])
-    first_pair = starts[tile_bucket] + tile_in_bucket * tile_tokens
-    tiles = torch.stack([torch.where(valid, tile_bucket, -1), torch.where(valid, first_pair, 0)],
-                        dim=1)
+    segments_per_bucket = (counts + segment_pairs - 1) // segment_pairs
+    segments_end = torch.cumsum(segments_per_bucket, 0)
+    num_segments = total * num_index_heads * top_k // segment_pairs + num_buckets  # upper bound
+    entry = torch.arange(num_segments, device=device)
+    segment_bucket = torch.searchsorted(segments_end, entry, right=True)
+    valid = segment_bucket < num_buckets
+    segment_bucket = torch.where(valid, segment_bucket, 0)
+    segment_in_bucket = entry - (segments_end[segment_bucket] - segments_per_bucket[segment_bucket])
+    first_pair = starts[segment_bucket] + segment_in_bucket * segment_pairs
+    pairs = torch.where(valid, torch.clamp(starts[segment_bucket] + counts[segment_bucket]
+                                           - first_pair, max=segment_pairs), 0)
+    segments = torch.stack([torch.where(valid, segment_bucket, -1),
+                            torch.where(valid, first_pair, 0)], dim=1)
     return BlockWork(
         pair_token=(order // (num_index_heads * top_k)).to(torch.int32),
-        pair_slot=order,
         bucket_start=starts.to(torch.int32),
         bucket_count=counts.to(torch.int32),
+        bucket_segments_end=segments_end.to(torch.int32),
         block_sequence=block_sequence.to(torch.int32),
         block_local=block_local.to(torch.int32),
-        tiles=tiles.to(torch.int32).contiguous(),
+        segments=segments.to(torch.int32).contiguous(),
+        segment_order=torch.argsort(pairs, descending=True, stable=True).to(torch.int32),
         num_global_blocks=num_global_blocks,
-        tile_tokens=tile_tokens,
+        segment_pairs=segment_pairs,
     )
 
 
