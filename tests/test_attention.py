@@ -77,23 +77,56 @@ def test_sparse_attention_decomposed_api_matches_reference():
         assert rel_rms_error(got, expected) < 1e-5
 
 
-def test_log_sum_exp_matches_the_kept_logits():
+def test_log_sum_exps_match_the_kept_logits():
+    """Main lse2 per (token, head) and the index log-sum-exp per (token, index head), both over
+    the kept causal keys, against logsumexp of explicitly masked logits."""
     case = CASES[0]
     inputs, _ = random_inputs(case, torch.float32, "cpu", seed=4)
     q, k, v, index_q, index_k = (t.detach() for t in inputs)
     ids = openmsa.select_blocks(index_q, index_k, top_k=3, block_size=64, backend="triton")
     cu = packed_offsets(None, 2, 200, "cpu")
-    scale = 64 ** -0.5
-    _, lse2 = attention_module.SparseAttentionFunction.apply(
-        packed_tokens(q), packed_tokens(k), packed_tokens(v), ids_to_token_major(ids, False),
-        cu, 64, scale)
-    # Reference: logsumexp over the kept, causal keys of scale * q.k, per (token, head).
+    scale, index_scale = 64 ** -0.5, 0.3
+    flat = [packed_tokens(t) for t in (q, k, v, index_q, index_k)]
+    problem = attention_module.SparseAttentionProblem(
+        flat[0], flat[1], ids_to_token_major(ids, False), cu, 64, scale, flat[4], index_scale)
+    _, lse2, lse_index = attention_module.sparse_attention_fwd(*flat, problem)
     pos = torch.arange(200)
     kept = (ids[..., None] == (pos // 64)).any(-2) & (pos[None, :] <= pos[:, None])  # [B,Hi,S,S]
     logits = scale * torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(2, dim=2))
     logits = logits.masked_fill(~kept.repeat_interleave(2, dim=1), float("-inf"))
     expected = torch.logsumexp(logits, -1).permute(0, 2, 1).reshape(400, 4)
     torch.testing.assert_close(lse2 * math.log(2), expected, rtol=1e-5, atol=1e-5)
+    z = index_scale * torch.einsum("bird,bjrd->brij", index_q, index_k.expand(-1, -1, 2, -1))
+    expected_index = torch.logsumexp(z.masked_fill(~kept, float("-inf")), -1)
+    torch.testing.assert_close(lse_index, expected_index.permute(0, 2, 1).reshape(400, 2),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_kl_value_false_gives_a_zero_carrier_with_the_same_gradient():
+    case = CASES[1]
+    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=10)
+    out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(11))
+    options = dict(case.options, backend="triton")
+    exact, _ = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 2.5,
+                              **options)
+    carrier, _ = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 2.5,
+                                kl_value=False, **options)
+    assert exact["kl"].item() > 0 and carrier["kl"].item() == 0.0
+    for name in QUANTITY_NAMES[2:]:
+        assert torch.equal(exact[name], carrier[name]), name
+
+
+def test_kl_gradient_scales_with_the_weight_on_kl():
+    """Loss scaling composes: the index gradients are exactly linear in the KL weight."""
+    case = CASES[0]
+    inputs, _ = random_inputs(case, torch.float32, "cpu", seed=12)
+    out_grad = torch.zeros(*inputs[0].shape)
+    options = dict(case.options, backend="triton")
+    one, _ = run_with_grads(openmsa.msa_attention, inputs, None, out_grad, 1.0, **options)
+    four, _ = run_with_grads(openmsa.msa_attention, inputs, None, out_grad, 4.0, **options)
+    for name in ("dindex_q", "dindex_k"):
+        torch.testing.assert_close(four[name], 4 * one[name], rtol=1e-6, atol=0)
+    assert torch.count_nonzero(one["dq"]) == 0  # kl sends nothing to q, k, v
 
 
 def test_every_output_element_is_written(monkeypatch):

@@ -31,66 +31,143 @@ LOG2_E = math.log2(math.e)
 
 
 @triton.jit
-def _query_tile_rows(SCHEDULE, CU_SEQLENS, entry, index_head, GQ: tl.constexpr,
-                     TOK: tl.constexpr, ROWS: tl.constexpr):
-    """Rows of a (real) query tile: TOK consecutive tokens of one sequence x the GQ heads of
-    ``index_head``. Returns (seq_start, seq_len, valid, token, position, head)."""
+def _query_tile(SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI: tl.constexpr,
+                GQ: tl.constexpr, GQ_PAD: tl.constexpr, TOK: tl.constexpr, ROWS: tl.constexpr,
+                TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr):
+    """A (real) query tile: TOK consecutive tokens of one sequence; its MMA rows are the GQ heads
+    of ``index_head`` x the tokens, head-major (row = g * TOK + t; heads GQ..GQ_PAD-1 padding).
+    Returns the sequence's start and length, the tile's first position, per-row (valid, packed
+    token, position, head), per-token (valid, packed token, position) and the tokens' kept ids
+    [TOK, TOPK_PAD] (-1 padded)."""
     sequence = tl.load(SCHEDULE + 2 * entry).to(tl.int64)
     tile = tl.load(SCHEDULE + 2 * entry + 1).to(tl.int64)
     seq_start = tl.load(CU_SEQLENS + sequence).to(tl.int64)
     seq_len = tl.load(CU_SEQLENS + sequence + 1).to(tl.int64) - seq_start
+    first_position = tile * TOK
+    tok_position = first_position + tl.arange(0, TOK)
+    tok_valid = tok_position < seq_len
+    tok_token = seq_start + tok_position
+    slots = tl.arange(0, TOPK_PAD)
+    tok_ids = tl.load(IDS + (tok_token * HI + index_head)[:, None] * TOP_K + slots[None, :],
+                      mask=tok_valid[:, None] & (slots[None, :] < TOP_K), other=-1)
     rows = tl.arange(0, ROWS)
-    position = tile * TOK + rows // GQ  # [ROWS] position in the sequence
-    valid = (rows < TOK * GQ) & (position < seq_len)
-    head = index_head * GQ + rows % GQ
-    return seq_start, seq_len, valid, seq_start + position, position, head
+    row_position = first_position + rows % TOK
+    row_valid = (rows // TOK < GQ) & (row_position < seq_len)
+    row_head = index_head * GQ + rows // TOK
+    return (seq_start, seq_len, first_position, row_valid, seq_start + row_position,
+            row_position, row_head, tok_valid, tok_token, tok_position, tok_ids)
 
 
 @triton.jit
-def _sparse_attn_fwd_query_kernel(
-    Q, K, V, OUT, LSE, IDS, SCHEDULE, UNION, UNION_COUNT, CU_SEQLENS,
+def _rows_of_tokens(values, GQ_PAD: tl.constexpr, TOK: tl.constexpr):
+    """[TOK] per-token values -> [GQ_PAD * TOK] per-row values (head-major rows)."""
+    return tl.reshape(tl.broadcast_to(values[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
+
+
+@triton.jit
+def _token_teacher(probs, GQ: tl.constexpr, GQ_PAD: tl.constexpr, TOK: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """[GQ_PAD * TOK, BLOCK] masked probabilities (head-major rows, padding rows 0) -> the
+    teacher [TOK, BLOCK]: their mean over the GQ heads of each token."""
+    return tl.sum(tl.reshape(probs, (GQ_PAD, TOK, BLOCK)), axis=0) / GQ
+
+
+@triton.jit
+def _index_scores(index_q, ik, TOK: tl.constexpr, TOKP: tl.constexpr, BLOCK: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Index scores (unscaled) of the tile's tokens [TOK, BLOCK] from index_q [TOKP, Di] whose
+    rows TOK.. are zero (the MMA needs >= 16 rows)."""
+    scores = tl.dot(index_q, tl.trans(ik), input_precision=PRECISION)  # [TOKP, BLOCK]
+    return tl.sum(tl.reshape(scores, (TOKP // TOK, TOK, BLOCK)), axis=0)
+
+
+@triton.jit
+def _pad_tokens(values, TOK: tl.constexpr, TOKP: tl.constexpr, BLOCK: tl.constexpr):
+    """[TOK, BLOCK] -> [TOKP, BLOCK] with zero rows appended (the MMA needs >= 16 rows)."""
+    copies = tl.broadcast_to(values[None, :, :], (TOKP // TOK, TOK, BLOCK))
+    first = tl.arange(0, TOKP // TOK)[:, None, None] == 0
+    return tl.reshape(tl.where(first, copies, 0.0), (TOKP, BLOCK))
+
+
+@triton.jit
+def _load_block(K, V, IK, seq_start, seq_len, block, kv_head, index_kv_head, stride_k_t,
+                stride_k_h, stride_v_t, stride_v_h, stride_ik_t, stride_ik_h,
+                BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
+                WITH_INDEX: tl.constexpr):
+    """Keys [BLOCK, D], values and index keys [BLOCK, Di] (zeros if not WITH_INDEX) of a block."""
+    key_pos = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    key_valid = key_pos < seq_len
+    dims = tl.arange(0, HEAD_DIM)
+    rows = (seq_start + key_pos)[:, None]
+    k = tl.load(K + rows * stride_k_t + kv_head * stride_k_h + dims[None, :],
+                mask=key_valid[:, None], other=0.0)
+    v = tl.load(V + rows * stride_v_t + kv_head * stride_v_h + dims[None, :],
+                mask=key_valid[:, None], other=0.0)
+    index_dims = tl.arange(0, INDEX_DIM)
+    if WITH_INDEX:
+        ik = tl.load(IK + rows * stride_ik_t + index_kv_head * stride_ik_h + index_dims[None, :],
+                     mask=key_valid[:, None], other=0.0)
+    else:
+        ik = tl.zeros((BLOCK, INDEX_DIM), K.dtype.element_ty)
+    return key_pos, key_valid, k, v, ik
+
+
+@triton.jit
+def _sparse_attn_fwd_kernel(
+    Q, K, V, IQ, IK, OUT, LSE, LSE_INDEX, IDS, SCHEDULE, UNION, UNION_COUNT, CU_SEQLENS,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_o_t, stride_o_h, scale_log2,
-    HI: tl.constexpr, GQ: tl.constexpr, KV_GROUP: tl.constexpr, TOK: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TOP_K: tl.constexpr,
-    TOPK_PAD: tl.constexpr, UNION_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+    stride_o_t, stride_o_h, stride_iq_t, stride_iq_h, stride_ik_t, stride_ik_h,
+    scale_log2, index_scale,
+    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
+    INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr, TOP_K: tl.constexpr,
+    TOPK_PAD: tl.constexpr, UNION_SLOTS: tl.constexpr, WITH_INDEX: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Query-outer forward: one program per (query tile, index head) walks the distinct blocks
-    its tokens kept (flash-attention style online softmax); each row attends to the blocks of
-    its own token only. No partials: out and lse2 are written directly."""
+    its tokens kept (flash-attention online softmax); a row sees a block only if its own token
+    kept it. Writes out and lse2 directly (no partials); WITH_INDEX, also the index branch's
+    log-sum-exp over the kept tokens (natural log), which the KL needs."""
     entry = tl.program_id(0).to(tl.int64)
     index_head = tl.program_id(1).to(tl.int64)
     if tl.load(SCHEDULE + 2 * entry) < 0:  # padding entry
         return
-    seq_start, seq_len, valid, token, position, head = _query_tile_rows(
-        SCHEDULE, CU_SEQLENS, entry, index_head, GQ, TOK, ROWS)
+    (seq_start, seq_len, first_position, row_valid, row_token, row_position, row_head,
+     tok_valid, tok_token, tok_position, tok_ids) = _query_tile(
+        SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI, GQ, GQ_PAD, TOK, ROWS, TOP_K,
+        TOPK_PAD)
     kv_head = index_head // KV_GROUP
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
-                mask=valid[:, None], other=0.0)  # [ROWS, D]
-    slots = tl.arange(0, TOPK_PAD)
-    row_ids = tl.load(IDS + (token * HI + index_head)[:, None] * TOP_K + slots[None, :],
-                      mask=valid[:, None] & (slots[None, :] < TOP_K), other=-1)  # [ROWS, K]
-    key_offsets = tl.arange(0, BLOCK).to(tl.int64)
-    first_position = tl.min(tl.where(valid, position, 1 << 62))
+    q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
+                + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
+    padded = tl.arange(0, TOKP)
+    index_dims = tl.arange(0, INDEX_DIM)
+    if WITH_INDEX:
+        index_q = tl.load(IQ + (seq_start + first_position + padded)[:, None] * stride_iq_t
+                          + index_head * stride_iq_h + index_dims[None, :],
+                          mask=((padded < TOK) & (first_position + padded < seq_len))[:, None],
+                          other=0.0)  # [TOKP, Di], rows TOK.. zero
+    else:
+        index_q = tl.zeros((TOKP, INDEX_DIM), Q.dtype.element_ty)
     running_max = tl.full((ROWS,), float("-inf"), tl.float32)
     running_sum = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
+    index_max = tl.full((TOK,), float("-inf"), tl.float32)
+    index_sum = tl.zeros((TOK,), tl.float32)
     union_base = UNION + (entry * HI + index_head) * UNION_SLOTS
     for u in range(0, tl.load(UNION_COUNT + entry * HI + index_head)):
         block = tl.load(union_base + u).to(tl.int64)
-        key_pos = block * BLOCK + key_offsets
-        key_valid = key_pos < seq_len
-        k = tl.load(K + (seq_start + key_pos)[:, None] * stride_k_t + kv_head * stride_k_h
-                    + dims[None, :], mask=key_valid[:, None], other=0.0)
-        v = tl.load(V + (seq_start + key_pos)[:, None] * stride_v_t + kv_head * stride_v_h
-                    + dims[None, :], mask=key_valid[:, None], other=0.0)
-        member = tl.max((row_ids == block).to(tl.int32), axis=1) > 0  # row's token kept it
+        key_pos, key_valid, k, v, ik = _load_block(
+            K, V, IK, seq_start, seq_len, block, kv_head, index_head // INDEX_GROUP, stride_k_t,
+            stride_k_h, stride_v_t, stride_v_h, stride_ik_t, stride_ik_h, BLOCK, HEAD_DIM,
+            INDEX_DIM, WITH_INDEX)
+        tok_member = tl.max((tok_ids == block).to(tl.int32), axis=1) > 0  # token kept it
+        row_member = _rows_of_tokens(tok_member, GQ_PAD, TOK) & row_valid
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        # A block before the tile's first token that every row kept needs no mask.
-        if (block * BLOCK + BLOCK > first_position) | (tl.min(member.to(tl.int32)) == 0):
-            visible = (member[:, None] & key_valid[None, :]
-                       & (key_pos[None, :] <= position[:, None]))
+        # A block before the tile that every row kept needs no mask.
+        if (block * BLOCK + BLOCK > first_position) | (tl.min(row_member.to(tl.int32)) == 0):
+            visible = (row_member[:, None] & key_valid[None, :]
+                       & (key_pos[None, :] <= row_position[:, None]))
             scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -99,63 +176,163 @@ def _sparse_attn_fwd_query_kernel(
         running_sum = running_sum * rescale + tl.sum(probs, axis=1)
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
         running_max = new_max
-    running_sum = tl.where(valid, running_sum, 1.0)
-    tl.store(OUT + token[:, None] * stride_o_t + head[:, None] * stride_o_h + dims[None, :],
-             (acc / running_sum[:, None]).to(OUT.dtype.element_ty), mask=valid[:, None])
-    tl.store(LSE + token * (HI * GQ) + head, running_max + tl.log2(running_sum), mask=valid)
+        if WITH_INDEX:
+            z = _index_scores(index_q, ik, TOK, TOKP, BLOCK, PRECISION) * index_scale
+            tok_visible = (tok_member[:, None] & key_valid[None, :]
+                           & (key_pos[None, :] <= tok_position[:, None]))
+            z = tl.where(tok_visible, z, float("-inf"))
+            new_index_max = tl.maximum(index_max, tl.max(z, axis=1))
+            safe_index_max = tl.where(new_index_max == float("-inf"), 0.0, new_index_max)
+            index_sum = (index_sum * tl.exp(index_max - safe_index_max)
+                         + tl.sum(tl.exp(z - safe_index_max[:, None]), axis=1))
+            index_max = new_index_max
+    running_sum = tl.where(row_valid, running_sum, 1.0)
+    tl.store(OUT + row_token[:, None] * stride_o_t + row_head[:, None] * stride_o_h
+             + dims[None, :], (acc / running_sum[:, None]).to(OUT.dtype.element_ty),
+             mask=row_valid[:, None])
+    tl.store(LSE + row_token * (HI * GQ) + row_head, running_max + tl.log2(running_sum),
+             mask=row_valid)
+    if WITH_INDEX:
+        index_sum = tl.where(tok_valid, index_sum, 1.0)
+        tl.store(LSE_INDEX + tok_token * HI + index_head, index_max + tl.log(index_sum),
+                 mask=tok_valid)
+
+
+@triton.jit
+def _kl_value_kernel(
+    Q, K, V, IQ, IK, LSE, LSE_INDEX, KL_ROWS, IDS, SCHEDULE, UNION, UNION_COUNT, CU_SEQLENS,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_iq_t, stride_iq_h, stride_ik_t, stride_ik_h, scale_log2, index_scale,
+    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
+    INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr, TOP_K: tl.constexpr,
+    TOPK_PAD: tl.constexpr, UNION_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """KL(teacher || student) of every (token, index head), summed over its kept keys, from the
+    final log-sum-exps: the same walk as the forward, recomputing the main probabilities."""
+    entry = tl.program_id(0).to(tl.int64)
+    index_head = tl.program_id(1).to(tl.int64)
+    if tl.load(SCHEDULE + 2 * entry) < 0:
+        return
+    (seq_start, seq_len, first_position, row_valid, row_token, row_position, row_head,
+     tok_valid, tok_token, tok_position, tok_ids) = _query_tile(
+        SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI, GQ, GQ_PAD, TOK, ROWS, TOP_K,
+        TOPK_PAD)
+    kv_head = index_head // KV_GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
+                + dims[None, :], mask=row_valid[:, None], other=0.0)
+    lse = tl.load(LSE + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
+    padded = tl.arange(0, TOKP)
+    index_dims = tl.arange(0, INDEX_DIM)
+    index_q = tl.load(IQ + (seq_start + first_position + padded)[:, None] * stride_iq_t
+                      + index_head * stride_iq_h + index_dims[None, :],
+                      mask=((padded < TOK) & (first_position + padded < seq_len))[:, None],
+                      other=0.0)
+    lse_index = tl.load(LSE_INDEX + tok_token * HI + index_head, mask=tok_valid, other=0.0)
+    kl = tl.zeros((TOK,), tl.float32)
+    union_base = UNION + (entry * HI + index_head) * UNION_SLOTS
+    for u in range(0, tl.load(UNION_COUNT + entry * HI + index_head)):
+        block = tl.load(union_base + u).to(tl.int64)
+        key_pos, key_valid, k, v, ik = _load_block(
+            K, V, IK, seq_start, seq_len, block, kv_head, index_head // INDEX_GROUP, stride_k_t,
+            stride_k_h, stride_v_t, stride_v_h, stride_ik_t, stride_ik_h, BLOCK, HEAD_DIM,
+            INDEX_DIM, True)
+        tok_member = tl.max((tok_ids == block).to(tl.int32), axis=1) > 0
+        row_member = _rows_of_tokens(tok_member, GQ_PAD, TOK) & row_valid
+        visible = (row_member[:, None] & key_valid[None, :]
+                   & (key_pos[None, :] <= row_position[:, None]))
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        probs = tl.where(visible, tl.exp2(scores - lse[:, None]), 0.0)
+        teacher = _token_teacher(probs, GQ, GQ_PAD, TOK, BLOCK)  # [TOK, BLOCK]
+        log_student = (_index_scores(index_q, ik, TOK, TOKP, BLOCK, PRECISION) * index_scale
+                       - lse_index[:, None])
+        terms = teacher * (tl.log(tl.maximum(teacher, 1e-38)) - log_student)
+        kl += tl.sum(tl.where(teacher > 0, terms, 0.0), axis=1)
+    tl.store(KL_ROWS + tok_token * HI + index_head, kl, mask=tok_valid)
 
 
 @triton.jit
 def _sparse_attn_dq_kernel(
-    Q, K, V, DOUT, LSE, DELTA, DQ, IDS, SCHEDULE, UNION, UNION_COUNT, CU_SEQLENS,
+    Q, K, V, IQ, IK, DOUT, LSE, DELTA, LSE_INDEX, KL_GRAD, DQ, DIQ, IDS, SCHEDULE, UNION,
+    UNION_COUNT, CU_SEQLENS,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_do_t, stride_do_h, stride_dq_t, stride_dq_h, scale, scale_log2,
-    HI: tl.constexpr, GQ: tl.constexpr, KV_GROUP: tl.constexpr, TOK: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TOP_K: tl.constexpr,
-    TOPK_PAD: tl.constexpr, UNION_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+    stride_do_t, stride_do_h, stride_dq_t, stride_dq_h, stride_iq_t, stride_iq_h,
+    stride_ik_t, stride_ik_h, stride_diq_t, stride_diq_h, scale, scale_log2, index_scale,
+    kl_norm,
+    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
+    INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr, TOP_K: tl.constexpr,
+    TOPK_PAD: tl.constexpr, UNION_SLOTS: tl.constexpr, WITH_INDEX: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Query-outer dQ: the same walk as the forward, accumulating dQ in registers."""
+    """Query-outer dQ, and WITH_INDEX the KL gradient of index_q: the forward's walk; the main
+    probabilities it recomputes also give the teacher, d kl / d z = (s - t) / (Nq * Hi)."""
     entry = tl.program_id(0).to(tl.int64)
     index_head = tl.program_id(1).to(tl.int64)
-    if tl.load(SCHEDULE + 2 * entry) < 0:  # padding entry
+    if tl.load(SCHEDULE + 2 * entry) < 0:
         return
-    seq_start, seq_len, valid, token, position, head = _query_tile_rows(
-        SCHEDULE, CU_SEQLENS, entry, index_head, GQ, TOK, ROWS)
+    (seq_start, seq_len, first_position, row_valid, row_token, row_position, row_head,
+     tok_valid, tok_token, tok_position, tok_ids) = _query_tile(
+        SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI, GQ, GQ_PAD, TOK, ROWS, TOP_K,
+        TOPK_PAD)
     kv_head = index_head // KV_GROUP
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
-                mask=valid[:, None], other=0.0)
-    dout = tl.load(DOUT + token[:, None] * stride_do_t + head[:, None] * stride_do_h
-                   + dims[None, :], mask=valid[:, None], other=0.0)
-    lse = tl.load(LSE + token * (HI * GQ) + head, mask=valid, other=0.0)
-    delta = tl.load(DELTA + token * (HI * GQ) + head, mask=valid, other=0.0)
-    slots = tl.arange(0, TOPK_PAD)
-    row_ids = tl.load(IDS + (token * HI + index_head)[:, None] * TOP_K + slots[None, :],
-                      mask=valid[:, None] & (slots[None, :] < TOP_K), other=-1)
-    key_offsets = tl.arange(0, BLOCK).to(tl.int64)
-    first_position = tl.min(tl.where(valid, position, 1 << 62))
+    q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
+                + dims[None, :], mask=row_valid[:, None], other=0.0)
+    dout = tl.load(DOUT + row_token[:, None] * stride_do_t + row_head[:, None] * stride_do_h
+                   + dims[None, :], mask=row_valid[:, None], other=0.0)
+    lse = tl.load(LSE + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
+    delta = tl.load(DELTA + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
+    padded = tl.arange(0, TOKP)
+    index_dims = tl.arange(0, INDEX_DIM)
+    padded_valid = (padded < TOK) & (first_position + padded < seq_len)
+    if WITH_INDEX:
+        index_q = tl.load(IQ + (seq_start + first_position + padded)[:, None] * stride_iq_t
+                          + index_head * stride_iq_h + index_dims[None, :],
+                          mask=padded_valid[:, None], other=0.0)
+        lse_index = tl.load(LSE_INDEX + tok_token * HI + index_head, mask=tok_valid, other=0.0)
+        dz_scale = tl.load(KL_GRAD) * kl_norm * index_scale
+    else:
+        index_q = tl.zeros((TOKP, INDEX_DIM), Q.dtype.element_ty)
+        lse_index = tl.zeros((TOK,), tl.float32)
+        dz_scale = 0.0
     dq = tl.zeros((ROWS, HEAD_DIM), tl.float32)
+    d_index_q = tl.zeros((TOKP, INDEX_DIM), tl.float32)
     union_base = UNION + (entry * HI + index_head) * UNION_SLOTS
     for u in range(0, tl.load(UNION_COUNT + entry * HI + index_head)):
         block = tl.load(union_base + u).to(tl.int64)
-        key_pos = block * BLOCK + key_offsets
-        key_valid = key_pos < seq_len
-        k = tl.load(K + (seq_start + key_pos)[:, None] * stride_k_t + kv_head * stride_k_h
-                    + dims[None, :], mask=key_valid[:, None], other=0.0)
-        v = tl.load(V + (seq_start + key_pos)[:, None] * stride_v_t + kv_head * stride_v_h
-                    + dims[None, :], mask=key_valid[:, None], other=0.0)
-        member = tl.max((row_ids == block).to(tl.int32), axis=1) > 0
+        key_pos, key_valid, k, v, ik = _load_block(
+            K, V, IK, seq_start, seq_len, block, kv_head, index_head // INDEX_GROUP, stride_k_t,
+            stride_k_h, stride_v_t, stride_v_h, stride_ik_t, stride_ik_h, BLOCK, HEAD_DIM,
+            INDEX_DIM, WITH_INDEX)
+        tok_member = tl.max((tok_ids == block).to(tl.int32), axis=1) > 0
+        row_member = _rows_of_tokens(tok_member, GQ_PAD, TOK) & row_valid
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         probs = tl.exp2(scores - lse[:, None])
-        if (block * BLOCK + BLOCK > first_position) | (tl.min(member.to(tl.int32)) == 0):
-            visible = (member[:, None] & key_valid[None, :]
-                       & (key_pos[None, :] <= position[:, None]))
+        if (block * BLOCK + BLOCK > first_position) | (tl.min(row_member.to(tl.int32)) == 0):
+            visible = (row_member[:, None] & key_valid[None, :]
+                       & (key_pos[None, :] <= row_position[:, None]))
             probs = tl.where(visible, probs, 0.0)
         dprobs = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
         dscores = probs * (dprobs - delta[:, None])
         dq += tl.dot(dscores.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(DQ + token[:, None] * stride_dq_t + head[:, None] * stride_dq_h + dims[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=valid[:, None])
+        if WITH_INDEX:
+            teacher = _token_teacher(probs, GQ, GQ_PAD, TOK, BLOCK)
+            z = _index_scores(index_q, ik, TOK, TOKP, BLOCK, PRECISION) * index_scale
+            tok_visible = (tok_member[:, None] & key_valid[None, :]
+                           & (key_pos[None, :] <= tok_position[:, None]))
+            student = tl.where(tok_visible, tl.exp(z - lse_index[:, None]), 0.0)
+            # (s - t) lies in [-1, 1]; the tiny scale waits until the end, so 16-bit operands of
+            # the MMA keep their precision.
+            dz = _pad_tokens(student - teacher, TOK, TOKP, BLOCK)
+            d_index_q += tl.dot(dz.to(ik.dtype), ik, input_precision=PRECISION)
+    tl.store(DQ + row_token[:, None] * stride_dq_t + row_head[:, None] * stride_dq_h
+             + dims[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_valid[:, None])
+    if WITH_INDEX:
+        tl.store(DIQ + (seq_start + first_position + padded)[:, None] * stride_diq_t
+                 + index_head * stride_diq_h + index_dims[None, :],
+                 (d_index_q * dz_scale).to(DIQ.dtype.element_ty), mask=padded_valid[:, None])
 
 
 @triton.jit
@@ -175,16 +352,21 @@ def _delta_kernel(OUT, DOUT, DELTA, stride_o_t, stride_o_h, stride_do_t, stride_
 
 @triton.jit
 def _sparse_attn_dkdv_kernel(
-    Q, K, V, DOUT, LSE, DELTA, DK_PART, DV_PART, SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN,
-    BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
+    Q, K, V, IQ, IK, DOUT, LSE, DELTA, LSE_INDEX, KL_GRAD, DK_PART, DV_PART, DIK_PART,
+    SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+    BLOCK_LOCAL, CU_SEQLENS,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_do_t, stride_do_h, scale_log2,
-    HI: tl.constexpr, GQ: tl.constexpr, KV_GROUP: tl.constexpr, TOK: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr,
+    stride_do_t, stride_do_h, stride_iq_t, stride_iq_h, stride_ik_t, stride_ik_h,
+    scale_log2, index_scale, kl_norm,
+    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
+    INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
+    SEGMENT_PAIRS: tl.constexpr, WITH_INDEX: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Key-outer dK, dV of one segment (up to SEGMENT_PAIRS (token, index head) pairs that kept
-    one key block), taken in SEGMENT_ORDER (most pairs first); fp32 partials, unscaled dK."""
+    """Key-outer dK, dV (and WITH_INDEX the KL gradient of index_k) of one segment: up to
+    SEGMENT_PAIRS (token, index head) pairs that kept one key block, TOK pairs x GQ heads
+    (head-major rows) per step; segments run in SEGMENT_ORDER (most pairs first). Writes fp32
+    partials (dK unscaled)."""
     segment = tl.load(SEGMENT_ORDER + tl.program_id(0)).to(tl.int64)
     bucket = tl.load(SEGMENTS + 2 * segment).to(tl.int64)
     if bucket < 0:
@@ -199,86 +381,104 @@ def _sparse_attn_dkdv_kernel(
     seq_len = tl.load(CU_SEQLENS + sequence + 1).to(tl.int64) - seq_start
     bucket_end = (tl.load(BUCKET_START + bucket) + tl.load(BUCKET_COUNT + bucket)).to(tl.int64)
     last = tl.minimum(first + SEGMENT_PAIRS, bucket_end)
+    key_pos, key_valid, k, v, ik = _load_block(
+        K, V, IK, seq_start, seq_len, block, kv_head, index_head // INDEX_GROUP, stride_k_t,
+        stride_k_h, stride_v_t, stride_v_h, stride_ik_t, stride_ik_h, BLOCK, HEAD_DIM,
+        INDEX_DIM, WITH_INDEX)
     dims = tl.arange(0, HEAD_DIM)
-    key_pos = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    key_valid = key_pos < seq_len
-    k = tl.load(K + (seq_start + key_pos)[:, None] * stride_k_t + kv_head * stride_k_h
-                + dims[None, :], mask=key_valid[:, None], other=0.0)  # [BLOCK, D]
-    v = tl.load(V + (seq_start + key_pos)[:, None] * stride_v_t + kv_head * stride_v_h
-                + dims[None, :], mask=key_valid[:, None], other=0.0)
+    index_dims = tl.arange(0, INDEX_DIM)
     dk = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+    d_index_k = tl.zeros((BLOCK, INDEX_DIM), tl.float32)
+    if WITH_INDEX:
+        dz_scale = tl.load(KL_GRAD) * kl_norm * index_scale
+    else:
+        dz_scale = 0.0
     rows = tl.arange(0, ROWS)
-    head = index_head * GQ + rows % GQ
+    row_head = index_head * GQ + rows // TOK
+    pairs = tl.arange(0, TOK)
+    padded = tl.arange(0, TOKP)
     for first_pair in range(first, last, TOK):
-        pair = first_pair + rows // GQ
-        valid = (rows < TOK * GQ) & (pair < last)
-        token = tl.load(PAIR_TOKEN + pair, mask=valid, other=0).to(tl.int64)
-        q = tl.load(Q + token[:, None] * stride_q_t + head[:, None] * stride_q_h
-                    + dims[None, :], mask=valid[:, None], other=0.0)  # [ROWS, D]
-        dout = tl.load(DOUT + token[:, None] * stride_do_t + head[:, None] * stride_do_h
-                       + dims[None, :], mask=valid[:, None], other=0.0)
-        lse = tl.load(LSE + token * (HI * GQ) + head, mask=valid, other=0.0)
-        delta = tl.load(DELTA + token * (HI * GQ) + head, mask=valid, other=0.0)
+        pair_valid = first_pair + pairs < last
+        pair_token = tl.load(PAIR_TOKEN + first_pair + pairs, mask=pair_valid,
+                             other=0).to(tl.int64)
+        row_token = _rows_of_tokens(pair_token, GQ_PAD, TOK)
+        row_valid = _rows_of_tokens(pair_valid, GQ_PAD, TOK) & (rows // TOK < GQ)
+        q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
+                    + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
+        dout = tl.load(DOUT + row_token[:, None] * stride_do_t + row_head[:, None] * stride_do_h
+                       + dims[None, :], mask=row_valid[:, None], other=0.0)
+        lse = tl.load(LSE + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
+        delta = tl.load(DELTA + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
         # Transposed products keep the block's keys as the MMA's M dimension.
         scores_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
         probs_t = tl.exp2(scores_t - lse[None, :])  # [BLOCK, ROWS]
-        # Padding rows have q = dO = 0 and add nothing; only queries inside the block (the
-        # first pairs of a bucket: they are in token order) need the causal mask.
-        if tl.load(PAIR_TOKEN + first_pair) - seq_start < block * BLOCK + BLOCK - 1:
-            query_pos = token - seq_start
-            probs_t = tl.where(key_pos[:, None] <= query_pos[None, :], probs_t, 0.0)
+        # Padding rows (q = dO = 0) add nothing to dK and dV, but the teacher needs them at 0;
+        # only queries inside the block (the first pairs: token order) need the causal mask.
+        query_pos = row_token - seq_start
+        needs_mask = tl.load(PAIR_TOKEN + first_pair) - seq_start < block * BLOCK + BLOCK - 1
+        if WITH_INDEX:
+            needs_mask = needs_mask | (first_pair + TOK > last) | (GQ < GQ_PAD)
+        if needs_mask:
+            probs_t = tl.where(row_valid[None, :] & (key_pos[:, None] <= query_pos[None, :]),
+                               probs_t, 0.0)
         dv += tl.dot(probs_t.to(dout.dtype), dout, input_precision=PRECISION)
         dprobs_t = tl.dot(v, tl.trans(dout), input_precision=PRECISION)
         dscores_t = probs_t * (dprobs_t - delta[None, :])  # d loss / d (scaled logits)
         dk += tl.dot(dscores_t.to(q.dtype), q, input_precision=PRECISION)
+        if WITH_INDEX:
+            teacher_t = tl.trans(_token_teacher(tl.trans(probs_t), GQ, GQ_PAD, TOK, BLOCK))
+            padded_valid = (padded < TOK) & (first_pair + padded < last)
+            padded_token = tl.load(PAIR_TOKEN + first_pair + padded, mask=padded_valid,
+                                   other=0).to(tl.int64)
+            index_q = tl.load(IQ + padded_token[:, None] * stride_iq_t + index_head * stride_iq_h
+                              + index_dims[None, :], mask=padded_valid[:, None],
+                              other=0.0)  # [TOKP, Di], rows TOK.. zero
+            z_t = tl.trans(_index_scores(index_q, ik, TOK, TOKP, BLOCK, PRECISION)) * index_scale
+            lse_index = tl.load(LSE_INDEX + pair_token * HI + index_head, mask=pair_valid,
+                                other=0.0)
+            pair_pos = pair_token - seq_start
+            visible_t = pair_valid[None, :] & (key_pos[:, None] <= pair_pos[None, :])
+            student_t = tl.where(visible_t, tl.exp(z_t - lse_index[None, :]), 0.0)
+            dz = _pad_tokens(tl.trans(student_t - teacher_t), TOK, TOKP, BLOCK)  # scaled at the end
+            d_index_k += tl.dot(tl.trans(dz.to(index_q.dtype)), index_q,
+                                input_precision=PRECISION)
     offsets = (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * HEAD_DIM + dims[None, :]
     tl.store(DK_PART + offsets, dk)
     tl.store(DV_PART + offsets, dv)
+    if WITH_INDEX:
+        tl.store(DIK_PART + (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * INDEX_DIM
+                 + index_dims[None, :], d_index_k * dz_scale)
 
 
 @triton.jit
-def _reduce_dkdv_kernel(
-    DK_PART, DV_PART, DK, DV, BUCKET_SEGMENTS_END, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
-    stride_dk_t, stride_dk_h, stride_dv_t, stride_dv_h, scale,
-    HI: tl.constexpr, KV_GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+def _reduce_segments_kernel(
+    PART, OUT, BUCKET_SEGMENTS_END, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, stride_t, stride_h,
+    scale, HI: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """dK, dV of one (key block, KV head): the sum of its segments' partials, in order."""
+    """One (key block, output head) of dK, dV or d index_k: ``scale`` x the sum, in order, of
+    the partials of the segments of its GROUP index heads (contiguous buckets)."""
     global_block = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1).to(tl.int64)
+    out_head = tl.program_id(1).to(tl.int64)
     sequence = tl.load(BLOCK_SEQUENCE + global_block).to(tl.int64)
     if sequence < 0:
         return
     block = tl.load(BLOCK_LOCAL + global_block).to(tl.int64)
     seq_start = tl.load(CU_SEQLENS + sequence).to(tl.int64)
     seq_len = tl.load(CU_SEQLENS + sequence + 1).to(tl.int64) - seq_start
-    # The buckets of this KV head's index heads are contiguous, so are their segments.
-    first_bucket = global_block * HI + kv_head * KV_GROUP
+    first_bucket = global_block * HI + out_head * GROUP
     first_segment = tl.load(BUCKET_SEGMENTS_END + first_bucket - 1, mask=first_bucket > 0,
                             other=0).to(tl.int64)
-    end_segment = tl.load(BUCKET_SEGMENTS_END + first_bucket + KV_GROUP - 1).to(tl.int64)
+    end_segment = tl.load(BUCKET_SEGMENTS_END + first_bucket + GROUP - 1).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
     keys = tl.arange(0, BLOCK)
-    dk = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-    dv = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+    acc = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
     for segment in range(first_segment, end_segment):
-        offsets = (segment * BLOCK + keys)[:, None] * HEAD_DIM + dims[None, :]
-        dk += tl.load(DK_PART + offsets)
-        dv += tl.load(DV_PART + offsets)
+        acc += tl.load(PART + (segment * BLOCK + keys)[:, None] * HEAD_DIM + dims[None, :])
     key_pos = block * BLOCK + keys.to(tl.int64)
-    key_valid = (key_pos < seq_len)[:, None]
-    tl.store(DK + (seq_start + key_pos)[:, None] * stride_dk_t + kv_head * stride_dk_h
-             + dims[None, :], (dk * scale).to(DK.dtype.element_ty), mask=key_valid)
-    tl.store(DV + (seq_start + key_pos)[:, None] * stride_dv_t + kv_head * stride_dv_h
-             + dims[None, :], dv.to(DV.dtype.element_ty), mask=key_valid)
-
-
-def _rows_for(gq: int, target_rows: int) -> tuple[int, int]:
-    """(tokens per tile, padded MMA rows) for ``gq`` heads per token and about ``target_rows``."""
-    tokens = max(1, target_rows // gq)
-    tokens = 1 << (tokens.bit_length() - 1)  # a power of two
-    return tokens, max(16, triton.next_power_of_2(tokens * gq))
+    tl.store(OUT + (seq_start + key_pos)[:, None] * stride_t + out_head * stride_h
+             + dims[None, :], (acc * scale).to(OUT.dtype.element_ty),
+             mask=(key_pos < seq_len)[:, None])
 
 
 def _precision(tensor) -> str:
@@ -290,140 +490,201 @@ def _pow2(n: int) -> int:
     return max(2, triton.next_power_of_2(n))
 
 
-def _combine_rows_for(gq: int, tensor) -> int:
-    """Rows of the memory-bound combine kernels: whole groups of ``gq`` heads, ~64 rows on a GPU;
-    many more under the CPU interpreter, whose cost is per program."""
-    target = 64 if tensor.is_cuda else 1024
-    return triton.next_power_of_2(max(gq, target))
-
-
-class SparseAttentionProblem:
-    """Shapes and the work lists shared by the forward and the backward of one call."""
-
-    def __init__(self, q, k, block_ids, cu_seqlens, block_size, softmax_scale,
-                 query_rows=128, key_rows=64):
-        self.total, self.num_heads, self.head_dim = q.shape
-        self.num_kv_heads = k.shape[1]
-        self.num_index_heads, self.top_k = block_ids.shape[1], block_ids.shape[2]
-        self.gq = self.num_heads // self.num_index_heads
-        self.kv_group = self.num_index_heads // self.num_kv_heads
-        self.block_size = block_size
-        self.scale = softmax_scale
-        self.query_tokens, self.query_rows = _rows_for(self.gq, query_rows)
-        self.key_tokens, self.key_rows = _rows_for(self.gq, key_rows)
-        self.block_ids = block_ids
-        self.cu_seqlens = cu_seqlens
-        self.query_work: QueryTileWork = build_query_tile_work(block_ids, cu_seqlens,
-                                                               self.query_tokens)
-        self.block_work: BlockWork = build_block_work(block_ids, cu_seqlens, block_size,
-                                                      SEGMENT_PAIRS)
-
-    def query_constants(self, q):
-        return dict(HI=self.num_index_heads, GQ=self.gq, KV_GROUP=self.kv_group,
-                    TOK=self.query_tokens, ROWS=self.query_rows, BLOCK=self.block_size,
-                    HEAD_DIM=self.head_dim, TOP_K=self.top_k, TOPK_PAD=_pow2(self.top_k),
-                    UNION_SLOTS=self.query_work.union.shape[-1], PRECISION=_precision(q))
+def _tile_shape(gq: int, target_rows: int) -> tuple[int, int, int]:
+    """(tokens per tile, padded heads, MMA rows) for ``gq`` heads per token: a power-of-two
+    token count with about ``target_rows`` rows, and at least 16 rows."""
+    heads = triton.next_power_of_2(gq)
+    tokens = max(1, target_rows // heads)
+    tokens = 1 << (tokens.bit_length() - 1)
+    tokens = max(tokens, 16 // min(heads, 16))
+    return tokens, heads, heads * tokens
 
 
 # Launch configurations: the winners of benchmarks/bench_attention.py's sweep on an H200.
 FWD_CONFIG = dict(num_warps=8, num_stages=2)
-# Pairs per dK/dV program: bounds a program's work when many queries keep the same block.
-SEGMENT_PAIRS = 2048
 DQ_CONFIG = dict(num_warps=8, num_stages=2)
 DKDV_CONFIG = dict(num_warps=8, num_stages=2)
+# Pairs per dK/dV program: bounds a program's work when many queries keep the same block.
+SEGMENT_PAIRS = 2048
 
 
-def sparse_attention_fwd(q, k, v, problem: SparseAttentionProblem,
+class SparseAttentionProblem:
+    """Shapes, constants and device-built work lists shared by the forward and the backward.
+
+    ``index_k``, ``index_scale`` (None: main attention only, no KL) describe the index branch.
+    """
+
+    def __init__(self, q, k, block_ids, cu_seqlens, block_size, softmax_scale, index_k=None,
+                 index_scale=None, query_rows=128, key_rows=64):
+        self.total, self.num_heads, self.head_dim = q.shape
+        self.num_kv_heads = k.shape[1]
+        self.num_index_heads, self.top_k = block_ids.shape[1], block_ids.shape[2]
+        self.gq = self.num_heads // self.num_index_heads
+        self.with_index = index_k is not None
+        self.index_dim = index_k.shape[2] if self.with_index else 16
+        self.index_group = self.num_index_heads // index_k.shape[1] if self.with_index else 1
+        self.index_scale = index_scale if self.with_index else 0.0
+        self.block_size = block_size
+        self.scale = softmax_scale
+        self.block_ids = block_ids
+        self.cu_seqlens = cu_seqlens
+        self.query_tokens, gq_pad, self.query_rows = _tile_shape(self.gq, query_rows)
+        self.key_tokens, _, self.key_rows = _tile_shape(self.gq, key_rows)
+        self.query_work: QueryTileWork = build_query_tile_work(block_ids, cu_seqlens,
+                                                               self.query_tokens)
+        self.block_work: BlockWork = build_block_work(block_ids, cu_seqlens, block_size,
+                                                      SEGMENT_PAIRS)
+        self.shared = dict(HI=self.num_index_heads, GQ=self.gq, GQ_PAD=gq_pad,
+                           KV_GROUP=self.num_index_heads // self.num_kv_heads,
+                           INDEX_GROUP=self.index_group, BLOCK=block_size,
+                           HEAD_DIM=self.head_dim, INDEX_DIM=self.index_dim,
+                           PRECISION=_precision(q))
+
+    def query_constants(self):
+        return dict(self.shared, TOK=self.query_tokens, TOKP=max(16, self.query_tokens),
+                    ROWS=self.query_rows, TOP_K=self.top_k, TOPK_PAD=_pow2(self.top_k),
+                    UNION_SLOTS=self.query_work.union.shape[-1])
+
+    def key_constants(self):
+        return dict(self.shared, TOK=self.key_tokens, TOKP=max(16, self.key_tokens),
+                    ROWS=self.key_rows, SEGMENT_PAIRS=self.block_work.segment_pairs)
+
+    def query_grid(self):
+        return (self.query_work.schedule.shape[0], self.num_index_heads)
+
+    def query_work_args(self):
+        work = self.query_work
+        return (self.block_ids, work.schedule, work.union, work.union_count, self.cu_seqlens)
+
+
+def _strides(*tensors):
+    return [stride for t in tensors for stride in (t.stride(0), t.stride(1))]
+
+
+def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
                          num_warps=FWD_CONFIG["num_warps"], num_stages=FWD_CONFIG["num_stages"]):
-    """q: [T, H, D]; k, v: [T, Hkv, D]. Returns out [T, H, D] (q's dtype) and lse2 [T, H] fp32.
-
-    Query-outer: each (query tile, index head) walks the distinct blocks its tokens kept."""
-    p = problem
+    """q [T, H, D], k, v [T, Hkv, D] (index_q [T, Hi, Di], index_k [T, Hik, Di] or None).
+    Returns out [T, H, D] (q's dtype), lse2 [T, H] and the index log-sum-exp [T, Hi] (natural
+    log over the kept tokens; None without the index branch), both fp32."""
     out = torch.empty_like(q)
     lse = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
-    work = p.query_work
-    _sparse_attn_fwd_query_kernel[(work.schedule.shape[0], p.num_index_heads)](
-        q, k, v, out, lse, p.block_ids, work.schedule, work.union, work.union_count,
-        p.cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), out.stride(0), out.stride(1), p.scale * LOG2_E,
-        **p.query_constants(q), num_warps=num_warps, num_stages=num_stages)
-    return out, lse
+    lse_index = (torch.empty(p.total, p.num_index_heads, dtype=torch.float32, device=q.device)
+                 if p.with_index else lse)
+    iq, ik = (index_q, index_k) if p.with_index else (q, k)  # unused placeholders otherwise
+    _sparse_attn_fwd_kernel[p.query_grid()](
+        q, k, v, iq, ik, out, lse, lse_index, *p.query_work_args(),
+        *_strides(q, k, v, out, iq, ik), p.scale * LOG2_E, p.index_scale,
+        **p.query_constants(), WITH_INDEX=p.with_index, num_warps=num_warps,
+        num_stages=num_stages)
+    return out, lse, (lse_index if p.with_index else None)
+
+
+def kl_rows(q, k, v, index_q, index_k, lse, lse_index, p: SparseAttentionProblem):
+    """[T, Hi] fp32: sum over the kept keys of t * log(t / s) for every (token, index head)."""
+    rows = torch.empty(p.total, p.num_index_heads, dtype=torch.float32, device=q.device)
+    _kl_value_kernel[p.query_grid()](
+        q, k, v, index_q, index_k, lse, lse_index, rows, *p.query_work_args(),
+        *_strides(q, k, v, index_q, index_k), p.scale * LOG2_E, p.index_scale,
+        **p.query_constants(), **FWD_CONFIG)
+    return rows
 
 
 def attention_delta(out, dout, p: SparseAttentionProblem):
     """[T, H] fp32: sum_d dO * O per (token, head)."""
     delta = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=out.device)
-    rows = _combine_rows_for(1, out)
+    rows = 64 if out.is_cuda else 1024  # the interpreter's cost is per program
     _delta_kernel[(triton.cdiv(p.total * p.num_heads, rows),)](
         out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
         p.total * p.num_heads, NUM_HEADS=p.num_heads, HEAD_DIM=p.head_dim, ROWS=rows)
     return delta
 
 
-def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, num_warps=8,
-                 num_stages=2):
-    """dq, query-outer: each query tile walks its kept-block union (the forward's walk)."""
+def attention_dq(q, k, v, index_q, index_k, dout, lse, delta, lse_index, kl_grad,
+                 p: SparseAttentionProblem, num_warps=DQ_CONFIG["num_warps"],
+                 num_stages=DQ_CONFIG["num_stages"]):
+    """dq (and d index_q when the problem has an index branch), query-outer."""
     dq = torch.empty_like(q)
-    work = p.query_work
-    _sparse_attn_dq_kernel[(work.schedule.shape[0], p.num_index_heads)](
-        q, k, v, dout, lse, delta, dq, p.block_ids, work.schedule, work.union, work.union_count,
-        p.cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), p.scale,
-        p.scale * LOG2_E, **p.query_constants(q), num_warps=num_warps, num_stages=num_stages)
-    return dq
+    iq, ik = (index_q, index_k) if p.with_index else (q, k)
+    d_index_q = torch.empty_like(iq) if p.with_index else dq
+    _sparse_attn_dq_kernel[p.query_grid()](
+        q, k, v, iq, ik, dout, lse, delta, lse_index if p.with_index else lse,
+        kl_grad if p.with_index else lse, dq, d_index_q, *p.query_work_args(),
+        *_strides(q, k, v, dout, dq, iq, ik, d_index_q), p.scale, p.scale * LOG2_E,
+        p.index_scale, 1.0 / (p.total * p.num_index_heads), **p.query_constants(),
+        WITH_INDEX=p.with_index, num_warps=num_warps, num_stages=num_stages)
+    return dq, (d_index_q if p.with_index else None)
 
 
-def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem, num_warps=8,
-                   num_stages=2):
-    """dk, dv, key-outer: fp32 partials per segment of pairs, then an in-order sum per block."""
+def attention_dkdv(q, k, v, index_q, index_k, dout, lse, delta, lse_index, kl_grad,
+                   p: SparseAttentionProblem, num_warps=DKDV_CONFIG["num_warps"],
+                   num_stages=DKDV_CONFIG["num_stages"]):
+    """dk, dv (and d index_k with an index branch), key-outer: fp32 partials per segment of
+    pairs, then an in-order sum per key block."""
     blocks = p.block_work
-    num_segments = blocks.segments.shape[0]
-    dk_part = torch.empty(num_segments * p.block_size, p.head_dim, dtype=torch.float32,
-                          device=q.device)
-    dv_part = torch.empty_like(dk_part)
-    _sparse_attn_dkdv_kernel[(num_segments,)](
-        q, k, v, dout, lse, delta, dk_part, dv_part, blocks.segments, blocks.segment_order,
+    segments = blocks.segments.shape[0]
+    parts = [torch.empty(segments * p.block_size, dim, dtype=torch.float32, device=q.device)
+             for dim in (p.head_dim, p.head_dim, p.index_dim if p.with_index else 1)]
+    iq, ik = (index_q, index_k) if p.with_index else (q, k)
+    _sparse_attn_dkdv_kernel[(segments,)](
+        q, k, v, iq, ik, dout, lse, delta, lse_index if p.with_index else lse,
+        kl_grad if p.with_index else lse, *parts, blocks.segments, blocks.segment_order,
         blocks.pair_token, blocks.bucket_start, blocks.bucket_count, blocks.block_sequence,
-        blocks.block_local, p.cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), p.scale * LOG2_E,
-        HI=p.num_index_heads, GQ=p.gq, KV_GROUP=p.kv_group, TOK=p.key_tokens, ROWS=p.key_rows,
-        BLOCK=p.block_size, HEAD_DIM=p.head_dim, SEGMENT_PAIRS=blocks.segment_pairs,
-        PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages)
+        blocks.block_local, p.cu_seqlens, *_strides(q, k, v, dout, iq, ik),
+        p.scale * LOG2_E, p.index_scale, 1.0 / (p.total * p.num_index_heads),
+        **p.key_constants(), WITH_INDEX=p.with_index, num_warps=num_warps,
+        num_stages=num_stages)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    _reduce_dkdv_kernel[(blocks.num_global_blocks, p.num_kv_heads)](
-        dk_part, dv_part, dk, dv, blocks.bucket_segments_end, blocks.block_sequence,
-        blocks.block_local, p.cu_seqlens, dk.stride(0), dk.stride(1), dv.stride(0),
-        dv.stride(1), p.scale, HI=p.num_index_heads, KV_GROUP=p.kv_group,
-        NUM_KV_HEADS=p.num_kv_heads, BLOCK=p.block_size, HEAD_DIM=p.head_dim, num_warps=4)
-    return dk, dv
-
-
-def sparse_attention_bwd(q, k, v, out, lse, dout, problem: SparseAttentionProblem):
-    """Gradients dq [T, H, D], dk, dv [T, Hkv, D] (inputs' dtypes) of the sparse attention:
-    dq query-outer, dk and dv key-outer; deterministic (every sum runs in a fixed order)."""
-    delta = attention_delta(out, dout, problem)
-    dq = attention_dq(q, k, v, dout, lse, delta, problem, **DQ_CONFIG)
-    dk, dv = attention_dkdv(q, k, v, dout, lse, delta, problem, **DKDV_CONFIG)
-    return dq, dk, dv
+    outputs = [(parts[0], dk, p.scale, p.shared["KV_GROUP"], p.head_dim),
+               (parts[1], dv, 1.0, p.shared["KV_GROUP"], p.head_dim)]
+    d_index_k = None
+    if p.with_index:
+        d_index_k = torch.empty_like(index_k)
+        outputs.append((parts[2], d_index_k, 1.0, p.index_group, p.index_dim))
+    for part, out, scale, group, dim in outputs:
+        _reduce_segments_kernel[(blocks.num_global_blocks, out.shape[1])](
+            part, out, blocks.bucket_segments_end, blocks.block_sequence, blocks.block_local,
+            p.cu_seqlens, out.stride(0), out.stride(1), scale, HI=p.num_index_heads,
+            GROUP=group, BLOCK=p.block_size, HEAD_DIM=dim, num_warps=4)
+    return dk, dv, d_index_k
 
 
 class SparseAttentionFunction(torch.autograd.Function):
-    """Autograd over packed inputs: (q [T, H, D], k, v [T, Hkv, D], block_ids int32
-    [T, Hi, top_k] token-major, cu_seqlens, block_size, scale) -> (out, lse2)."""
+    """Autograd over packed inputs (q [T, H, D]; k, v [T, Hkv, D]; index_q [T, Hi, Di] and
+    index_k [T, Hik, Di], or None for the main attention alone; block_ids int32 [T, Hi, k]
+    token-major). Returns out and the KL (a float32 0-dim tensor: the exact value, or 0 with
+    ``kl_value=False``, with the same gradient either way; None without index tensors)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, block_ids, cu_seqlens, block_size, softmax_scale):
-        problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale)
-        out, lse = sparse_attention_fwd(q, k, v, problem)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, index_q, index_k, block_ids, cu_seqlens, block_size, softmax_scale,
+                index_scale, kl_value):
+        with_index = index_q is not None
+        problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
+                                         index_k, index_scale)
+        out, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem)
+        if not with_index:
+            kl = None
+        elif kl_value:
+            kl = kl_rows(q, k, v, index_q, index_k, lse, lse_index, problem).sum() / (
+                problem.total * problem.num_index_heads)
+        else:
+            kl = torch.zeros((), dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, index_q, index_k, out, lse, lse_index)
         ctx.problem = problem
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        return out, kl
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+    def backward(ctx, dout, dkl):
+        q, k, v, index_q, index_k, out, lse, lse_index = ctx.saved_tensors
+        p = ctx.problem
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        dq, dk, dv = sparse_attention_bwd(q, k, v, out, lse, dout, ctx.problem)
-        return dq, dk, dv, None, None, None, None
+        kl_grad = None
+        if p.with_index:
+            kl_grad = (dkl if dkl is not None else torch.zeros((), device=q.device)).float()
+            kl_grad = kl_grad.reshape(1).contiguous()
+        delta = attention_delta(out, dout, p)
+        dq, d_index_q = attention_dq(q, k, v, index_q, index_k, dout, lse, delta, lse_index,
+                                     kl_grad, p)
+        dk, dv, d_index_k = attention_dkdv(q, k, v, index_q, index_k, dout, lse, delta,
+                                           lse_index, kl_grad, p)
+        return dq, dk, dv, d_index_q, d_index_k, None, None, None, None, None, None

@@ -41,7 +41,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
                   num_local_blocks: int = 1, num_sink_blocks: int = 0, warmup: bool = False,
                   cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
                   deterministic: bool = False, return_indices: bool = False,
-                  backend: str = "auto", block_indices: torch.Tensor | None = None):
+                  backend: str = "auto", block_indices: torch.Tensor | None = None,
+                  kl_value: bool = True):
     """MiniMax Sparse Attention: returns ``(out, kl)`` (``(out, kl, indices)`` with
     ``return_indices=True``).
 
@@ -67,6 +68,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
             also accepts float64).
         block_indices: optional kept block ids in the layout ``return_indices`` gives (any number
             of slots, ``-1`` unused); used instead of the index branch's own selection.
+        kl_value: compute the KL's value (one more pass over the kept blocks). With False,
+            ``kl`` is a zero-valued carrier: its value is 0 and its gradient is exactly the KL's.
 
     Returns:
         ``out`` with q's shape and dtype; ``kl``, a float32 0-dim tensor holding the exact
@@ -75,10 +78,10 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
 
     Backends: ``"auto"`` uses the Triton kernels for CUDA tensors and the eager reference for CPU
     tensors; ``"triton"`` forces the kernels (CPU tensors need ``TRITON_INTERPRET=1``, for
-    tests); ``"reference"`` forces the eager reference. In this release the block selection and
-    the sparse main attention (forward and backward) are Triton kernels; the KL value and its
-    gradient, and the whole of warmup mode, still run the eager reference (on the kernel's kept
-    blocks, on whichever device the tensors live).
+    tests); ``"reference"`` forces the eager reference. Selection, sparse attention and the KL
+    (value and gradient) are Triton kernels. Warmup mode has no kernel yet: it runs the eager
+    reference on every backend. The kernels' gradients are deterministic whatever
+    ``deterministic`` says (every sum runs in a fixed order).
     """
     problem = validate_msa_args(
         q, k, v, index_q, index_k, top_k=top_k, block_size=block_size,
@@ -86,13 +89,16 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks, warmup=warmup,
         cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, deterministic=deterministic,
         return_indices=return_indices, backend=backend)
+    if not isinstance(kl_value, bool):
+        raise TypeError(f"kl_value: expected a bool, received {type(kl_value).__name__}")
     if block_indices is not None:
         validate_block_indices(block_indices, problem, cu_seqlens, q.device)
     if not _use_kernels(backend, q.device) or warmup:
         # Warmup (dense attention, KL over the whole prefix) has no kernel yet: the eager
         # reference runs it on every backend.
-        return _return(*naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens,
-                                          block_indices), return_indices)
+        out, kl, block_ids = naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens,
+                                               block_indices)
+        return _return(out, kl if kl_value else kl - kl.detach(), block_ids, return_indices)
     cu = packed_offsets(cu_seqlens, problem.batch, problem.seqlen, q.device)
     if block_indices is None:
         ids = select_blocks_fwd(packed_tokens(index_q), packed_tokens(index_k), cu, top_k=top_k,
@@ -103,12 +109,10 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         block_indices = ids_from_token_major(ids, problem.packed, problem.batch, problem.seqlen)
     else:
         ids = ids_to_token_major(block_indices, problem.packed)
-    out, _ = SparseAttentionFunction.apply(packed_tokens(q), packed_tokens(k), packed_tokens(v),
-                                           ids, cu, block_size, problem.softmax_scale)
-    # The KL has no kernel yet: the eager reference computes it on the kernel's kept blocks
-    # (q, k, v detached, since kl sends them no gradient).
-    _, kl, _ = naive_msa_forward(q.detach(), k.detach(), v.detach(), index_q, index_k, problem,
-                                 cu_seqlens, block_indices)
+    out, kl = SparseAttentionFunction.apply(
+        packed_tokens(q), packed_tokens(k), packed_tokens(v), packed_tokens(index_q),
+        packed_tokens(index_k), ids, cu, block_size, problem.softmax_scale,
+        problem.index_softmax_scale, kl_value)
     return _return(out.view(q.shape), kl, block_indices, return_indices)
 
 
@@ -158,8 +162,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return naive_msa_forward(q, k, v, None, None, problem, cu_seqlens, block_indices)[0]
     cu = packed_offsets(cu_seqlens, problem.batch, problem.seqlen, q.device)
     out, _ = SparseAttentionFunction.apply(
-        packed_tokens(q), packed_tokens(k), packed_tokens(v),
-        ids_to_token_major(block_indices, problem.packed), cu, block_size, problem.softmax_scale)
+        packed_tokens(q), packed_tokens(k), packed_tokens(v), None, None,
+        ids_to_token_major(block_indices, problem.packed), cu, block_size, problem.softmax_scale,
+        None, False)
     return out.view(q.shape)
 
 
@@ -170,7 +175,8 @@ def naive_msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
                         num_sink_blocks: int = 0, warmup: bool = False,
                         cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
                         deterministic: bool = False, return_indices: bool = False,
-                        backend: str = "reference", block_indices: torch.Tensor | None = None):
+                        backend: str = "reference", block_indices: torch.Tensor | None = None,
+                        kl_value: bool = True):
     """The eager PyTorch reference of ``msa_attention`` (same signature and results).
 
     Plain autograd over chunked, checkpointed queries: exact, slow, and the test oracle. It
@@ -184,7 +190,10 @@ def naive_msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
         num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks, warmup=warmup,
         cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, deterministic=deterministic,
         return_indices=return_indices, backend="reference")
+    if not isinstance(kl_value, bool):
+        raise TypeError(f"kl_value: expected a bool, received {type(kl_value).__name__}")
     if block_indices is not None:
         validate_block_indices(block_indices, problem, cu_seqlens, q.device)
-    return _return(*naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens,
-                                      block_indices), return_indices)
+    out, kl, block_ids = naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens,
+                                           block_indices)
+    return _return(out, kl if kl_value else kl - kl.detach(), block_ids, return_indices)
