@@ -25,7 +25,15 @@ import triton
 import triton.testing
 
 from openmsa.ops.attention import (SparseAttentionProblem, attention_delta, attention_dkdv,
-                                   attention_dq, sparse_attention_bwd, sparse_attention_fwd)
+                                   attention_dq, sparse_attention_fwd)
+
+
+def sparse_attention_bwd(q, k, v, out, lse, dout, problem, dq_config=None, dkdv_config=None):
+    """The main attention's backward alone (no index branch): delta, dq, then dk and dv."""
+    delta = attention_delta(out, dout, problem)
+    attention_dq(q, k, v, None, None, dout, lse, delta, None, None, problem, **(dq_config or {}))
+    attention_dkdv(q, k, v, None, None, dout, lse, delta, None, None, problem,
+                   **(dkdv_config or {}))
 from openmsa.ops.schedule import batch_cu_seqlens
 from openmsa.ops.select import select_blocks_fwd
 
@@ -85,7 +93,7 @@ def tune(args, seqlen=32768, heads=64, kv_heads=4, index_heads=4, head_dim=128):
                             num_sink_blocks=0)
     scale = head_dim ** -0.5
     base = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale)
-    out, lse = sparse_attention_fwd(q, k, v, base)
+    out, lse, _ = sparse_attention_fwd(q, k, v, None, None, base)
     delta = attention_delta(out, dout, base)
     sweep, best = [], {}
 
@@ -107,16 +115,19 @@ def tune(args, seqlen=32768, heads=64, kv_heads=4, index_heads=4, head_dim=128):
             for num_stages in (1, 2):
                 config = dict(rows=rows, num_warps=num_warps, num_stages=num_stages)
                 launch = dict(num_warps=num_warps, num_stages=num_stages)
-                record("fwd", config, lambda: sparse_attention_fwd(q, k, v, problem, **launch))
-                record("dq", config, lambda: attention_dq(q, k, v, dout, lse, delta, problem,
-                                                          **launch))
-                record("dkdv", config, lambda: attention_dkdv(q, k, v, dout, lse, delta,
-                                                              problem, **launch))
+                record("fwd", config, lambda: sparse_attention_fwd(q, k, v, None, None, problem,
+                                                                   **launch))
+                record("dq", config, lambda: attention_dq(q, k, v, None, None, dout, lse, delta,
+                                                          None, None, problem, **launch))
+                record("dkdv", config, lambda: attention_dkdv(q, k, v, None, None, dout, lse,
+                                                              delta, None, None, problem,
+                                                              **launch))
     problem = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale, key_rows=32)
     for num_warps in (4, 8):
         config = dict(rows=32, num_warps=num_warps, num_stages=1)
-        record("dkdv", config, lambda: attention_dkdv(q, k, v, dout, lse, delta, problem,
-                                                      num_warps=num_warps, num_stages=1))
+        record("dkdv", config, lambda: attention_dkdv(q, k, v, None, None, dout, lse, delta,
+                                                      None, None, problem, num_warps=num_warps,
+                                                      num_stages=1))
     return {kernel: config for kernel, (config, _) in best.items()}, sweep
 
 
@@ -185,10 +196,10 @@ def main() -> None:
             build_ms = bench(lambda: SparseAttentionProblem(q, k, ids, cu, args.block_size,
                                                             scale))
             problem = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale)
-            fwd_ms = bench(lambda: sparse_attention_fwd(q, k, v, problem))
-            out, lse = sparse_attention_fwd(q, k, v, problem)
+            fwd_ms = bench(lambda: sparse_attention_fwd(q, k, v, None, None, problem))
+            out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
             bwd_ms = bench(lambda: sparse_attention_bwd(q, k, v, out, lse, dout, problem))
-            fwd_again = bench(lambda: sparse_attention_fwd(q, k, v, problem))
+            fwd_again = bench(lambda: sparse_attention_fwd(q, k, v, None, None, problem))
             flops = 4.0 * head_dim * triples
             row = dict(shape=name, seqlen=seqlen, selection=kind, union_of_8_tokens=union,
                        csr_ms=build_ms, fwd_ms=fwd_ms, fwd_ms_repeat=fwd_again, bwd_ms=bwd_ms,

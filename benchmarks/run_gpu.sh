@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU run: GPU tests, bf16 check against the reference, benchmarks. Prints short tables last.
-#   bash benchmarks/run_gpu.sh OUTDIR [all|select|attention]   (default: all)
+#   bash benchmarks/run_gpu.sh OUTDIR [all|select|attention|msa]   (default: all)
 # Runs from the repository root with the machine's own torch and triton (nothing is installed).
 set -u
-out=${1:?usage: run_gpu.sh OUTDIR [all|select|attention]}
+out=${1:?usage: run_gpu.sh OUTDIR [all|select|attention|msa]}
 benchmarks=${2:-all}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -20,4 +20,7 @@ if [ "$benchmarks" = all ] || [ "$benchmarks" = select ]; then
 fi
 if [ "$benchmarks" = all ] || [ "$benchmarks" = attention ]; then
   python3 benchmarks/bench_attention.py --out "$out" 2>&1 | tee "$out/bench_attention.log" | tail -12
+fi
+if [ "$benchmarks" = all ] || [ "$benchmarks" = msa ]; then
+  python3 benchmarks/bench_msa.py --out "$out" 2>&1 | tee "$out/bench_msa.log" | tail -9
 fi
