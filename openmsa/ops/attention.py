@@ -247,7 +247,7 @@ def _kl_value_kernel(
         teacher = _token_teacher(probs, GQ, GQ_PAD, TOK, BLOCK)  # [TOK, BLOCK]
         log_student = (_index_scores(index_q, ik, TOK, TOKP, BLOCK, PRECISION) * index_scale
                        - lse_index[:, None])
-        terms = teacher * (tl.log(tl.maximum(teacher, 1e-38)) - log_student)
+        terms = teacher * (tl.log(tl.maximum(teacher, 1e-30)) - log_student)
         kl += tl.sum(tl.where(teacher > 0, terms, 0.0), axis=1)
     tl.store(KL_ROWS + tok_token * HI + index_head, kl, mask=tok_valid)
 
