@@ -500,10 +500,13 @@ def _tile_shape(gq: int, target_rows: int) -> tuple[int, int, int]:
     return tokens, heads, heads * tokens
 
 
-# Launch configurations: the winners of benchmarks/bench_attention.py's sweep on an H200.
+# Launch configurations: the winners of benchmarks/bench_attention.py's sweep on an H200 (main
+# attention alone). With the index branch every stage also holds an index-key tile, and two
+# stages no longer fit in shared memory (H200: 227 KiB), so those launches use one.
 FWD_CONFIG = dict(num_warps=8, num_stages=2)
 DQ_CONFIG = dict(num_warps=8, num_stages=2)
 DKDV_CONFIG = dict(num_warps=8, num_stages=2)
+INDEX_STAGES = 1
 # Pairs per dK/dV program: bounds a program's work when many queries keep the same block.
 SEGMENT_PAIRS = 2048
 
@@ -549,6 +552,9 @@ class SparseAttentionProblem:
         return dict(self.shared, TOK=self.key_tokens, TOKP=max(16, self.key_tokens),
                     ROWS=self.key_rows, SEGMENT_PAIRS=self.block_work.segment_pairs)
 
+    def stages(self, config):
+        return INDEX_STAGES if self.with_index else config["num_stages"]
+
     def query_grid(self):
         return (self.query_work.schedule.shape[0], self.num_index_heads)
 
@@ -562,7 +568,7 @@ def _strides(*tensors):
 
 
 def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
-                         num_warps=FWD_CONFIG["num_warps"], num_stages=FWD_CONFIG["num_stages"]):
+                         num_warps=FWD_CONFIG["num_warps"], num_stages=None):
     """q [T, H, D], k, v [T, Hkv, D] (index_q [T, Hi, Di], index_k [T, Hik, Di] or None).
     Returns out [T, H, D] (q's dtype), lse2 [T, H] and the index log-sum-exp [T, Hi] (natural
     log over the kept tokens; None without the index branch), both fp32."""
@@ -575,7 +581,7 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
         q, k, v, iq, ik, out, lse, lse_index, *p.query_work_args(),
         *_strides(q, k, v, out, iq, ik), p.scale * LOG2_E, p.index_scale,
         **p.query_constants(), WITH_INDEX=p.with_index, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages or p.stages(FWD_CONFIG))
     return out, lse, (lse_index if p.with_index else None)
 
 
@@ -585,7 +591,7 @@ def kl_rows(q, k, v, index_q, index_k, lse, lse_index, p: SparseAttentionProblem
     _kl_value_kernel[p.query_grid()](
         q, k, v, index_q, index_k, lse, lse_index, rows, *p.query_work_args(),
         *_strides(q, k, v, index_q, index_k), p.scale * LOG2_E, p.index_scale,
-        **p.query_constants(), **FWD_CONFIG)
+        **p.query_constants(), num_warps=FWD_CONFIG["num_warps"], num_stages=INDEX_STAGES)
     return rows
 
 
@@ -600,8 +606,7 @@ def attention_delta(out, dout, p: SparseAttentionProblem):
 
 
 def attention_dq(q, k, v, index_q, index_k, dout, lse, delta, lse_index, kl_grad,
-                 p: SparseAttentionProblem, num_warps=DQ_CONFIG["num_warps"],
-                 num_stages=DQ_CONFIG["num_stages"]):
+                 p: SparseAttentionProblem, num_warps=DQ_CONFIG["num_warps"], num_stages=None):
     """dq (and d index_q when the problem has an index branch), query-outer."""
     dq = torch.empty_like(q)
     iq, ik = (index_q, index_k) if p.with_index else (q, k)
@@ -611,13 +616,14 @@ def attention_dq(q, k, v, index_q, index_k, dout, lse, delta, lse_index, kl_grad
         kl_grad if p.with_index else lse, dq, d_index_q, *p.query_work_args(),
         *_strides(q, k, v, dout, dq, iq, ik, d_index_q), p.scale, p.scale * LOG2_E,
         p.index_scale, 1.0 / (p.total * p.num_index_heads), **p.query_constants(),
-        WITH_INDEX=p.with_index, num_warps=num_warps, num_stages=num_stages)
+        WITH_INDEX=p.with_index, num_warps=num_warps,
+        num_stages=num_stages or p.stages(DQ_CONFIG))
     return dq, (d_index_q if p.with_index else None)
 
 
 def attention_dkdv(q, k, v, index_q, index_k, dout, lse, delta, lse_index, kl_grad,
                    p: SparseAttentionProblem, num_warps=DKDV_CONFIG["num_warps"],
-                   num_stages=DKDV_CONFIG["num_stages"]):
+                   num_stages=None):
     """dk, dv (and d index_k with an index branch), key-outer: fp32 partials per segment of
     pairs, then an in-order sum per key block."""
     blocks = p.block_work
@@ -632,7 +638,7 @@ def attention_dkdv(q, k, v, index_q, index_k, dout, lse, delta, lse_index, kl_gr
         blocks.block_local, p.cu_seqlens, *_strides(q, k, v, dout, iq, ik),
         p.scale * LOG2_E, p.index_scale, 1.0 / (p.total * p.num_index_heads),
         **p.key_constants(), WITH_INDEX=p.with_index, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages or p.stages(DKDV_CONFIG))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     outputs = [(parts[0], dk, p.scale, p.shared["KV_GROUP"], p.head_dim),
                (parts[1], dv, 1.0, p.shared["KV_GROUP"], p.head_dim)]
