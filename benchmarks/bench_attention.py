@@ -143,7 +143,7 @@ def kernel_times(fn):
         total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         if total > 0 and ("_kernel" in event.key or "sort" in event.key.lower()):
             times[event.key[:60]] = total / 1000
-    return dict(sorted(times.items(), key=lambda item: -item[1])[:8])
+    return dict(sorted(times.items(), key=lambda item: -item[1])[:12])
 
 
 def bench(fn):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from bench_attention import index_inputs
+from bench_attention import index_inputs, kernel_times
 from openmsa import msa_attention
 
 SHAPES = [
@@ -81,6 +81,7 @@ def main() -> None:
                        forward_ms=bench(forward), step_ms=bench(lambda: step(True)),
                        step_no_kl_value_ms=bench(lambda: step(False)),
                        step_extra_memory_gib=extra_gib)
+            row["step_kernels_ms"] = kernel_times(lambda: step(True))
             row["speedup"] = dense_ms / row["step_ms"]
             row["speedup_no_kl_value"] = dense_ms / row["step_no_kl_value_ms"]
             rows.append(row)
