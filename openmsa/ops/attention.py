@@ -32,20 +32,23 @@ LOG2_E = math.log2(math.e)
 
 @triton.jit
 def _query_tile(SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI: tl.constexpr,
-                GQ: tl.constexpr, GQ_PAD: tl.constexpr, TOK: tl.constexpr, ROWS: tl.constexpr,
+                GQ: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
                 TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr):
     """A (real) query tile: TOK consecutive tokens of one sequence; its MMA rows are the GQ heads
-    of ``index_head`` x the tokens, head-major (row = g * TOK + t; heads GQ..GQ_PAD-1 padding).
+    of ``index_head`` x the tokens, head-major (row = g * TOK + t; rows of heads >= GQ are
+    padding).
     Returns the sequence's start and length, the tile's first position, per-row (valid, packed
-    token, position, head), per-token (valid, packed token, position) and the tokens' kept ids
-    [TOK, TOPK_PAD] (-1 padded)."""
+    token, position, head, kept ids [ROWS, TOPK_PAD]) and per-token rows padded to TOKP (valid,
+    packed token, position, kept ids [TOKP, TOPK_PAD]); ids are -1 padded."""
     sequence = tl.load(SCHEDULE + 2 * entry).to(tl.int64)
     tile = tl.load(SCHEDULE + 2 * entry + 1).to(tl.int64)
     seq_start = tl.load(CU_SEQLENS + sequence).to(tl.int64)
     seq_len = tl.load(CU_SEQLENS + sequence + 1).to(tl.int64) - seq_start
     first_position = tile * TOK
-    tok_position = first_position + tl.arange(0, TOK)
-    tok_valid = tok_position < seq_len
+    # Tokens padded to TOKP (>= 16) rows, the M of the index-branch MMAs; rows TOK.. are empty.
+    padded = tl.arange(0, TOKP)
+    tok_position = first_position + padded
+    tok_valid = (padded < TOK) & (tok_position < seq_len)
     tok_token = seq_start + tok_position
     slots = tl.arange(0, TOPK_PAD)
     tok_ids = tl.load(IDS + (tok_token * HI + index_head)[:, None] * TOP_K + slots[None, :],
@@ -54,39 +57,36 @@ def _query_tile(SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI: tl.constexpr,
     row_position = first_position + rows % TOK
     row_valid = (rows // TOK < GQ) & (row_position < seq_len)
     row_head = index_head * GQ + rows // TOK
+    row_ids = tl.load(IDS + ((seq_start + row_position) * HI + index_head)[:, None] * TOP_K
+                      + slots[None, :], mask=row_valid[:, None] & (slots[None, :] < TOP_K),
+                      other=-1)  # [ROWS, TOPK_PAD]
     return (seq_start, seq_len, first_position, row_valid, seq_start + row_position,
-            row_position, row_head, tok_valid, tok_token, tok_position, tok_ids)
+            row_position, row_head, row_ids, tok_valid, tok_token, tok_position, tok_ids)
 
 
 @triton.jit
-def _rows_of_tokens(values, GQ_PAD: tl.constexpr, TOK: tl.constexpr):
-    """[TOK] per-token values -> [GQ_PAD * TOK] per-row values (head-major rows)."""
-    return tl.reshape(tl.broadcast_to(values[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
+def _token_rows(TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr, dtype):
+    """[TOKP, ROWS] 0/1 matrix: entry (t, row) is 1 when head-major ``row`` belongs to token t."""
+    return (tl.arange(0, ROWS)[None, :] % TOK == tl.arange(0, TOKP)[:, None]).to(dtype)
 
 
 @triton.jit
-def _token_teacher(probs, GQ: tl.constexpr, GQ_PAD: tl.constexpr, TOK: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """[GQ_PAD * TOK, BLOCK] masked probabilities (head-major rows, padding rows 0) -> the
-    teacher [TOK, BLOCK]: their mean over the GQ heads of each token."""
-    return tl.sum(tl.reshape(probs, (GQ_PAD, TOK, BLOCK)), axis=0) / GQ
+def _split_dot_left(a, b, dtype, PRECISION: tl.constexpr):
+    """a @ b for an fp32 ``a`` through 16-bit MMAs (see _split_dot)."""
+    high = a.to(dtype)
+    low = (a - high.to(tl.float32)).to(dtype)
+    return (tl.dot(high, b, input_precision=PRECISION)
+            + tl.dot(low, b, input_precision=PRECISION))
 
 
 @triton.jit
-def _index_scores(index_q, ik, TOK: tl.constexpr, TOKP: tl.constexpr, BLOCK: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Index scores (unscaled) of the tile's tokens [TOK, BLOCK] from index_q [TOKP, Di] whose
-    rows TOK.. are zero (the MMA needs >= 16 rows)."""
-    scores = tl.dot(index_q, tl.trans(ik), input_precision=PRECISION)  # [TOKP, BLOCK]
-    return tl.sum(tl.reshape(scores, (TOKP // TOK, TOK, BLOCK)), axis=0)
-
-
-@triton.jit
-def _pad_tokens(values, TOK: tl.constexpr, TOKP: tl.constexpr, BLOCK: tl.constexpr):
-    """[TOK, BLOCK] -> [TOKP, BLOCK] with zero rows appended (the MMA needs >= 16 rows)."""
-    copies = tl.broadcast_to(values[None, :, :], (TOKP // TOK, TOK, BLOCK))
-    first = tl.arange(0, TOKP // TOK)[:, None, None] == 0
-    return tl.reshape(tl.where(first, copies, 0.0), (TOKP, BLOCK))
+def _split_dot(a, b, dtype, PRECISION: tl.constexpr):
+    """a @ b for an fp32 ``b`` through 16-bit MMAs, as b's 16-bit value plus its 16-bit
+    remainder (about 16 significant bits instead of 8)."""
+    high = b.to(dtype)
+    low = (b - high.to(tl.float32)).to(dtype)
+    return (tl.dot(a, high, input_precision=PRECISION)
+            + tl.dot(a, low, input_precision=PRECISION))
 
 
 @triton.jit
@@ -132,28 +132,24 @@ def _sparse_attn_fwd_kernel(
     index_head = tl.program_id(1).to(tl.int64)
     if tl.load(SCHEDULE + 2 * entry) < 0:  # padding entry
         return
-    (seq_start, seq_len, first_position, row_valid, row_token, row_position, row_head,
+    (seq_start, seq_len, first_position, row_valid, row_token, row_position, row_head, row_ids,
      tok_valid, tok_token, tok_position, tok_ids) = _query_tile(
-        SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI, GQ, GQ_PAD, TOK, ROWS, TOP_K,
-        TOPK_PAD)
+        SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI, GQ, TOK, TOKP, ROWS, TOP_K, TOPK_PAD)
     kv_head = index_head // KV_GROUP
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
                 + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
-    padded = tl.arange(0, TOKP)
     index_dims = tl.arange(0, INDEX_DIM)
     if WITH_INDEX:
-        index_q = tl.load(IQ + (seq_start + first_position + padded)[:, None] * stride_iq_t
-                          + index_head * stride_iq_h + index_dims[None, :],
-                          mask=((padded < TOK) & (first_position + padded < seq_len))[:, None],
-                          other=0.0)  # [TOKP, Di], rows TOK.. zero
+        index_q = tl.load(IQ + tok_token[:, None] * stride_iq_t + index_head * stride_iq_h
+                          + index_dims[None, :], mask=tok_valid[:, None], other=0.0)  # [TOKP, Di]
     else:
         index_q = tl.zeros((TOKP, INDEX_DIM), Q.dtype.element_ty)
     running_max = tl.full((ROWS,), float("-inf"), tl.float32)
     running_sum = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
-    index_max = tl.full((TOK,), float("-inf"), tl.float32)
-    index_sum = tl.zeros((TOK,), tl.float32)
+    index_max = tl.full((TOKP,), float("-inf"), tl.float32)
+    index_sum = tl.zeros((TOKP,), tl.float32)
     union_base = UNION + (entry * HI + index_head) * UNION_SLOTS
     for u in range(0, tl.load(UNION_COUNT + entry * HI + index_head)):
         block = tl.load(union_base + u).to(tl.int64)
@@ -161,8 +157,8 @@ def _sparse_attn_fwd_kernel(
             K, V, IK, seq_start, seq_len, block, kv_head, index_head // INDEX_GROUP, stride_k_t,
             stride_k_h, stride_v_t, stride_v_h, stride_ik_t, stride_ik_h, BLOCK, HEAD_DIM,
             INDEX_DIM, WITH_INDEX)
+        row_member = (tl.max((row_ids == block).to(tl.int32), axis=1) > 0) & row_valid
         tok_member = tl.max((tok_ids == block).to(tl.int32), axis=1) > 0  # token kept it
-        row_member = _rows_of_tokens(tok_member, GQ_PAD, TOK) & row_valid
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         # A block before the tile that every row kept needs no mask.
         if (block * BLOCK + BLOCK > first_position) | (tl.min(row_member.to(tl.int32)) == 0):
@@ -177,7 +173,7 @@ def _sparse_attn_fwd_kernel(
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
         running_max = new_max
         if WITH_INDEX:
-            z = _index_scores(index_q, ik, TOK, TOKP, BLOCK, PRECISION) * index_scale
+            z = tl.dot(index_q, tl.trans(ik), input_precision=PRECISION) * index_scale
             tok_visible = (tok_member[:, None] & key_valid[None, :]
                            & (key_pos[None, :] <= tok_position[:, None]))
             z = tl.where(tok_visible, z, float("-inf"))
@@ -214,23 +210,20 @@ def _kl_value_kernel(
     index_head = tl.program_id(1).to(tl.int64)
     if tl.load(SCHEDULE + 2 * entry) < 0:
         return
-    (seq_start, seq_len, first_position, row_valid, row_token, row_position, row_head,
+    (seq_start, seq_len, first_position, row_valid, row_token, row_position, row_head, row_ids,
      tok_valid, tok_token, tok_position, tok_ids) = _query_tile(
-        SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI, GQ, GQ_PAD, TOK, ROWS, TOP_K,
-        TOPK_PAD)
+        SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI, GQ, TOK, TOKP, ROWS, TOP_K, TOPK_PAD)
     kv_head = index_head // KV_GROUP
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
                 + dims[None, :], mask=row_valid[:, None], other=0.0)
     lse = tl.load(LSE + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
-    padded = tl.arange(0, TOKP)
     index_dims = tl.arange(0, INDEX_DIM)
-    index_q = tl.load(IQ + (seq_start + first_position + padded)[:, None] * stride_iq_t
-                      + index_head * stride_iq_h + index_dims[None, :],
-                      mask=((padded < TOK) & (first_position + padded < seq_len))[:, None],
-                      other=0.0)
+    index_q = tl.load(IQ + tok_token[:, None] * stride_iq_t + index_head * stride_iq_h
+                      + index_dims[None, :], mask=tok_valid[:, None], other=0.0)  # [TOKP, Di]
     lse_index = tl.load(LSE_INDEX + tok_token * HI + index_head, mask=tok_valid, other=0.0)
-    kl = tl.zeros((TOK,), tl.float32)
+    token_rows = _token_rows(TOK, TOKP, ROWS, Q.dtype.element_ty)
+    kl = tl.zeros((TOKP,), tl.float32)
     union_base = UNION + (entry * HI + index_head) * UNION_SLOTS
     for u in range(0, tl.load(UNION_COUNT + entry * HI + index_head)):
         block = tl.load(union_base + u).to(tl.int64)
@@ -238,14 +231,15 @@ def _kl_value_kernel(
             K, V, IK, seq_start, seq_len, block, kv_head, index_head // INDEX_GROUP, stride_k_t,
             stride_k_h, stride_v_t, stride_v_h, stride_ik_t, stride_ik_h, BLOCK, HEAD_DIM,
             INDEX_DIM, True)
+        row_member = (tl.max((row_ids == block).to(tl.int32), axis=1) > 0) & row_valid
         tok_member = tl.max((tok_ids == block).to(tl.int32), axis=1) > 0
-        row_member = _rows_of_tokens(tok_member, GQ_PAD, TOK) & row_valid
         visible = (row_member[:, None] & key_valid[None, :]
                    & (key_pos[None, :] <= row_position[:, None]))
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         probs = tl.where(visible, tl.exp2(scores - lse[:, None]), 0.0)
-        teacher = _token_teacher(probs, GQ, GQ_PAD, TOK, BLOCK)  # [TOK, BLOCK]
-        log_student = (_index_scores(index_q, ik, TOK, TOKP, BLOCK, PRECISION) * index_scale
+        # The teacher, [TOKP, BLOCK]: each token's rows summed by an MMA, over GQ.
+        teacher = _split_dot(token_rows, probs, Q.dtype.element_ty, PRECISION) / GQ
+        log_student = (tl.dot(index_q, tl.trans(ik), input_precision=PRECISION) * index_scale
                        - lse_index[:, None])
         terms = teacher * (tl.log(tl.maximum(teacher, 1e-30)) - log_student)
         kl += tl.sum(tl.where(teacher > 0, terms, 0.0), axis=1)
@@ -272,10 +266,9 @@ def _sparse_attn_dq_kernel(
     index_head = tl.program_id(1).to(tl.int64)
     if tl.load(SCHEDULE + 2 * entry) < 0:
         return
-    (seq_start, seq_len, first_position, row_valid, row_token, row_position, row_head,
+    (seq_start, seq_len, first_position, row_valid, row_token, row_position, row_head, row_ids,
      tok_valid, tok_token, tok_position, tok_ids) = _query_tile(
-        SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI, GQ, GQ_PAD, TOK, ROWS, TOP_K,
-        TOPK_PAD)
+        SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI, GQ, TOK, TOKP, ROWS, TOP_K, TOPK_PAD)
     kv_head = index_head // KV_GROUP
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
@@ -284,18 +277,16 @@ def _sparse_attn_dq_kernel(
                    + dims[None, :], mask=row_valid[:, None], other=0.0)
     lse = tl.load(LSE + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
     delta = tl.load(DELTA + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
-    padded = tl.arange(0, TOKP)
     index_dims = tl.arange(0, INDEX_DIM)
-    padded_valid = (padded < TOK) & (first_position + padded < seq_len)
+    token_rows = _token_rows(TOK, TOKP, ROWS, Q.dtype.element_ty)
     if WITH_INDEX:
-        index_q = tl.load(IQ + (seq_start + first_position + padded)[:, None] * stride_iq_t
-                          + index_head * stride_iq_h + index_dims[None, :],
-                          mask=padded_valid[:, None], other=0.0)
+        index_q = tl.load(IQ + tok_token[:, None] * stride_iq_t + index_head * stride_iq_h
+                          + index_dims[None, :], mask=tok_valid[:, None], other=0.0)
         lse_index = tl.load(LSE_INDEX + tok_token * HI + index_head, mask=tok_valid, other=0.0)
         dz_scale = tl.load(KL_GRAD) * kl_norm * index_scale
     else:
         index_q = tl.zeros((TOKP, INDEX_DIM), Q.dtype.element_ty)
-        lse_index = tl.zeros((TOK,), tl.float32)
+        lse_index = tl.zeros((TOKP,), tl.float32)
         dz_scale = 0.0
     dq = tl.zeros((ROWS, HEAD_DIM), tl.float32)
     d_index_q = tl.zeros((TOKP, INDEX_DIM), tl.float32)
@@ -306,8 +297,8 @@ def _sparse_attn_dq_kernel(
             K, V, IK, seq_start, seq_len, block, kv_head, index_head // INDEX_GROUP, stride_k_t,
             stride_k_h, stride_v_t, stride_v_h, stride_ik_t, stride_ik_h, BLOCK, HEAD_DIM,
             INDEX_DIM, WITH_INDEX)
+        row_member = (tl.max((row_ids == block).to(tl.int32), axis=1) > 0) & row_valid
         tok_member = tl.max((tok_ids == block).to(tl.int32), axis=1) > 0
-        row_member = _rows_of_tokens(tok_member, GQ_PAD, TOK) & row_valid
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         probs = tl.exp2(scores - lse[:, None])
         if (block * BLOCK + BLOCK > first_position) | (tl.min(row_member.to(tl.int32)) == 0):
@@ -318,21 +309,21 @@ def _sparse_attn_dq_kernel(
         dscores = probs * (dprobs - delta[:, None])
         dq += tl.dot(dscores.to(k.dtype), k, input_precision=PRECISION)
         if WITH_INDEX:
-            teacher = _token_teacher(probs, GQ, GQ_PAD, TOK, BLOCK)
-            z = _index_scores(index_q, ik, TOK, TOKP, BLOCK, PRECISION) * index_scale
+            teacher = _split_dot(token_rows, probs, Q.dtype.element_ty, PRECISION) / GQ
+            z = tl.dot(index_q, tl.trans(ik), input_precision=PRECISION) * index_scale
             tok_visible = (tok_member[:, None] & key_valid[None, :]
                            & (key_pos[None, :] <= tok_position[:, None]))
             student = tl.where(tok_visible, tl.exp(z - lse_index[:, None]), 0.0)
             # (s - t) lies in [-1, 1]; the tiny scale waits until the end, so 16-bit operands of
             # the MMA keep their precision.
-            dz = _pad_tokens(student - teacher, TOK, TOKP, BLOCK)
+            dz = student - teacher  # [TOKP, BLOCK], rows TOK.. zero
             d_index_q += tl.dot(dz.to(ik.dtype), ik, input_precision=PRECISION)
     tl.store(DQ + row_token[:, None] * stride_dq_t + row_head[:, None] * stride_dq_h
              + dims[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_valid[:, None])
     if WITH_INDEX:
-        tl.store(DIQ + (seq_start + first_position + padded)[:, None] * stride_diq_t
-                 + index_head * stride_diq_h + index_dims[None, :],
-                 (d_index_q * dz_scale).to(DIQ.dtype.element_ty), mask=padded_valid[:, None])
+        tl.store(DIQ + tok_token[:, None] * stride_diq_t + index_head * stride_diq_h
+                 + index_dims[None, :], (d_index_q * dz_scale).to(DIQ.dtype.element_ty),
+                 mask=tok_valid[:, None])
 
 
 @triton.jit
@@ -396,14 +387,12 @@ def _sparse_attn_dkdv_kernel(
         dz_scale = 0.0
     rows = tl.arange(0, ROWS)
     row_head = index_head * GQ + rows // TOK
-    pairs = tl.arange(0, TOK)
     padded = tl.arange(0, TOKP)
+    token_rows_t = tl.trans(_token_rows(TOK, TOKP, ROWS, Q.dtype.element_ty))  # [ROWS, TOKP]
     for first_pair in range(first, last, TOK):
-        pair_valid = first_pair + pairs < last
-        pair_token = tl.load(PAIR_TOKEN + first_pair + pairs, mask=pair_valid,
-                             other=0).to(tl.int64)
-        row_token = _rows_of_tokens(pair_token, GQ_PAD, TOK)
-        row_valid = _rows_of_tokens(pair_valid, GQ_PAD, TOK) & (rows // TOK < GQ)
+        row_pair = first_pair + rows % TOK
+        row_valid = (row_pair < last) & (rows // TOK < GQ)
+        row_token = tl.load(PAIR_TOKEN + row_pair, mask=row_valid, other=0).to(tl.int64)
         q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
                     + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
         dout = tl.load(DOUT + row_token[:, None] * stride_do_t + row_head[:, None] * stride_do_h
@@ -427,22 +416,23 @@ def _sparse_attn_dkdv_kernel(
         dscores_t = probs_t * (dprobs_t - delta[None, :])  # d loss / d (scaled logits)
         dk += tl.dot(dscores_t.to(q.dtype), q, input_precision=PRECISION)
         if WITH_INDEX:
-            teacher_t = tl.trans(_token_teacher(tl.trans(probs_t), GQ, GQ_PAD, TOK, BLOCK))
-            padded_valid = (padded < TOK) & (first_pair + padded < last)
-            padded_token = tl.load(PAIR_TOKEN + first_pair + padded, mask=padded_valid,
-                                   other=0).to(tl.int64)
-            index_q = tl.load(IQ + padded_token[:, None] * stride_iq_t + index_head * stride_iq_h
-                              + index_dims[None, :], mask=padded_valid[:, None],
+            # The teacher, [BLOCK, TOKP]: each pair's rows summed by an MMA, over GQ.
+            teacher_t = _split_dot_left(probs_t, token_rows_t, Q.dtype.element_ty,
+                                        PRECISION) / GQ
+            pair_valid = (padded < TOK) & (first_pair + padded < last)
+            pair_token = tl.load(PAIR_TOKEN + first_pair + padded, mask=pair_valid,
+                                 other=0).to(tl.int64)
+            index_q = tl.load(IQ + pair_token[:, None] * stride_iq_t + index_head * stride_iq_h
+                              + index_dims[None, :], mask=pair_valid[:, None],
                               other=0.0)  # [TOKP, Di], rows TOK.. zero
-            z_t = tl.trans(_index_scores(index_q, ik, TOK, TOKP, BLOCK, PRECISION)) * index_scale
+            z_t = tl.dot(ik, tl.trans(index_q), input_precision=PRECISION) * index_scale
             lse_index = tl.load(LSE_INDEX + pair_token * HI + index_head, mask=pair_valid,
                                 other=0.0)
             pair_pos = pair_token - seq_start
             visible_t = pair_valid[None, :] & (key_pos[:, None] <= pair_pos[None, :])
             student_t = tl.where(visible_t, tl.exp(z_t - lse_index[None, :]), 0.0)
-            dz = _pad_tokens(tl.trans(student_t - teacher_t), TOK, TOKP, BLOCK)  # scaled at the end
-            d_index_k += tl.dot(tl.trans(dz.to(index_q.dtype)), index_q,
-                                input_precision=PRECISION)
+            dz_t = student_t - teacher_t  # [BLOCK, TOKP], scaled at the end
+            d_index_k += tl.dot(dz_t.to(index_q.dtype), index_q, input_precision=PRECISION)
     offsets = (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * HEAD_DIM + dims[None, :]
     tl.store(DK_PART + offsets, dk)
     tl.store(DV_PART + offsets, dv)
