@@ -1,9 +1,14 @@
-"""Key-block -> queries work lists (CSR), built on the device without host synchronization.
+"""Work lists of the sparse attention kernels, built on the device without host synchronization.
 
-Selection gives every (token, index head) ``top_k`` block ids. The sparse attention kernels walk
-the other way: for one key block of one index head, all the (token, slot) pairs that kept it,
-packed ``tile_tokens`` at a time into one MMA tile. All sizes that reach the host (grid sizes,
-buffer sizes) are upper bounds known from the shapes alone, so nothing waits for the GPU.
+Selection gives every (token, index head) ``top_k`` block ids. Two lists are built from them:
+
+- ``BlockWork``, key-block -> queries (a CSR): for one key block of one index head, the (token,
+  index head) pairs that kept it, in token order, cut into segments (the dK/dV programs);
+- ``QueryTileWork``: for each tile of consecutive tokens and each index head, the sorted
+  distinct blocks the tile's tokens kept (the forward, dQ and KL walks).
+
+All sizes that reach the host (grid sizes, buffer sizes) are upper bounds known from the shapes
+alone, so nothing waits for the GPU.
 """
 
 from __future__ import annotations

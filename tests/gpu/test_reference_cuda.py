@@ -1,5 +1,5 @@
-"""The reference on CUDA agrees with itself on the CPU (bf16 rule: within 2x the reference's own
-bf16 error). Skipped without a GPU."""
+"""``openmsa check``'s GPU cases as tests: msa_attention (Triton kernels on CUDA) in bf16 against
+the fp32 reference, within 2x the reference's own bf16 error. Skipped without a GPU."""
 
 import pytest
 import torch
