@@ -69,9 +69,26 @@ def _check(args) -> int:
     return 1 if failures else 0
 
 
+def _train(args) -> int:
+    from .train.run import run
+
+    run(args.preset, args.out, device=args.device, seed=args.seed, steps=args.steps)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="openmsa", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser(
+        "train", help="train an MSA model and a dense one on a long-context retrieval task")
+    train.add_argument("--preset", default="cpu", choices=("cpu", "gpu", "tiny"),
+                       help="cpu: a few minutes on 2 cores (default); gpu: 16k tokens with the "
+                       "Triton kernels; tiny: a smoke test")
+    train.add_argument("--out", default="runs/train", help="folder for metrics and the plot")
+    train.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--steps", type=int, help="override the preset's step count")
+    train.set_defaults(handler=_train)
     check = commands.add_parser(
         "check", help="run msa_attention on random inputs and compare it with the reference")
     check.add_argument("--device", help="cuda or cpu (default: cuda if available)")

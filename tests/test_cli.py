@@ -50,3 +50,15 @@ def test_unknown_subcommand_exits_with_usage_error():
     with pytest.raises(SystemExit) as raised:
         cli.main(["frobnicate"])
     assert raised.value.code == 2
+
+
+def test_train_smoke_preset_writes_metrics_and_plot(tmp_path):
+    import json
+
+    assert cli.main(["train", "--preset", "tiny", "--out", str(tmp_path)]) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert set(metrics["history"]) == {"dense", "msa"}
+    final = metrics["summary"]["final"]["msa"]
+    assert 0.0 <= final["eval_block_recall"] <= 1.0 and final["train_kl"] >= 0.0
+    assert (tmp_path / "metrics.csv").read_text().count("\n") == 5  # header + 2 evals x 2
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

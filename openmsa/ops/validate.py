@@ -156,12 +156,17 @@ def validate_block_indices(block_indices, problem: MSAProblem, cu_seqlens,
 
 def query_positions(problem: MSAProblem, cu_seqlens, device) -> torch.Tensor:
     """Position of every query inside its own sequence: int64 [S] (packed: [T])."""
-    positions = torch.arange(problem.seqlen, device=device)
     if not problem.packed:
-        return positions
+        return torch.arange(problem.seqlen, device=device)
+    return query_positions_from_offsets(cu_seqlens, problem.seqlen)
+
+
+def query_positions_from_offsets(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """Position of every packed token inside its own sequence: int64 [T]."""
     starts = cu_seqlens[:-1].long()
     lengths = cu_seqlens[1:].long() - starts
-    return positions - torch.repeat_interleave(starts, lengths, output_size=problem.seqlen)
+    positions = torch.arange(total_tokens, device=cu_seqlens.device)
+    return positions - torch.repeat_interleave(starts, lengths, output_size=total_tokens)
 
 
 def _check_tensors(tensors: dict, backend: str, cu_seqlens, max_seqlen) -> None:

@@ -1,0 +1,1 @@
+"""``openmsa train``: a small GQA transformer learns long-context retrieval with MSA."""
