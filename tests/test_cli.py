@@ -42,8 +42,9 @@ def test_readme_python_examples_run():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
     assert blocks
+    namespace = {}  # the blocks read as one story: later ones use the first one's imports
     for block in blocks:
-        exec(compile(block, "README.md", "exec"), {})
+        exec(compile(block, "README.md", "exec"), namespace)
 
 
 def test_unknown_subcommand_exits_with_usage_error():
