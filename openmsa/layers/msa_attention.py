@@ -38,6 +38,8 @@ class MSAAttention(nn.Module):
     prefix); ``MSAWarmupSchedule`` switches every layer of a model by step.
     """
 
+    is_msa_layer = True  # set_msa_warmup switches every module that says so
+
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int | None = None, num_index_heads: int | None = None,
                  num_index_kv_heads: int = 1, index_head_dim: int | None = None, *,
@@ -104,8 +106,9 @@ class MSAAttention(nn.Module):
 
 
 def set_msa_warmup(model: nn.Module, warmup: bool) -> int:
-    """Sets ``warmup`` on every ``MSAAttention`` of ``model``; returns how many it set."""
-    layers = [module for module in model.modules() if isinstance(module, MSAAttention)]
+    """Sets ``warmup`` on every MSA layer of ``model`` (``MSAAttention`` and converted Hugging
+    Face attention); returns how many it set."""
+    layers = [module for module in model.modules() if getattr(module, "is_msa_layer", False)]
     for layer in layers:
         layer.warmup = warmup
     return len(layers)

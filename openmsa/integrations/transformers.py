@@ -1,0 +1,126 @@
+"""Convert Hugging Face ``transformers`` Llama and Qwen3 causal LMs to MSA.
+
+``convert_to_msa(model)`` replaces each attention module with ``HFMSAAttention``, which keeps the
+module's q/k/v/o projections (and Qwen3's per-head QK-norms) and adds an index branch: one index
+query head per KV group and one shared index key head, of the model's head dim. The index
+projections start as averages of the main ones (index query r = mean of the query projections
+of KV group r's heads; index key = mean of the key projections), so the index scores start as
+the group's average main score: the index branch selects roughly what the main attention would
+look at from step one, and the KL refines it. Training only: no KV cache, no padding masks (pack
+sequences instead). After each forward, ``msa_kl(model)`` is the mean KL over layers; add
+``kl_weight * msa_kl(model)`` to the loss.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ..layers.msa_attention import rotate_half
+from ..ops.msa import msa_attention
+
+SUPPORTED = ("LlamaAttention", "Qwen3Attention")
+
+
+def _require_transformers():
+    try:
+        import transformers  # noqa: F401
+    except ImportError as error:
+        raise ImportError("openmsa.integrations.transformers needs the transformers package: "
+                          "pip install transformers") from error
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF rotary embedding on ``[B, S, heads, D]`` with ``cos``/``sin`` ``[B, S, D]``."""
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+class HFMSAAttention(nn.Module):
+    """A Llama / Qwen3 attention module running MSA (see the module docstring)."""
+
+    is_msa_layer = True  # openmsa.set_msa_warmup / MSAWarmupSchedule switch it
+
+    def __init__(self, original: nn.Module, *, top_k: int, block_size: int,
+                 num_local_blocks: int, num_sink_blocks: int, backend: str):
+        super().__init__()
+        config = original.config
+        self.config, self.layer_idx = config, original.layer_idx
+        self.head_dim = original.head_dim
+        self.scaling = original.scaling
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.q_proj, self.k_proj = original.q_proj, original.k_proj
+        self.v_proj, self.o_proj = original.v_proj, original.o_proj
+        identity = nn.Identity()
+        self.q_norm = getattr(original, "q_norm", identity)
+        self.k_norm = getattr(original, "k_norm", identity)
+        self.index_q_norm = copy.deepcopy(self.q_norm)
+        self.index_k_norm = copy.deepcopy(self.k_norm)
+        hidden = self.q_proj.in_features
+        self.index_q_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.index_k_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        with torch.no_grad():
+            group = self.num_heads // self.num_kv_heads
+            q_weight = self.q_proj.weight.view(self.num_kv_heads, group, self.head_dim, hidden)
+            self.index_q_proj.weight.copy_(q_weight.mean(dim=1).reshape(-1, hidden))
+            k_weight = self.k_proj.weight.view(self.num_kv_heads, self.head_dim, hidden)
+            self.index_k_proj.weight.copy_(k_weight.mean(dim=0))
+        self.index_q_proj.to(self.q_proj.weight)
+        self.index_k_proj.to(self.q_proj.weight)
+        self.options = dict(top_k=top_k, block_size=block_size,
+                            num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
+                            backend=backend)
+        self.warmup = False
+        self.last_kl = None
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                past_key_values=None, **kwargs):
+        if cache is not None or past_key_values is not None:
+            raise ValueError("cache: expected None (MSA layers are for training: call the model "
+                             "with use_cache=False), received a cache")
+        batch, seqlen, _ = hidden_states.shape
+        cos, sin = position_embeddings
+
+        def heads(layer, x, count, norm):
+            return _rope(norm(layer(x).view(batch, seqlen, count, self.head_dim)), cos, sin)
+
+        q = heads(self.q_proj, hidden_states, self.num_heads, self.q_norm)
+        k = heads(self.k_proj, hidden_states, self.num_kv_heads, self.k_norm)
+        v = self.v_proj(hidden_states).view(batch, seqlen, self.num_kv_heads, self.head_dim)
+        detached = hidden_states.detach()  # the KL trains the index projections only
+        index_q = heads(self.index_q_proj, detached, self.num_kv_heads, self.index_q_norm)
+        index_k = heads(self.index_k_proj, detached, 1, self.index_k_norm)
+        out, kl = msa_attention(q, k, v, index_q, index_k, softmax_scale=self.scaling,
+                                warmup=self.warmup, **self.options)
+        self.last_kl = kl
+        return self.o_proj(out.reshape(batch, seqlen, -1)), None
+
+
+def convert_to_msa(model: nn.Module, *, top_k: int = 16, block_size: int = 128,
+                   num_local_blocks: int = 1, num_sink_blocks: int = 0,
+                   backend: str = "auto") -> int:
+    """Replaces every Llama / Qwen3 attention module of ``model`` in place; returns how many."""
+    _require_transformers()
+    targets = [(name, module) for name, module in model.named_modules()
+               if type(module).__name__ in SUPPORTED]
+    if not targets:
+        raise ValueError(f"model: expected attention modules of type {SUPPORTED}, found none")
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, HFMSAAttention(
+            module, top_k=top_k, block_size=block_size, num_local_blocks=num_local_blocks,
+            num_sink_blocks=num_sink_blocks, backend=backend))
+    return len(targets)
+
+
+def msa_kl(model: nn.Module) -> torch.Tensor:
+    """Mean KL over the converted layers, from the last forward."""
+    kls = [module.last_kl for module in model.modules()
+           if isinstance(module, HFMSAAttention) and module.last_kl is not None]
+    if not kls:
+        raise ValueError("model: expected converted MSA layers that ran a forward, found none")
+    return torch.stack(kls).mean()

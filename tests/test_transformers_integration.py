@@ -1,0 +1,74 @@
+"""Converting tiny Hugging Face Llama / Qwen3 models (random weights, nothing downloaded)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from openmsa import set_msa_warmup  # noqa: E402
+from openmsa.integrations.transformers import HFMSAAttention, convert_to_msa, msa_kl  # noqa: E402
+
+
+def tiny_model(family):
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=101,
+                  max_position_embeddings=1024)
+    torch.manual_seed(0)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    return model.double()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_converted_model_equals_the_original_when_every_block_is_kept(family):
+    model = tiny_model(family)
+    tokens = torch.randint(101, (2, 200), generator=torch.Generator().manual_seed(1))
+    expected = model(tokens, use_cache=False).logits
+    assert convert_to_msa(model, top_k=4, block_size=64, backend="reference") == 2
+    assert all(isinstance(layer.self_attn, HFMSAAttention) for layer in model.model.layers)
+    converted = model(tokens, use_cache=False).logits  # 200 tokens: 4 blocks, all kept
+    torch.testing.assert_close(converted, expected, rtol=1e-9, atol=1e-9)
+    sparse = convert_to_msa(tiny_model(family), top_k=1, block_size=64, backend="reference")
+    assert sparse == 2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_kl_reaches_only_the_index_projections(family):
+    model = tiny_model(family)
+    convert_to_msa(model, top_k=1, block_size=64, backend="reference")
+    tokens = torch.randint(101, (1, 150), generator=torch.Generator().manual_seed(2))
+    logits = model(tokens, use_cache=False).logits
+    kl = msa_kl(model)
+    assert kl.dim() == 0 and kl.item() > 0
+    kl.backward(retain_graph=True)
+    for name, parameter in model.named_parameters():
+        touched = parameter.grad is not None and parameter.grad.abs().sum() > 0
+        assert touched == ("index_" in name), name  # index projections (and Qwen3 index norms)
+    model.zero_grad()
+    logits.sum().backward()
+    assert all(p.grad is None or p.grad.abs().sum() == 0
+               for n, p in model.named_parameters() if "index_" in n)
+
+
+def test_index_branch_starts_from_the_main_projections():
+    model = tiny_model("llama")
+    q_weight = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    convert_to_msa(model, top_k=1, block_size=64, backend="reference")
+    layer = model.model.layers[0].self_attn
+    expected = q_weight.view(2, 2, 64, 128).mean(1).reshape(128, 128)
+    torch.testing.assert_close(layer.index_q_proj.weight, expected)
+
+
+def test_warmup_switch_and_clear_errors():
+    model = tiny_model("llama")
+    convert_to_msa(model, top_k=1, block_size=64, backend="reference")
+    assert set_msa_warmup(model, True) == 2
+    assert all(layer.self_attn.warmup for layer in model.model.layers)
+    tokens = torch.randint(101, (1, 130), generator=torch.Generator().manual_seed(3))
+    model(tokens, use_cache=False)
+    with pytest.raises(ValueError, match="^cache:"):
+        model(tokens, use_cache=True)
+    with pytest.raises(ValueError, match="^model:"):
+        convert_to_msa(torch.nn.Linear(2, 2))
