@@ -57,6 +57,11 @@ def _task(preset: Preset) -> RetrievalTask:
                          num_pairs=preset.num_pairs)
 
 
+def _autocast(device):
+    device = torch.device(device)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
 def _to(tokens, device):
     return tuple(t.to(device) for t in tokens)
 
@@ -65,7 +70,8 @@ def _to(tokens, device):
 def evaluate(model, tokens, answers, fact_positions, block_size):
     """Accuracy, KL and (MSA) block recall on a fixed batch, with sparse attention."""
     is_msa = set_msa_warmup(model, False) > 0
-    logits, kl, indices = model(tokens, return_indices=True)
+    with _autocast(tokens[0].device):
+        logits, kl, indices = model(tokens, return_indices=True)
     accuracy = (logits.argmax(-1) == answers).float().mean().item()
     result = {"accuracy": accuracy, "kl": kl.item()}
     if is_msa:
@@ -93,8 +99,9 @@ def train_model(kind: str, preset: Preset, device, seed: int, progress) -> list[
     for step in range(1, preset.steps + 1):
         warmup = schedule.apply(model, step - 1) if kind == "msa" else False
         tokens, answers, _ = task.sample(preset.batch, data)
-        logits, kl = model(_to(tokens, device))
-        task_loss = F.cross_entropy(logits, answers.to(device))
+        with _autocast(device):  # bf16 on a GPU: the Triton kernels' dtype
+            logits, kl = model(_to(tokens, device))
+        task_loss = F.cross_entropy(logits.float(), answers.to(device))
         loss = task_loss + preset.kl_weight * kl
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
