@@ -69,6 +69,12 @@ def _check(args) -> int:
     return 1 if failures else 0
 
 
+def _bench(args) -> int:
+    from .bench.run import run
+
+    return run(args)
+
+
 def _train(args) -> int:
     from .train.run import run
 
@@ -89,6 +95,12 @@ def main(argv=None) -> int:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--steps", type=int, help="override the preset's step count")
     train.set_defaults(handler=_train)
+    bench = commands.add_parser(
+        "bench", help="time MSA against dense SDPA and FlexAttention on this GPU")
+    from .bench.run import add_arguments
+
+    add_arguments(bench)
+    bench.set_defaults(handler=_bench)
     check = commands.add_parser(
         "check", help="run msa_attention on random inputs and compare it with the reference")
     check.add_argument("--device", help="cuda or cpu (default: cuda if available)")

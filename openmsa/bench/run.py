@@ -1,0 +1,307 @@
+"""``openmsa bench``: MSA against dense attention, in the same run, on a CUDA GPU.
+
+For each sequence length: MSA forward, backward and forward+backward (``msa_attention`` with
+the KL, through autograd), its parts (selection, main attention, KL = the rest), dense PyTorch
+SDPA and FlexAttention with a block mask of the same budget (each 128-query tile keeps top_k
+blocks). Before any timing, MSA is checked against the reference on random inputs of the same
+head configuration (2048 tokens; bf16 errors at most 2x the reference's own); a shape that fails
+is reported, not timed.
+Baselines that fail (out of memory, no FlexAttention) are reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from . import flops
+
+PRESETS = {"h64": (64, 4, 4), "h16": (16, 2, 4)}  # (H, Hkv, Hi), Hik = 1
+DEFAULT_SEQLENS = "4k,16k,32k,128k"
+CHECK_TOKENS = 2048
+
+
+def parse_length(text: str) -> int:
+    """'4096', '4k' (= 4096), '1m' (= 1048576)."""
+    units = {"k": 1 << 10, "m": 1 << 20}
+    text = text.strip().lower()
+    try:
+        if text[-1:] in units:
+            return int(text[:-1]) * units[text[-1]]
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a length like 4096, 4k or 1m, got {text!r}")
+
+
+def parse_lengths(text: str) -> list[int]:
+    return [parse_length(part) for part in text.split(",") if part.strip()]
+
+
+def parse_heads(text: str) -> tuple[int, int, int]:
+    try:
+        heads, kv_heads, index_heads = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected H,Hkv,Hi like 64,4,4, got {text!r}")
+    if heads % kv_heads or heads % index_heads or index_heads % kv_heads:
+        raise argparse.ArgumentTypeError(
+            f"expected H % Hkv == H % Hi == Hi % Hkv == 0, got {text!r}")
+    return heads, kv_heads, index_heads
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="h64",
+                        help="head configuration: h64 = H64/Hkv4/Hi4, h16 = H16/Hkv2/Hi4")
+    parser.add_argument("--heads", type=parse_heads, help="H,Hkv,Hi (overrides --preset)")
+    parser.add_argument("--seqlens", type=parse_lengths, default=parse_lengths(DEFAULT_SEQLENS),
+                        help=f"comma-separated lengths, 4k..1m (default {DEFAULT_SEQLENS})")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--selection", choices=("coherent", "random"), default="coherent",
+                        help="index inputs: coherent (like a trained index branch) or random")
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    parser.add_argument("--out", default="runs/bench", help="folder for bench.json and plots")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the plan and the FLOP counts, run nothing")
+
+
+def plan(args) -> list[dict]:
+    heads, kv_heads, index_heads = args.heads or PRESETS[args.preset]
+    rows = []
+    for seqlen in args.seqlens:
+        triples = flops.max_kept_triples(seqlen, heads, args.top_k, args.block_size)
+        rows.append(dict(
+            shape=f"H{heads}/Hkv{kv_heads}/Hi{index_heads}", seqlen=seqlen, heads=heads,
+            kv_heads=kv_heads, index_heads=index_heads, head_dim=args.head_dim,
+            top_k=args.top_k, block_size=args.block_size,
+            dense_fwd_tflop=flops.dense_attention_flops(seqlen, heads, args.head_dim) / 1e12,
+            msa_main_fwd_tflop=flops.main_attention_flops(triples, args.head_dim) / 1e12,
+            index_tflop=flops.index_scoring_flops(seqlen, index_heads, args.head_dim) / 1e12))
+    return rows
+
+
+def run(args) -> int:
+    rows = plan(args)
+    print(f"openmsa bench: top_k={args.top_k} block_size={args.block_size} "
+          f"selection={args.selection}; FLOPs (TFLOP, forward): dense / MSA main / index")
+    for row in rows:
+        print(f"  {row['shape']} S={row['seqlen']}: {row['dense_fwd_tflop']:.2f} / "
+              f"{row['msa_main_fwd_tflop']:.2f} / {row['index_tflop']:.2f}")
+    if args.dry_run:
+        return 0
+    if not torch.cuda.is_available():
+        import sys
+
+        print("openmsa bench needs a CUDA GPU (use --dry-run to see the plan)", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    results = [measure(row, args) for row in rows]
+    report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  date=time.strftime("%Y-%m-%d"), args={k: v for k, v in vars(args).items()
+                                                        if k != "handler"}, rows=results)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    print_table(results)
+    plot(results, args.out)
+    return 0
+
+
+def make_inputs(row, seqlen, selection, device="cuda", seed=0):
+    """bf16 q, k, v, index_q, index_k ``[1, S, heads, D]`` requiring grad."""
+    generator = torch.Generator(device=device).manual_seed(seed + seqlen)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=generator)
+
+    d = row["head_dim"]
+    q, k, v = (randn(1, seqlen, h, d) for h in (row["heads"], row["kv_heads"], row["kv_heads"]))
+    index_k = randn(1, seqlen, 1, d)
+    if selection == "random":
+        index_q = randn(1, seqlen, row["index_heads"], d)
+    else:  # a slow random walk: neighbouring tokens ask similar questions
+        index_q = torch.cumsum(randn(1, seqlen, row["index_heads"], d) * 0.05, dim=1)
+        index_q = index_q + randn(1, 1, row["index_heads"], d)
+        index_q = index_q / index_q.norm(dim=-1, keepdim=True) * d ** 0.5
+    return [t.bfloat16().requires_grad_() for t in (q, k, v, index_q, index_k)]
+
+
+def measure(row, args) -> dict:
+    import triton.testing
+
+    from ..cli import TOLERANCE
+    from ..ops.msa import msa_attention, select_blocks, sparse_attention
+    from ..testing import MSACase, compare_with_reference
+
+    seqlen = row["seqlen"]
+    options = dict(top_k=args.top_k, block_size=args.block_size)
+    result = dict(row)
+    case = MSACase("check", batch=1, seqlen=min(seqlen, CHECK_TOKENS), num_heads=row["heads"],
+                   num_kv_heads=row["kv_heads"], num_index_heads=row["index_heads"],
+                   head_dim=row["head_dim"], index_head_dim=row["head_dim"], options=options)
+    comparison = compare_with_reference(msa_attention, case, torch.bfloat16, "cuda")
+    result["check_errors"] = comparison.errors
+    if not comparison.passed(TOLERANCE[torch.bfloat16]):
+        result["status"] = "correctness check failed: not timed"
+        return result
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+    inputs = make_inputs(row, seqlen, args.selection)
+    q, k, v, index_q, index_k = inputs
+    dout = torch.randn_like(q)
+    one = torch.ones((), device="cuda")
+
+    def msa_step():
+        out, kl = msa_attention(*inputs, **options)
+        torch.autograd.grad((out, kl), inputs, (dout, one))
+
+    def msa_forward():
+        with torch.no_grad():
+            msa_attention(*inputs, **options)
+
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    msa_step()
+    result["msa_step_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    result["msa_fwd_ms"] = bench(msa_forward)
+    result["msa_fwd_bwd_ms"] = bench(msa_step)
+    result["msa_bwd_ms"] = result["msa_fwd_bwd_ms"] - result["msa_fwd_ms"]
+    with torch.no_grad():
+        ids = select_blocks(index_q, index_k, **options)
+    result["selection_ms"] = bench(lambda: select_blocks(index_q, index_k, **options))
+
+    def attention_step():
+        out = sparse_attention(q, k, v, ids, block_size=args.block_size)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    result["main_attention_fwd_bwd_ms"] = bench(attention_step)
+    result["kl_fwd_bwd_ms"] = (result["msa_fwd_bwd_ms"] - result["selection_ms"]
+                               - result["main_attention_fwd_bwd_ms"])
+    triples = flops.kept_triples(ids[0].permute(1, 0, 2), args.block_size,
+                                 row["heads"] // row["index_heads"])
+    main_flops = flops.main_attention_flops(triples, row["head_dim"])
+    result["main_attention_tflops_fwd_bwd"] = flops.tflops(
+        main_flops * (1 + flops.BACKWARD_FACTOR), result["main_attention_fwd_bwd_ms"])
+    result["selection_tflops"] = flops.tflops(row["index_tflop"] * 1e12, result["selection_ms"])
+    result.update(dense_baseline(q, k, v, dout, bench))
+    if not args.no_flex:
+        result.update(flex_baseline(q, k, v, dout, ids, args.block_size, bench))
+    if "dense_fwd_bwd_ms" in result:
+        result["speedup_vs_dense"] = result["dense_fwd_bwd_ms"] / result["msa_fwd_bwd_ms"]
+    result["status"] = "ok"
+    print(json.dumps({key: value for key, value in result.items() if key != "check_errors"}),
+          flush=True)
+    return result
+
+
+def dense_baseline(q, k, v, dout, bench) -> dict:
+    import torch.nn.functional as F
+
+    qd, kd, vd = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    doutd = dout.transpose(1, 2).contiguous()
+
+    def forward():
+        return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+
+    def step():
+        torch.autograd.grad(forward(), (qd, kd, vd), doutd)
+
+    try:
+        return dict(dense_fwd_ms=bench(forward), dense_fwd_bwd_ms=bench(step))
+    except torch.OutOfMemoryError:
+        return dict(dense_status="skipped: out of memory")
+
+
+def flex_baseline(q, k, v, dout, ids, block_size, bench) -> dict:
+    """FlexAttention, each 128-query tile keeping the top_k blocks its last token kept."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    except ImportError:
+        return dict(flex_status="skipped: no FlexAttention in this torch")
+    try:
+        seqlen = q.shape[1]
+        tile = 128
+        num_tiles = -(-seqlen // tile)
+        last_token = torch.clamp(torch.arange(num_tiles, device=q.device) * tile + tile - 1,
+                                 max=seqlen - 1)
+        tile_ids = ids[0][:, last_token]  # [Hi, tiles, k] in blocks of block_size
+        # Flex's mask blocks are 128 x 128; a kept block of 64 maps to its 128-block.
+        kv_blocks = (tile_ids.clamp(min=0) * block_size // tile).to(torch.int32)
+        kv_blocks = torch.where(tile_ids >= 0, kv_blocks, kv_blocks[..., :1])
+        heads_per_index = q.shape[2] // ids.shape[1]
+        kv_blocks = kv_blocks.repeat_interleave(heads_per_index, dim=0)[None]
+        counts = torch.full(kv_blocks.shape[:-1], kv_blocks.shape[-1], dtype=torch.int32,
+                            device=q.device)
+
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        mask = BlockMask.from_kv_blocks(counts, kv_blocks.contiguous(), BLOCK_SIZE=tile,
+                                        mask_mod=causal, seq_lengths=(seqlen, seqlen))
+        compiled = torch.compile(flex_attention)
+        qd, kd, vd = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+        doutd = dout.transpose(1, 2).contiguous()
+
+        def forward():
+            return compiled(qd, kd, vd, block_mask=mask, enable_gqa=True)
+
+        def step():
+            torch.autograd.grad(forward(), (qd, kd, vd), doutd)
+
+        return dict(flex_fwd_ms=bench(forward), flex_fwd_bwd_ms=bench(step))
+    except Exception as error:  # compile failures, out of memory: report, do not crash
+        return dict(flex_status=f"skipped: {type(error).__name__}: {error}"[:200])
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"\n{'shape':>13} {'S':>8} {'msa f+b ms':>11} {'select':>7} {'attn':>7} {'kl':>7} "
+          f"{'dense f+b':>10} {'flex f+b':>9} {'x dense':>8} {'GiB':>6}")
+    for r in results:
+        if r.get("status") != "ok":
+            print(f"{r['shape']:>13} {r['seqlen']:>8}  {r.get('status')}")
+            continue
+
+        def number(key, fmt="{:.2f}"):
+            return fmt.format(r[key]) if key in r else "-"
+
+        print(f"{r['shape']:>13} {r['seqlen']:>8} {number('msa_fwd_bwd_ms'):>11} "
+              f"{number('selection_ms'):>7} {number('main_attention_fwd_bwd_ms'):>7} "
+              f"{number('kl_fwd_bwd_ms'):>7} {number('dense_fwd_bwd_ms'):>10} "
+              f"{number('flex_fwd_bwd_ms'):>9} {number('speedup_vs_dense'):>8} "
+              f"{number('msa_step_extra_gib'):>6}")
+
+
+def plot(results: list[dict], out_dir: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots")
+        return
+    done = [r for r in results if r.get("status") == "ok"]
+    if not done:
+        return
+    figure, (times, speedups) = plt.subplots(1, 2, figsize=(10, 3.8))
+    seqlens = [r["seqlen"] for r in done]
+    for key, label in (("msa_fwd_bwd_ms", "MSA"), ("dense_fwd_bwd_ms", "dense SDPA"),
+                       ("flex_fwd_bwd_ms", "FlexAttention, same budget")):
+        points = [(r["seqlen"], r[key]) for r in done if key in r]
+        if points:
+            times.plot(*zip(*points), marker="o", label=label)
+    times.set(xscale="log", yscale="log", xlabel="sequence length",
+              ylabel="fwd+bwd ms", title="one attention layer, fwd+bwd")
+    times.legend()
+    speedups.plot(seqlens, [r.get("speedup_vs_dense", float("nan")) for r in done], marker="o")
+    speedups.axhline(1.0, color="gray", linestyle=":")
+    speedups.set(xscale="log", xlabel="sequence length", ylabel="dense time / MSA time",
+                 title="speedup over dense")
+    figure.tight_layout()
+    figure.savefig(os.path.join(out_dir, "bench.png"), dpi=110)
+    plt.close(figure)

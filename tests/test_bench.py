@@ -1,0 +1,53 @@
+"""FLOP accounting and the ``openmsa bench`` command line (CPU)."""
+
+import pytest
+import torch
+
+from openmsa import cli
+from openmsa.bench import flops
+
+
+def test_dense_and_index_flops_count_the_causal_triangle():
+    assert flops.causal_pairs(4) == 10
+    assert flops.dense_attention_flops(4, num_heads=2, head_dim=8) == 4 * 2 * 8 * 10
+    assert flops.index_scoring_flops(4, num_index_heads=3, index_head_dim=8) == 2 * 3 * 8 * 10
+    # The GUIDE's table: 32k, H64, D128 dense causal forward = 17.6 TFLOP.
+    assert abs(flops.dense_attention_flops(32768, 64, 128) / 1e12 - 17.6) < 0.05
+    assert abs(flops.index_scoring_flops(131072, 4, 128) / 1e12 - 8.8) < 0.05
+
+
+def test_kept_triples_counts_own_block_keys_up_to_the_query():
+    # block 4, 6 tokens: query 5 keeps blocks {1 (own: keys 4, 5), 0 (4 keys)} -> 6 keys.
+    ids = torch.tensor([[[0, -1]], [[0, -1]], [[0, -1]], [[0, -1]], [[1, 0]], [[1, 0]]])
+    assert flops.kept_triples(ids, block_size=4, heads_per_index_head=1) == 1 + 2 + 3 + 4 + 5 + 6
+    assert flops.kept_triples(ids, block_size=4, heads_per_index_head=16) == 16 * 21
+    assert flops.max_kept_triples(6, num_heads=1, top_k=2, block_size=4) == 21
+
+
+def test_max_kept_triples_matches_a_brute_force_count():
+    seqlen, top_k, block = 700, 3, 64
+    brute = sum(min(i + 1, i % block + 1 + (top_k - 1) * block) for i in range(seqlen))
+    assert flops.max_kept_triples(seqlen, 1, top_k, block) == brute
+    # The GUIDE's table counts 16 full blocks per query: 8.8 TFLOP at 128k, H64, D128; the own
+    # block is on average half visible, so the exact count is ~3% lower.
+    triples = flops.max_kept_triples(131072, 64, 16, 128)
+    assert 8.4 < flops.main_attention_flops(triples, 128) / 1e12 < 8.8
+
+
+def test_bench_arguments_are_parsed_and_validated(capsys):
+    assert cli.main(["bench", "--dry-run", "--preset", "h16", "--seqlens", "4k,16k",
+                     "--top-k", "8", "--block-size", "64"]) == 0
+    plan = capsys.readouterr().out
+    assert "H16/Hkv2/Hi4" in plan and "4096" in plan and "16384" in plan and "top_k=8" in plan
+    assert cli.main(["bench", "--dry-run", "--heads", "32,8,8", "--seqlens", "1m"]) == 0
+    assert "H32/Hkv8/Hi8" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--seqlens", "4q"])
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--heads", "64,5,4"])
+
+
+def test_bench_without_a_gpu_says_so(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
