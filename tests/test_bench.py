@@ -51,3 +51,30 @@ def test_bench_without_a_gpu_says_so(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["bench"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_baseline_mask_keeps_each_tiles_blocks_causally():
+    """The FlexAttention baseline's mask equals explicit per-tile block sets (forward, CPU)."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    import openmsa
+    from openmsa.bench.run import flex_block_mask
+
+    torch.manual_seed(0)
+    seqlen, heads, kv_heads, index_heads, dim = 512, 4, 2, 2, 64
+    q, k, v = (torch.randn(1, h, seqlen, dim) for h in (heads, kv_heads, kv_heads))
+    ids = openmsa.select_blocks(torch.randn(1, seqlen, index_heads, dim),
+                                torch.randn(1, seqlen, 1, dim), top_k=2, block_size=128)
+    out = flex.flex_attention(q, k, v, block_mask=flex_block_mask(ids, heads, seqlen),
+                              enable_gqa=True)
+    allowed = torch.zeros(heads, seqlen, seqlen, dtype=torch.bool)
+    for h in range(heads):
+        for i in range(seqlen):
+            tile_last = min(i // 128 * 128 + 127, seqlen - 1)
+            for block in ids[0, h // (heads // index_heads), tile_last].tolist():
+                if block >= 0:
+                    allowed[h, i, block * 128:(block + 1) * 128] = True
+    allowed &= torch.ones(seqlen, seqlen, dtype=torch.bool).tril()
+    scores = q[0] @ k[0].repeat_interleave(2, 0).transpose(-1, -2) * dim ** -0.5
+    expected = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v[0].repeat_interleave(2, 0)
+    torch.testing.assert_close(out[0], expected, rtol=1e-4, atol=1e-4)

@@ -217,32 +217,58 @@ def dense_baseline(q, k, v, dout, bench) -> dict:
         return dict(dense_status="skipped: out of memory")
 
 
+def flex_block_mask(ids: torch.Tensor, num_heads: int, seqlen: int):
+    """FlexAttention block mask with MSA's budget: every 128-query tile keeps the (up to top_k)
+    128-key blocks its last token kept; causal inside. ids: ``[1, Hi, S, k]``, blocks of 128.
+
+    The tile's own block is the only partial one (causal mask); the others are full blocks."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    tile = 128
+    num_tiles = -(-seqlen // tile)
+    tiles = torch.arange(num_tiles, device=ids.device)
+    last_token = torch.clamp(tiles * tile + tile - 1, max=seqlen - 1)
+    tile_ids = ids[0][:, last_token].long()  # [Hi, tiles, k]
+    earlier = (tile_ids >= 0) & (tile_ids != tiles[None, :, None])
+    unused = num_tiles  # sorts after every real block
+    full = torch.where(earlier, tile_ids, unused).sort(dim=-1).values
+    full_counts = earlier.sum(-1)
+    # One column per key tile; columns past the count are ignored.
+    full = torch.nn.functional.pad(full, (0, max(0, num_tiles - full.shape[-1])), value=unused)
+    full = torch.where(full == unused, 0, full)
+    heads_per_index = num_heads // ids.shape[1]
+
+    def per_head(t):
+        return t.repeat_interleave(heads_per_index, dim=0)[None].to(torch.int32).contiguous()
+
+    own = torch.zeros(num_heads, num_tiles, num_tiles, dtype=torch.long, device=ids.device)
+    own[..., 0] = tiles
+    # The mask function must define the mask exactly (the block lists only let kernels skip
+    # work): a [H, tiles, tiles] table of kept tiles, causal inside.
+    kept = torch.zeros(ids.shape[1], num_tiles, num_tiles + 1, dtype=torch.bool,
+                       device=ids.device)
+    kept.scatter_(2, torch.where(tile_ids >= 0, tile_ids, num_tiles), True)
+    kept = kept[..., :num_tiles].repeat_interleave(heads_per_index, dim=0)
+
+    def causal(b, h, q_idx, kv_idx):
+        return kept[h, q_idx // tile, kv_idx // tile] & (q_idx >= kv_idx)
+
+    return BlockMask.from_kv_blocks(
+        torch.ones(1, num_heads, num_tiles, dtype=torch.int32, device=ids.device),
+        own[None].to(torch.int32).contiguous(), per_head(full_counts), per_head(full),
+        BLOCK_SIZE=tile, mask_mod=causal, seq_lengths=(seqlen, seqlen))
+
+
 def flex_baseline(q, k, v, dout, ids, block_size, bench) -> dict:
-    """FlexAttention, each 128-query tile keeping the top_k blocks its last token kept."""
+    """FlexAttention with ``flex_block_mask`` (same budget as MSA), forward and backward."""
     try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+        from torch.nn.attention.flex_attention import flex_attention
     except ImportError:
         return dict(flex_status="skipped: no FlexAttention in this torch")
+    if block_size != 128:
+        return dict(flex_status="skipped: the FlexAttention baseline uses blocks of 128")
     try:
-        seqlen = q.shape[1]
-        tile = 128
-        num_tiles = -(-seqlen // tile)
-        last_token = torch.clamp(torch.arange(num_tiles, device=q.device) * tile + tile - 1,
-                                 max=seqlen - 1)
-        tile_ids = ids[0][:, last_token]  # [Hi, tiles, k] in blocks of block_size
-        # Flex's mask blocks are 128 x 128; a kept block of 64 maps to its 128-block.
-        kv_blocks = (tile_ids.clamp(min=0) * block_size // tile).to(torch.int32)
-        kv_blocks = torch.where(tile_ids >= 0, kv_blocks, kv_blocks[..., :1])
-        heads_per_index = q.shape[2] // ids.shape[1]
-        kv_blocks = kv_blocks.repeat_interleave(heads_per_index, dim=0)[None]
-        counts = torch.full(kv_blocks.shape[:-1], kv_blocks.shape[-1], dtype=torch.int32,
-                            device=q.device)
-
-        def causal(b, h, q_idx, kv_idx):
-            return q_idx >= kv_idx
-
-        mask = BlockMask.from_kv_blocks(counts, kv_blocks.contiguous(), BLOCK_SIZE=tile,
-                                        mask_mod=causal, seq_lengths=(seqlen, seqlen))
+        mask = flex_block_mask(ids, q.shape[2], q.shape[1])
         compiled = torch.compile(flex_attention)
         qd, kd, vd = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
         doutd = dout.transpose(1, 2).contiguous()
