@@ -45,8 +45,11 @@ class MSAAttention(nn.Module):
                  num_index_kv_heads: int = 1, index_head_dim: int | None = None, *,
                  top_k: int = 16, block_size: int = 128, num_local_blocks: int = 1,
                  num_sink_blocks: int = 0, rope_theta: float = 10000.0, qk_norm: bool = False,
-                 bias: bool = False, backend: str = "auto"):
+                 bias: bool = False, backend: str = "auto", context_parallel_group=None):
         super().__init__()
+        # With a process group, hidden_states is this rank's contiguous sequence shard and the
+        # attention runs head-parallel across the group (openmsa.integrations.context_parallel).
+        self.context_parallel_group = context_parallel_group
         head_dim = head_dim or hidden_size // num_heads
         num_index_heads = num_index_heads or num_kv_heads
         index_head_dim = index_head_dim or head_dim
@@ -79,7 +82,11 @@ class MSAAttention(nn.Module):
         lead = hidden_states.shape[:-1]
         if position_ids is None:
             if cu_seqlens is None:
-                position_ids = torch.arange(lead[-1], device=hidden_states.device).expand(lead)
+                first = 0
+                if self.context_parallel_group is not None:  # this rank's shard of the sequence
+                    first = torch.distributed.get_rank(self.context_parallel_group) * lead[-1]
+                position_ids = torch.arange(first, first + lead[-1],
+                                            device=hidden_states.device).expand(lead)
             else:
                 position_ids = query_positions_from_offsets(cu_seqlens, lead[0])
         detached = hidden_states.detach()
@@ -95,6 +102,16 @@ class MSAAttention(nn.Module):
                           self.index_head_dim, self.index_q_norm)
         index_k = project(self.index_k_proj, detached, self.num_index_kv_heads,
                           self.index_head_dim, self.index_k_norm)
+        if self.context_parallel_group is not None:
+            from ..integrations.context_parallel import context_parallel_msa_attention
+
+            if cu_seqlens is not None or return_indices:
+                raise ValueError("context_parallel_group: cu_seqlens and return_indices are not "
+                                 "supported with context parallelism")
+            out, kl = context_parallel_msa_attention(
+                q, k, v, index_q, index_k, group=self.context_parallel_group,
+                warmup=self.warmup, **self.options)
+            return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim)), kl
         out, kl, *indices = msa_attention(
             q, k, v, index_q, index_k, warmup=self.warmup, cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen, return_indices=return_indices and not self.warmup,
