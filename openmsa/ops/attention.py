@@ -12,6 +12,11 @@ the tensor cores, so rows are stacked from several tokens:
   ``openmsa.ops.csr``), ``TOK x GQ`` rows at a time, and writes fp32 partials that a small kernel
   sums per block in a fixed order (no atomics: deterministic).
 
+With the index branch, the same walks also compute what the KL needs: the index log-sum-exp over
+the kept tokens (forward), d index_q (dQ walk) and d index_k (dK/dV segments), from the teacher
+(the mean of the GQ heads' probabilities, which those walks recompute anyway); one more walk
+computes the KL's value.
+
 Log-sum-exps are kept in base 2 of the scaled scores (``lse2 = log2 sum 2^(c * log2(e) * q.k)``),
 so ``P = 2^(c * log2(e) * q.k - lse2)``; the natural-log LSE is ``lse2 * ln 2``.
 See docs/KERNELS.md for the design, the alternatives measured and the figures.
