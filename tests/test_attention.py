@@ -182,3 +182,22 @@ def test_blocks_split_into_many_segments_give_the_same_gradients(monkeypatch):
     for name in ("dk", "dv"):
         torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-6)
         assert rel_rms_error(split[name], expected[name]) < 1e-5
+
+
+@pytest.mark.parametrize("case", [
+    MSACase("warmup_batch2", batch=2, seqlen=200, num_heads=4, num_kv_heads=2,
+            num_index_heads=2, options=dict(block_size=64, warmup=True)),
+    MSACase("warmup_packed_gqa3", seqlens=(70, 1, 200, 129), num_heads=6, num_kv_heads=2,
+            num_index_heads=2, options=dict(block_size=64, warmup=True, max_seqlen=200)),
+], ids=lambda c: c.name)
+def test_warmup_kernels_match_reference(case):
+    """Warmup runs the sparse kernels with every causal block kept (no membership tests)."""
+    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=13)
+    out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(14))
+    got, _ = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 1.5,
+                            backend="triton", **case.options)
+    expected, _ = run_with_grads(openmsa.msa_attention, [t.double() for t in inputs],
+                                 cu_seqlens, out_grad, 1.5, backend="reference",
+                                 **case.options)
+    for name in QUANTITY_NAMES:
+        assert rel_rms_error(got[name], expected[name]) < 1e-5, name

@@ -38,13 +38,14 @@ LOG2_E = math.log2(math.e)
 @triton.jit
 def _query_tile(SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI: tl.constexpr,
                 GQ: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
-                TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr):
+                TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, DENSE: tl.constexpr):
     """A (real) query tile: TOK consecutive tokens of one sequence; its MMA rows are the GQ heads
     of ``index_head`` x the tokens, head-major (row = g * TOK + t; rows of heads >= GQ are
     padding).
     Returns the sequence's start and length, the tile's first position, per-row (valid, packed
     token, position, head, kept ids [ROWS, TOPK_PAD]) and per-token rows padded to TOKP (valid,
-    packed token, position, kept ids [TOKP, TOPK_PAD]); ids are -1 padded."""
+    packed token, position, kept ids [TOKP, TOPK_PAD]); ids are -1 padded. DENSE (warmup: every
+    earlier block kept) loads no ids."""
     sequence = tl.load(SCHEDULE + 2 * entry).to(tl.int64)
     tile = tl.load(SCHEDULE + 2 * entry + 1).to(tl.int64)
     seq_start = tl.load(CU_SEQLENS + sequence).to(tl.int64)
@@ -55,18 +56,34 @@ def _query_tile(SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI: tl.constexpr,
     tok_position = first_position + padded
     tok_valid = (padded < TOK) & (tok_position < seq_len)
     tok_token = seq_start + tok_position
-    slots = tl.arange(0, TOPK_PAD)
-    tok_ids = tl.load(IDS + (tok_token * HI + index_head)[:, None] * TOP_K + slots[None, :],
-                      mask=tok_valid[:, None] & (slots[None, :] < TOP_K), other=-1)
     rows = tl.arange(0, ROWS)
     row_position = first_position + rows % TOK
     row_valid = (rows // TOK < GQ) & (row_position < seq_len)
     row_head = index_head * GQ + rows // TOK
-    row_ids = tl.load(IDS + ((seq_start + row_position) * HI + index_head)[:, None] * TOP_K
-                      + slots[None, :], mask=row_valid[:, None] & (slots[None, :] < TOP_K),
-                      other=-1)  # [ROWS, TOPK_PAD]
+    if DENSE:
+        tok_ids = tl.full((TOKP, 2), -1, tl.int32)
+        row_ids = tl.full((ROWS, 2), -1, tl.int32)
+    else:
+        slots = tl.arange(0, TOPK_PAD)
+        tok_ids = tl.load(IDS + (tok_token * HI + index_head)[:, None] * TOP_K + slots[None, :],
+                          mask=tok_valid[:, None] & (slots[None, :] < TOP_K), other=-1)
+        row_ids = tl.load(IDS + ((seq_start + row_position) * HI + index_head)[:, None] * TOP_K
+                          + slots[None, :], mask=row_valid[:, None] & (slots[None, :] < TOP_K),
+                          other=-1)  # [ROWS, TOPK_PAD]
     return (seq_start, seq_len, first_position, row_valid, seq_start + row_position,
             row_position, row_head, row_ids, tok_valid, tok_token, tok_position, tok_ids)
+
+
+@triton.jit
+def _members(row_ids, tok_ids, block, row_valid, tok_valid, DENSE: tl.constexpr):
+    """Which rows and tokens kept ``block`` (DENSE: all valid ones; causality is separate)."""
+    if DENSE:
+        row_member = row_valid
+        tok_member = tok_valid
+    else:
+        row_member = (tl.max((row_ids == block).to(tl.int32), axis=1) > 0) & row_valid
+        tok_member = tl.max((tok_ids == block).to(tl.int32), axis=1) > 0
+    return row_member, tok_member
 
 
 @triton.jit
@@ -127,7 +144,7 @@ def _sparse_attn_fwd_kernel(
     INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr, TOP_K: tl.constexpr,
     TOPK_PAD: tl.constexpr, UNION_SLOTS: tl.constexpr, WITH_INDEX: tl.constexpr,
-    PRECISION: tl.constexpr,
+    DENSE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Query-outer forward: one program per (query tile, index head) walks the distinct blocks
     its tokens kept (flash-attention online softmax); a row sees a block only if its own token
@@ -139,7 +156,8 @@ def _sparse_attn_fwd_kernel(
         return
     (seq_start, seq_len, first_position, row_valid, row_token, row_position, row_head, row_ids,
      tok_valid, tok_token, tok_position, tok_ids) = _query_tile(
-        SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI, GQ, TOK, TOKP, ROWS, TOP_K, TOPK_PAD)
+        SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI, GQ, TOK, TOKP, ROWS, TOP_K, TOPK_PAD,
+        DENSE)
     kv_head = index_head // KV_GROUP
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
@@ -162,8 +180,7 @@ def _sparse_attn_fwd_kernel(
             K, V, IK, seq_start, seq_len, block, kv_head, index_head // INDEX_GROUP, stride_k_t,
             stride_k_h, stride_v_t, stride_v_h, stride_ik_t, stride_ik_h, BLOCK, HEAD_DIM,
             INDEX_DIM, WITH_INDEX)
-        row_member = (tl.max((row_ids == block).to(tl.int32), axis=1) > 0) & row_valid
-        tok_member = tl.max((tok_ids == block).to(tl.int32), axis=1) > 0  # token kept it
+        row_member, tok_member = _members(row_ids, tok_ids, block, row_valid, tok_valid, DENSE)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         # A block before the tile that every row kept needs no mask.
         if (block * BLOCK + BLOCK > first_position) | (tl.min(row_member.to(tl.int32)) == 0):
@@ -207,7 +224,8 @@ def _kl_value_kernel(
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
     INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr, TOP_K: tl.constexpr,
-    TOPK_PAD: tl.constexpr, UNION_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+    TOPK_PAD: tl.constexpr, UNION_SLOTS: tl.constexpr, DENSE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """KL(teacher || student) of every (token, index head), summed over its kept keys, from the
     final log-sum-exps: the same walk as the forward, recomputing the main probabilities."""
@@ -217,7 +235,8 @@ def _kl_value_kernel(
         return
     (seq_start, seq_len, first_position, row_valid, row_token, row_position, row_head, row_ids,
      tok_valid, tok_token, tok_position, tok_ids) = _query_tile(
-        SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI, GQ, TOK, TOKP, ROWS, TOP_K, TOPK_PAD)
+        SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI, GQ, TOK, TOKP, ROWS, TOP_K, TOPK_PAD,
+        DENSE)
     kv_head = index_head // KV_GROUP
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
@@ -236,8 +255,7 @@ def _kl_value_kernel(
             K, V, IK, seq_start, seq_len, block, kv_head, index_head // INDEX_GROUP, stride_k_t,
             stride_k_h, stride_v_t, stride_v_h, stride_ik_t, stride_ik_h, BLOCK, HEAD_DIM,
             INDEX_DIM, True)
-        row_member = (tl.max((row_ids == block).to(tl.int32), axis=1) > 0) & row_valid
-        tok_member = tl.max((tok_ids == block).to(tl.int32), axis=1) > 0
+        row_member, tok_member = _members(row_ids, tok_ids, block, row_valid, tok_valid, DENSE)
         visible = (row_member[:, None] & key_valid[None, :]
                    & (key_pos[None, :] <= row_position[:, None]))
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
@@ -263,7 +281,7 @@ def _sparse_attn_dq_kernel(
     INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr, TOP_K: tl.constexpr,
     TOPK_PAD: tl.constexpr, UNION_SLOTS: tl.constexpr, WITH_INDEX: tl.constexpr,
-    PRECISION: tl.constexpr,
+    DENSE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Query-outer dQ, and WITH_INDEX the KL gradient of index_q: the forward's walk; the main
     probabilities it recomputes also give the teacher, d kl / d z = (s - t) / (Nq * Hi)."""
@@ -273,7 +291,8 @@ def _sparse_attn_dq_kernel(
         return
     (seq_start, seq_len, first_position, row_valid, row_token, row_position, row_head, row_ids,
      tok_valid, tok_token, tok_position, tok_ids) = _query_tile(
-        SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI, GQ, TOK, TOKP, ROWS, TOP_K, TOPK_PAD)
+        SCHEDULE, CU_SEQLENS, IDS, entry, index_head, HI, GQ, TOK, TOKP, ROWS, TOP_K, TOPK_PAD,
+        DENSE)
     kv_head = index_head // KV_GROUP
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
@@ -302,8 +321,7 @@ def _sparse_attn_dq_kernel(
             K, V, IK, seq_start, seq_len, block, kv_head, index_head // INDEX_GROUP, stride_k_t,
             stride_k_h, stride_v_t, stride_v_h, stride_ik_t, stride_ik_h, BLOCK, HEAD_DIM,
             INDEX_DIM, WITH_INDEX)
-        row_member = (tl.max((row_ids == block).to(tl.int32), axis=1) > 0) & row_valid
-        tok_member = tl.max((tok_ids == block).to(tl.int32), axis=1) > 0
+        row_member, tok_member = _members(row_ids, tok_ids, block, row_valid, tok_valid, DENSE)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         probs = tl.exp2(scores - lse[:, None])
         if (block * BLOCK + BLOCK > first_position) | (tl.min(row_member.to(tl.int32)) == 0):
@@ -513,7 +531,7 @@ class SparseAttentionProblem:
     """
 
     def __init__(self, q, k, block_ids, cu_seqlens, block_size, softmax_scale, index_k=None,
-                 index_scale=None, query_rows=128, key_rows=64):
+                 index_scale=None, query_rows=128, key_rows=64, dense=False):
         self.total, self.num_heads, self.head_dim = q.shape
         self.num_kv_heads = k.shape[1]
         self.num_index_heads, self.top_k = block_ids.shape[1], block_ids.shape[2]
@@ -524,6 +542,7 @@ class SparseAttentionProblem:
         self.index_scale = index_scale if self.with_index else 0.0
         self.block_size = block_size
         self.scale = softmax_scale
+        self.dense = dense  # block_ids keep every causal block: skip the per-row membership
         self.block_ids = block_ids
         self.cu_seqlens = cu_seqlens
         self.query_tokens, gq_pad, self.query_rows = _tile_shape(self.gq, query_rows)
@@ -539,7 +558,8 @@ class SparseAttentionProblem:
                            PRECISION=_precision(q))
 
     def query_constants(self):
-        return dict(self.shared, TOK=self.query_tokens, TOKP=max(16, self.query_tokens),
+        return dict(self.shared, DENSE=self.dense, TOK=self.query_tokens,
+                    TOKP=max(16, self.query_tokens),
                     ROWS=self.query_rows, TOP_K=self.top_k, TOPK_PAD=_pow2(self.top_k),
                     UNION_SLOTS=self.query_work.union.shape[-1])
 
@@ -653,14 +673,15 @@ class SparseAttentionFunction(torch.autograd.Function):
     """Autograd over packed inputs (q [T, H, D]; k, v [T, Hkv, D]; index_q [T, Hi, Di] and
     index_k [T, Hik, Di], or None for the main attention alone; block_ids int32 [T, Hi, k]
     token-major). Returns out and the KL (a float32 0-dim tensor: the exact value, or 0 with
-    ``kl_value=False``, with the same gradient either way; None without index tensors)."""
+    ``kl_value=False``, with the same gradient either way; None without index tensors).
+    ``dense``: block_ids keep every causal block (warmup), so no per-row membership is tested."""
 
     @staticmethod
     def forward(ctx, q, k, v, index_q, index_k, block_ids, cu_seqlens, block_size, softmax_scale,
-                index_scale, kl_value):
+                index_scale, kl_value, dense=False):
         with_index = index_q is not None
         problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
-                                         index_k, index_scale)
+                                         index_k, index_scale, dense=dense)
         out, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem)
         if not with_index:
             kl = None
@@ -688,4 +709,4 @@ class SparseAttentionFunction(torch.autograd.Function):
                                      kl_grad, p)
         dk, dv, d_index_k = attention_dkdv(q, k, v, index_q, index_k, dout, lse, delta,
                                            lse_index, kl_grad, p)
-        return dq, dk, dv, d_index_q, d_index_k, None, None, None, None, None, None
+        return dq, dk, dv, d_index_q, d_index_k, None, None, None, None, None, None, None

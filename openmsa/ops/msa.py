@@ -7,7 +7,8 @@ import os
 import torch
 
 from .attention import SparseAttentionFunction
-from .layout import ids_from_token_major, ids_to_token_major, packed_offsets, packed_tokens
+from .layout import (all_causal_block_ids, ids_from_token_major, ids_to_token_major,
+                     packed_offsets, packed_tokens)
 from .naive import naive_msa_forward, naive_select_blocks
 from .select import select_blocks_fwd
 from .validate import (check_backend, validate_block_indices, validate_msa_args,
@@ -79,9 +80,9 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
     Backends: ``"auto"`` uses the Triton kernels for CUDA tensors and the eager reference for CPU
     tensors; ``"triton"`` forces the kernels (CPU tensors need ``TRITON_INTERPRET=1``, for
     tests); ``"reference"`` forces the eager reference. Selection, sparse attention and the KL
-    (value and gradient) are Triton kernels. Warmup mode has no kernel yet: it runs the eager
-    reference on every backend. The kernels' gradients are deterministic whatever
-    ``deterministic`` says (every sum runs in a fixed order).
+    (value and gradient) are Triton kernels; warmup runs the same kernels with every causal
+    block kept. The kernels' gradients are deterministic whatever ``deterministic`` says (every
+    sum runs in a fixed order).
     """
     problem = validate_msa_args(
         q, k, v, index_q, index_k, top_k=top_k, block_size=block_size,
@@ -93,13 +94,20 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         raise TypeError(f"kl_value: expected a bool, received {type(kl_value).__name__}")
     if block_indices is not None:
         validate_block_indices(block_indices, problem, cu_seqlens, q.device)
-    if not _use_kernels(backend, q.device) or warmup:
-        # Warmup (dense attention, KL over the whole prefix) has no kernel yet: the eager
-        # reference runs it on every backend.
+    if not _use_kernels(backend, q.device):
         out, kl, block_ids = naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens,
                                                block_indices)
         return _return(out, kl if kl_value else kl - kl.detach(), block_ids, return_indices)
     cu = packed_offsets(cu_seqlens, problem.batch, problem.seqlen, q.device)
+    if warmup:  # the same kernels with every causal block kept
+        longest = problem.seqlen if not problem.packed else (max_seqlen or problem.seqlen)
+        ids = all_causal_block_ids(cu, problem.batch * problem.seqlen, problem.num_index_heads,
+                                   block_size, longest)
+        out, kl = SparseAttentionFunction.apply(
+            packed_tokens(q), packed_tokens(k), packed_tokens(v), packed_tokens(index_q),
+            packed_tokens(index_k), ids, cu, block_size, problem.softmax_scale,
+            problem.index_softmax_scale, kl_value, True)
+        return _return(out.view(q.shape), kl, None, return_indices)
     if block_indices is None:
         ids = select_blocks_fwd(packed_tokens(index_q), packed_tokens(index_k), cu, top_k=top_k,
                                 block_size=block_size,
