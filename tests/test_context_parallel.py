@@ -23,34 +23,41 @@ def _inputs(heads):
     return tensors, out_grad
 
 
-def _worker(rank, world, init_file, heads, warmup, failures):
+PACKED = (40, 1, 150, 65)  # 256 tokens in four sequences, split across ranks mid-sequence
+
+
+def _worker(rank, world, init_file, heads, warmup, failures, packed=False):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
         tensors, out_grad = _inputs(heads)
+        options = dict(OPTIONS, warmup=warmup)
+        if packed:  # [T, heads, dim] with offsets of the whole packing
+            tensors, out_grad = [t[0] for t in tensors], out_grad[0]
+            options["cu_seqlens"] = torch.tensor([0, *PACKED]).cumsum(0).to(torch.int32)
         full = [t.clone().requires_grad_() for t in tensors]
-        out, kl = openmsa.msa_attention(*full, warmup=warmup, **OPTIONS)
+        out, kl = openmsa.msa_attention(*full, **options)
         ((out * out_grad).sum() + kl).backward()
         shard = slice(rank * SEQLEN // world, (rank + 1) * SEQLEN // world)
-        local = [t[:, shard].clone().requires_grad_() for t in tensors]
-        out_cp, kl_cp = context_parallel_msa_attention(*local, warmup=warmup, **OPTIONS)
-        ((out_cp * out_grad[:, shard]).sum() + kl_cp).backward()
-        torch.testing.assert_close(out_cp, out[:, shard], rtol=1e-10, atol=1e-10)
+        index = (shard,) if packed else (slice(None), shard)
+        local = [t[index].clone().requires_grad_() for t in tensors]
+        out_cp, kl_cp = context_parallel_msa_attention(*local, **options)
+        ((out_cp * out_grad[index]).sum() + kl_cp).backward()
+        torch.testing.assert_close(out_cp, out[index], rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(kl_cp, kl, rtol=1e-6, atol=1e-9)
         for name, a, b in zip(("q", "k", "v", "index_q", "index_k"), local, full):
-            torch.testing.assert_close(a.grad, b.grad[:, shard], rtol=1e-6, atol=1e-10,
-                                       msg=name)
+            torch.testing.assert_close(a.grad, b.grad[index], rtol=1e-6, atol=1e-10, msg=name)
     except Exception as error:  # reported to the parent, which fails the test
         failures.put(f"rank {rank}: {type(error).__name__}: {error}"[:2000])
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(world, heads, warmup=False):
+def _spawn(world, heads, warmup=False, packed=False):
     with tempfile.TemporaryDirectory() as folder:
         failures = mp.get_context("spawn").SimpleQueue()
         mp.start_processes(_worker, args=(world, os.path.join(folder, "init"), heads, warmup,
-                                          failures), nprocs=world, start_method="spawn")
+                                          failures, packed), nprocs=world, start_method="spawn")
         messages = []
         while not failures.empty():
             messages.append(failures.get())
@@ -68,6 +75,11 @@ def test_head_parallel_matches_single_process(world, heads):
 
 def test_head_parallel_warmup_matches_single_process():
     _spawn(2, (4, 2, 2, 1), warmup=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_head_parallel_packed_input_matches_single_process(world):
+    _spawn(world, (8, 4, 4, 1), packed=True)
 
 
 def _layer_worker(rank, world, init_file, failures):

@@ -64,22 +64,27 @@ def _heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
 def context_parallel_msa_attention(q, k, v, index_q, index_k, *, group=None, mode: str = "head",
                                    **options):
     """MSA over a sequence split across ``group``: inputs and ``out`` are this rank's contiguous
-    sequence shard ``[B, S / W, heads, dim]`` (shards in rank order); ``options`` are those of
-    ``msa_attention`` (not ``cu_seqlens``). Returns ``(out, kl)``."""
+    sequence shard ``[B, S / W, heads, dim]`` (shards in rank order), or of packed input
+    ``[T / W, heads, dim]`` with ``cu_seqlens`` describing the whole packing; ``options`` are
+    those of ``msa_attention`` (not ``return_indices``). Returns ``(out, kl)``."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, received {mode!r}")
     if not dist.is_initialized():
         raise ValueError("group: expected an initialized torch.distributed process group, "
                          "received none (call torch.distributed.init_process_group first)")
-    if "cu_seqlens" in options or "return_indices" in options:
-        raise ValueError("options: cu_seqlens and return_indices are not supported with "
-                         "context parallelism")
+    if "return_indices" in options:
+        raise ValueError("return_indices: not supported with context parallelism")
     world = dist.get_world_size(group)
+    packed = options.get("cu_seqlens") is not None
+    rank_of_inputs = 3 if packed else 4
     for name, tensor in (("q", q), ("k", k), ("v", v), ("index_q", index_q),
                          ("index_k", index_k)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-D [B, S / W, heads, dim] sequence shard, "
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != rank_of_inputs:
+            layout = "[T / W, heads, dim] (with cu_seqlens)" if packed else "[B, S / W, heads, dim]"
+            raise ValueError(f"{name}: expected a {rank_of_inputs}-D {layout} sequence shard, "
                              f"received {getattr(tensor, 'shape', type(tensor).__name__)}")
+    if packed:  # one packed row: [1, T / W, heads, dim]; cu_seqlens covers the whole packing
+        q, k, v, index_q, index_k = (t[None] for t in (q, k, v, index_q, index_k))
     num_kv_heads, num_index_heads = k.shape[2], index_q.shape[2]
     num_index_kv_heads = index_k.shape[2]
     if num_kv_heads % world:
@@ -100,10 +105,16 @@ def context_parallel_msa_attention(q, k, v, index_q, index_k, *, group=None, mod
         local = num_index_heads // world
         first, last = rank * local // per_key_head, ((rank + 1) * local - 1) // per_key_head
         ik_heads = full[:, :, first:last + 1]
+    if packed:  # msa_attention takes packed input as [T, heads, dim]
+        q_heads, k_heads, v_heads, iq_heads, ik_heads = (
+            t[0] for t in (q_heads, k_heads, v_heads, iq_heads, ik_heads))
     out, kl = msa_attention(q_heads, k_heads, v_heads, iq_heads, ik_heads, **options)
+    if packed:
+        out = out[None]
     # The global KL is the mean of the ranks' KLs (equal head counts). The value is all-reduced
     # without autograd, so each rank's gradient is its own share: d kl / d kl_rank = 1 / W.
     total = kl.detach().clone()
     dist.all_reduce(total, group=group)
     kl = kl / world + (total - kl.detach()) / world
-    return _heads_to_sequence(out, group), kl
+    out = _heads_to_sequence(out, group)
+    return (out[0] if packed else out), kl

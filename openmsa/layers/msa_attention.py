@@ -81,14 +81,17 @@ class MSAAttention(nn.Module):
         (indices None in warmup)."""
         lead = hidden_states.shape[:-1]
         if position_ids is None:
+            ranks, rank = 1, 0
+            if self.context_parallel_group is not None:  # this rank holds shard `rank`
+                ranks = torch.distributed.get_world_size(self.context_parallel_group)
+                rank = torch.distributed.get_rank(self.context_parallel_group)
+            tokens = lead[-1]
             if cu_seqlens is None:
-                first = 0
-                if self.context_parallel_group is not None:  # this rank's shard of the sequence
-                    first = torch.distributed.get_rank(self.context_parallel_group) * lead[-1]
-                position_ids = torch.arange(first, first + lead[-1],
+                position_ids = torch.arange(rank * tokens, (rank + 1) * tokens,
                                             device=hidden_states.device).expand(lead)
-            else:
-                position_ids = query_positions_from_offsets(cu_seqlens, lead[0])
+            else:  # cu_seqlens describes the whole packing
+                position_ids = query_positions_from_offsets(cu_seqlens, ranks * tokens)
+                position_ids = position_ids[rank * tokens:(rank + 1) * tokens]
         detached = hidden_states.detach()
 
         def project(layer, x, heads, dim, norm):
@@ -105,12 +108,12 @@ class MSAAttention(nn.Module):
         if self.context_parallel_group is not None:
             from ..integrations.context_parallel import context_parallel_msa_attention
 
-            if cu_seqlens is not None or return_indices:
-                raise ValueError("context_parallel_group: cu_seqlens and return_indices are not "
-                                 "supported with context parallelism")
+            if return_indices:
+                raise ValueError("return_indices: not supported with context parallelism")
             out, kl = context_parallel_msa_attention(
                 q, k, v, index_q, index_k, group=self.context_parallel_group,
-                warmup=self.warmup, **self.options)
+                warmup=self.warmup, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                **self.options)
             return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim)), kl
         out, kl, *indices = msa_attention(
             q, k, v, index_q, index_k, warmup=self.warmup, cu_seqlens=cu_seqlens,
