@@ -6,7 +6,8 @@ Times ``msa_attention`` forward and forward+backward (autograd, upstream gradien
 kl) with the exact KL value and with ``kl_value=False``, and PyTorch SDPA (cuDNN on an H200)
 dense causal attention forward+backward on the same q, k, v in the same run. Index inputs are
 "coherent" (neighbouring tokens keep similar blocks, like a trained index branch) or "random"
-(see bench_attention.py).
+(see bench_attention.py). Up to --warmup-max-seqlen it also times a warmup step (the same
+kernels with every causal block kept) against dense.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
     parser.add_argument("--kinds", default="coherent,random")
+    parser.add_argument("--warmup-max-seqlen", type=int, default=32768,
+                        help="also time warmup steps (dense + KL over the prefix) up to this S")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
@@ -81,6 +84,13 @@ def main() -> None:
                        forward_ms=bench(forward), step_ms=bench(lambda: step(True)),
                        step_no_kl_value_ms=bench(lambda: step(False)),
                        step_extra_memory_gib=extra_gib)
+            if seqlen <= args.warmup_max_seqlen and kind == args.kinds.split(",")[0]:
+                def warmup_step():
+                    out, kl = msa_attention(*inputs, top_k=16, block_size=128, warmup=True)
+                    torch.autograd.grad((out, kl), inputs, (dout, one))
+
+                row["warmup_step_ms"] = bench(warmup_step)
+                row["warmup_vs_dense"] = row["warmup_step_ms"] / dense_ms
             row["step_kernels_ms"] = kernel_times(lambda: step(True))
             row["speedup"] = dense_ms / row["step_ms"]
             row["speedup_no_kl_value"] = dense_ms / row["step_no_kl_value_ms"]
@@ -101,7 +111,9 @@ def main() -> None:
         print(f"{r['shape']:>13} {r['seqlen']:>7} {r['selection']:>8} {r['forward_ms']:>8.2f} "
               f"{r['step_ms']:>8.2f} {r['step_no_kl_value_ms']:>8.2f} {r['dense_step_ms']:>9.2f} "
               f"{r['speedup']:>6.2f} {r['speedup_no_kl_value']:>10.2f} "
-              f"{r['step_extra_memory_gib']:>9.2f}")
+              f"{r['step_extra_memory_gib']:>9.2f}"
+              + (f"  warmup {r['warmup_step_ms']:.1f} ms = {r['warmup_vs_dense']:.2f}x dense"
+                 if "warmup_step_ms" in r else ""))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU run: GPU tests, bf16 check against the reference, benchmarks. Prints short tables last.
-#   bash benchmarks/run_gpu.sh OUTDIR [all|select|attention|msa]   (default: all)
+#   bash benchmarks/run_gpu.sh OUTDIR [all|select|attention|msa|cli]   (default: all)
+# cli: the user-facing commands, `openmsa bench` and `openmsa train --preset gpu`.
 # Runs from the repository root with the machine's own torch and triton (nothing is installed).
 set -u
-out=${1:?usage: run_gpu.sh OUTDIR [all|select|attention|msa]}
+out=${1:?usage: run_gpu.sh OUTDIR [all|select|attention|msa|cli]}
 benchmarks=${2:-all}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -23,4 +24,8 @@ if [ "$benchmarks" = all ] || [ "$benchmarks" = attention ]; then
 fi
 if [ "$benchmarks" = all ] || [ "$benchmarks" = msa ]; then
   python3 benchmarks/bench_msa.py --out "$out" 2>&1 | tee "$out/bench_msa.log" | tail -9
+fi
+if [ "$benchmarks" = cli ]; then
+  python3 -m openmsa.cli bench --out "$out" 2>&1 | tee "$out/openmsa_bench.log" | tail -8
+  python3 -m openmsa.cli train --preset gpu --out "$out" 2>&1 | tee "$out/openmsa_train.log" | tail -4
 fi
