@@ -2,6 +2,8 @@
 # The GPU run: GPU tests, bf16 check against the reference, benchmarks. Prints short tables last.
 #   bash benchmarks/run_gpu.sh OUTDIR [all|select|attention|msa|cli]   (default: all)
 # cli: the user-facing commands, `openmsa bench` and `openmsa train --preset gpu`.
+# Where only a few result files can be copied back, write to a scratch folder and tar it:
+#   bash benchmarks/run_gpu.sh /tmp/run cli; tar czf "$OUT/run.tgz" -C /tmp/run .
 # Runs from the repository root with the machine's own torch and triton (nothing is installed).
 set -u
 out=${1:?usage: run_gpu.sh OUTDIR [all|select|attention|msa|cli]}
