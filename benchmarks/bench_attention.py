@@ -34,6 +34,8 @@ def sparse_attention_bwd(q, k, v, out, lse, dout, problem, dq_config=None, dkdv_
     attention_dq(q, k, v, None, None, dout, lse, delta, None, None, problem, **(dq_config or {}))
     attention_dkdv(q, k, v, None, None, dout, lse, delta, None, None, problem,
                    **(dkdv_config or {}))
+from openmsa.bench.flops import kept_triples
+from openmsa.bench.run import index_inputs
 from openmsa.ops.schedule import batch_cu_seqlens
 from openmsa.ops.select import select_blocks_fwd
 
@@ -44,30 +46,6 @@ SHAPES = [
     ("H64/Hkv4/Hi4", 32768, 64, 4, 4, 128),
     ("H64/Hkv4/Hi4", 131072, 64, 4, 4, 128),
 ]
-
-
-def index_inputs(kind, seqlen, num_index_heads, head_dim, generator):
-    device = "cuda"
-    index_k = torch.randn(seqlen, 1, head_dim, device=device, generator=generator)
-    if kind == "random":
-        index_q = torch.randn(seqlen, num_index_heads, head_dim, device=device,
-                              generator=generator)
-    else:  # a slow random walk: neighbouring tokens ask similar questions
-        steps = torch.randn(seqlen, num_index_heads, head_dim, device=device,
-                            generator=generator)
-        index_q = torch.cumsum(steps * 0.05, dim=0) + torch.randn(
-            1, num_index_heads, head_dim, device=device, generator=generator)
-        index_q = index_q / index_q.norm(dim=-1, keepdim=True) * head_dim ** 0.5
-    return index_q.bfloat16(), index_k.bfloat16()
-
-
-def kept_triples(ids, block_size, num_heads):
-    """Number of kept (query, key, main head) triples: ids [S, Hi, k] of one sequence."""
-    seqlen, num_index_heads, _ = ids.shape
-    pos = torch.arange(seqlen, device=ids.device)[:, None, None]
-    keys = torch.clamp(pos - ids.long() * block_size + 1, max=block_size)
-    keys = torch.where(ids >= 0, keys, 0)
-    return keys.sum().item() * (num_heads // num_index_heads)
 
 
 def union_blocks(ids, tokens=8):
@@ -191,7 +169,7 @@ def main() -> None:
             ids = select_blocks_fwd(index_q, index_k, cu, top_k=args.top_k,
                                     block_size=args.block_size, index_softmax_scale=scale,
                                     num_local_blocks=1, num_sink_blocks=0)
-            triples = kept_triples(ids, args.block_size, heads)
+            triples = kept_triples(ids, args.block_size, heads // index_heads)
             union = union_blocks(ids)
             build_ms = bench(lambda: SparseAttentionProblem(q, k, ids, cu, args.block_size,
                                                             scale))

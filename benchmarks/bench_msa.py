@@ -22,7 +22,8 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from bench_attention import index_inputs, kernel_times
+from bench_attention import kernel_times
+from openmsa.bench.run import index_inputs
 from openmsa import msa_attention
 
 SHAPES = [

@@ -20,12 +20,9 @@ import torch
 import triton
 import triton.testing
 
+from openmsa.bench.flops import index_scoring_flops
 from openmsa.ops.schedule import batch_cu_seqlens
 from openmsa.ops.select import select_blocks_fwd
-
-
-def causal_flops(seqlen: int, num_index_heads: int, head_dim: int) -> float:
-    return 2.0 * num_index_heads * head_dim * seqlen * (seqlen + 1) / 2
 
 
 def torch_route(index_q, index_k, top_k, block_size, scale, chunk=8192):
@@ -84,7 +81,7 @@ def main() -> None:
 
     # 1. Configuration sweep.
     index_q, index_k, cu = make_inputs(args.tune_seqlen)
-    flops = causal_flops(args.tune_seqlen, args.heads, args.head_dim)
+    flops = index_scoring_flops(args.tune_seqlen, args.heads, args.head_dim)
     best = None
     for tile_rows in (64, 128, 256):
         for num_warps in (4, 8):
@@ -117,7 +114,7 @@ def main() -> None:
         reps = 3 if seqlen >= 524288 else 10
         ms = bench(lambda: run_kernel(index_q, index_k, cu, **config), reps=reps * 20)
         ms_again = bench(lambda: run_kernel(index_q, index_k, cu, **config), reps=reps * 20)
-        flops = causal_flops(seqlen, args.heads, args.head_dim)
+        flops = index_scoring_flops(seqlen, args.heads, args.head_dim)
         row = dict(seqlen=seqlen, kernel_ms=ms, kernel_ms_repeat=ms_again,
                    kernel_tflops=flops / ms / 1e9, extra_memory_bytes=extra,
                    ids_bytes=ids.numel() * ids.element_size())

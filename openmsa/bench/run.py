@@ -110,23 +110,32 @@ def run(args) -> int:
     return 0
 
 
+def index_inputs(kind: str, seqlen: int, num_index_heads: int, head_dim: int, generator,
+                 device="cuda"):
+    """bf16 index_q ``[S, Hi, Di]`` and index_k ``[S, 1, Di]``: "random" (neighbouring tokens
+    keep unrelated blocks) or "coherent" (a slow random walk: neighbouring tokens ask similar
+    questions, as a trained index branch does)."""
+    index_k = torch.randn(seqlen, 1, head_dim, device=device, generator=generator)
+    if kind == "random":
+        index_q = torch.randn(seqlen, num_index_heads, head_dim, device=device,
+                              generator=generator)
+    else:
+        steps = torch.randn(seqlen, num_index_heads, head_dim, device=device,
+                            generator=generator)
+        index_q = torch.cumsum(steps * 0.05, dim=0) + torch.randn(
+            1, num_index_heads, head_dim, device=device, generator=generator)
+        index_q = index_q / index_q.norm(dim=-1, keepdim=True) * head_dim ** 0.5
+    return index_q.bfloat16(), index_k.bfloat16()
+
+
 def make_inputs(row, seqlen, selection, device="cuda", seed=0):
     """bf16 q, k, v, index_q, index_k ``[1, S, heads, D]`` requiring grad."""
     generator = torch.Generator(device=device).manual_seed(seed + seqlen)
-
-    def randn(*shape):
-        return torch.randn(*shape, device=device, generator=generator)
-
     d = row["head_dim"]
-    q, k, v = (randn(1, seqlen, h, d) for h in (row["heads"], row["kv_heads"], row["kv_heads"]))
-    index_k = randn(1, seqlen, 1, d)
-    if selection == "random":
-        index_q = randn(1, seqlen, row["index_heads"], d)
-    else:  # a slow random walk: neighbouring tokens ask similar questions
-        index_q = torch.cumsum(randn(1, seqlen, row["index_heads"], d) * 0.05, dim=1)
-        index_q = index_q + randn(1, 1, row["index_heads"], d)
-        index_q = index_q / index_q.norm(dim=-1, keepdim=True) * d ** 0.5
-    return [t.bfloat16().requires_grad_() for t in (q, k, v, index_q, index_k)]
+    q, k, v = (torch.randn(1, seqlen, h, d, device=device, generator=generator).bfloat16()
+               for h in (row["heads"], row["kv_heads"], row["kv_heads"]))
+    index_q, index_k = index_inputs(selection, seqlen, row["index_heads"], d, generator, device)
+    return [t.requires_grad_() for t in (q, k, v, index_q[None], index_k[None])]
 
 
 def measure(row, args) -> dict:

@@ -24,6 +24,7 @@ See docs/KERNELS.md for the design, the alternatives measured and the figures.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -549,13 +550,16 @@ class SparseAttentionProblem:
         self.key_tokens, _, self.key_rows = _tile_shape(self.gq, key_rows)
         self.query_work: QueryTileWork = build_query_tile_work(block_ids, cu_seqlens,
                                                                self.query_tokens)
-        self.block_work: BlockWork = build_block_work(block_ids, cu_seqlens, block_size,
-                                                      SEGMENT_PAIRS)
         self.shared = dict(HI=self.num_index_heads, GQ=self.gq, GQ_PAD=gq_pad,
                            KV_GROUP=self.num_index_heads // self.num_kv_heads,
                            INDEX_GROUP=self.index_group, BLOCK=block_size,
                            HEAD_DIM=self.head_dim, INDEX_DIM=self.index_dim,
                            PRECISION=_precision(q))
+
+    @functools.cached_property
+    def block_work(self) -> BlockWork:
+        """The key-block -> queries list, needed by the backward only: built on first use."""
+        return build_block_work(self.block_ids, self.cu_seqlens, self.block_size, SEGMENT_PAIRS)
 
     def query_constants(self):
         return dict(self.shared, DENSE=self.dense, TOK=self.query_tokens,
