@@ -31,9 +31,8 @@ from openmsa.ops.attention import (SparseAttentionProblem, attention_delta, atte
 def sparse_attention_bwd(q, k, v, out, lse, dout, problem, dq_config=None, dkdv_config=None):
     """The main attention's backward alone (no index branch): delta, dq, then dk and dv."""
     delta = attention_delta(out, dout, problem)
-    attention_dq(q, k, v, None, None, dout, lse, delta, None, None, problem, **(dq_config or {}))
-    attention_dkdv(q, k, v, None, None, dout, lse, delta, None, None, problem,
-                   **(dkdv_config or {}))
+    attention_dq(q, k, v, dout, lse, delta, problem, **(dq_config or {}))
+    attention_dkdv(q, k, v, dout, lse, delta, problem, **(dkdv_config or {}))
 from openmsa.bench.flops import kept_triples
 from openmsa.bench.run import index_inputs
 from openmsa.ops.schedule import batch_cu_seqlens
@@ -95,17 +94,15 @@ def tune(args, seqlen=32768, heads=64, kv_heads=4, index_heads=4, head_dim=128):
                 launch = dict(num_warps=num_warps, num_stages=num_stages)
                 record("fwd", config, lambda: sparse_attention_fwd(q, k, v, None, None, problem,
                                                                    **launch))
-                record("dq", config, lambda: attention_dq(q, k, v, None, None, dout, lse, delta,
-                                                          None, None, problem, **launch))
-                record("dkdv", config, lambda: attention_dkdv(q, k, v, None, None, dout, lse,
-                                                              delta, None, None, problem,
+                record("dq", config, lambda: attention_dq(q, k, v, dout, lse, delta, problem,
+                                                          **launch))
+                record("dkdv", config, lambda: attention_dkdv(q, k, v, dout, lse, delta, problem,
                                                               **launch))
     problem = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale, key_rows=32)
     for num_warps in (4, 8):
         config = dict(rows=32, num_warps=num_warps, num_stages=1)
-        record("dkdv", config, lambda: attention_dkdv(q, k, v, None, None, dout, lse, delta,
-                                                      None, None, problem, num_warps=num_warps,
-                                                      num_stages=1))
+        record("dkdv", config, lambda: attention_dkdv(q, k, v, dout, lse, delta, problem,
+                                                      num_warps=num_warps, num_stages=1))
     return {kernel: config for kernel, (config, _) in best.items()}, sweep
 
 
@@ -171,8 +168,9 @@ def main() -> None:
                                     num_local_blocks=1, num_sink_blocks=0)
             triples = kept_triples(ids, args.block_size, heads // index_heads)
             union = union_blocks(ids)
+            # Both work lists (the key-block one is built lazily, on the first backward).
             build_ms = bench(lambda: SparseAttentionProblem(q, k, ids, cu, args.block_size,
-                                                            scale))
+                                                            scale).block_work)
             problem = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale)
             fwd_ms = bench(lambda: sparse_attention_fwd(q, k, v, None, None, problem))
             out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
@@ -193,7 +191,7 @@ def main() -> None:
             counts = problem.block_work.bucket_count.float()
             row["pairs_per_key_block_max_over_mean"] = (counts.max() / counts.mean()).item()
             row["build_kernels_ms"] = kernel_times(
-                lambda: SparseAttentionProblem(q, k, ids, cu, args.block_size, scale))
+                lambda: SparseAttentionProblem(q, k, ids, cu, args.block_size, scale).block_work)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del out, lse, problem, ids, index_q, index_k

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU run: GPU tests, bf16 check against the reference, benchmarks. Prints short tables last.
-#   bash benchmarks/run_gpu.sh OUTDIR [all|select|attention|msa|cli]   (default: all)
+#   bash benchmarks/run_gpu.sh OUTDIR [PARTS]   PARTS: all (default) or a comma-separated list
+#   of select, attention, msa, cli
 # cli: the user-facing commands, `openmsa bench` and `openmsa train --preset gpu`.
 # Where only a few result files can be copied back, write to a scratch folder and tar it:
 #   bash benchmarks/run_gpu.sh /tmp/run cli; tar czf "$OUT/run.tgz" -C /tmp/run .
 # Runs from the repository root with the machine's own torch and triton (nothing is installed).
 set -u
-out=${1:?usage: run_gpu.sh OUTDIR [all|select|attention|msa|cli]}
-benchmarks=${2:-all}
+out=${1:?usage: run_gpu.sh OUTDIR [all|PART,PART...]}
+parts=",${2:-all},"
+wants() { [ "$parts" = ",all," ] && [ "$1" != cli ] || [[ "$parts" == *",$1,"* ]]; }
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OPENMSA_GPU_RECORD="$out/gpu_tests.jsonl"
@@ -18,16 +20,16 @@ export OPENMSA_GPU_RECORD="$out/gpu_tests.jsonl"
 } 2>&1 | tee "$out/env.txt"
 python3 -m pytest -q -rA tests/gpu 2>&1 | tee "$out/pytest_gpu.log" | grep -E "passed|failed|error" | tail -30
 python3 -m openmsa.cli check 2>&1 | tee "$out/check.txt"
-if [ "$benchmarks" = all ] || [ "$benchmarks" = select ]; then
+if wants select; then
   python3 benchmarks/bench_select.py --out "$out" 2>&1 | tee "$out/bench_select.log" | tail -8
 fi
-if [ "$benchmarks" = all ] || [ "$benchmarks" = attention ]; then
+if wants attention; then
   python3 benchmarks/bench_attention.py --out "$out" 2>&1 | tee "$out/bench_attention.log" | tail -12
 fi
-if [ "$benchmarks" = all ] || [ "$benchmarks" = msa ]; then
+if wants msa; then
   python3 benchmarks/bench_msa.py --out "$out" 2>&1 | tee "$out/bench_msa.log" | tail -9
 fi
-if [ "$benchmarks" = cli ]; then
+if wants cli; then
   python3 -m openmsa.cli bench --out "$out" 2>&1 | tee "$out/openmsa_bench.log" | tail -8
   python3 -m openmsa.cli train --preset gpu --out "$out" 2>&1 | tee "$out/openmsa_train.log" | tail -4
 fi

@@ -144,7 +144,7 @@ def test_every_output_element_is_written(monkeypatch):
                         lambda *a, **kw: poison(original_empty_like(*a, **kw)))
     poisoned, _, _ = _kernel_and_reference(case, torch.float32)
     monkeypatch.undo()
-    for name in ("out", "dq", "dk", "dv"):
+    for name in QUANTITY_NAMES:
         assert torch.equal(poisoned[name], clean[name]), name
 
 
@@ -174,12 +174,13 @@ def test_packed_equals_each_sequence_alone():
 
 
 def test_blocks_split_into_many_segments_give_the_same_gradients(monkeypatch):
-    """Small segments make every key block's dK/dV a sum of several programs' partials."""
+    """Small segments make every key block's dK, dV and d index_k a sum of several programs'
+    partials."""
     case = CASES[1]
     whole, _, _ = _kernel_and_reference(case, torch.float32, seed=9)
     monkeypatch.setattr(attention_module, "SEGMENT_PAIRS", 8)
     split, expected, _ = _kernel_and_reference(case, torch.float32, seed=9)
-    for name in ("dk", "dv"):
+    for name in ("dk", "dv", "dindex_k"):
         torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-6)
         assert rel_rms_error(split[name], expected[name]) < 1e-5
 

@@ -75,8 +75,10 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
     ids = block_ids.long()
     bucket = (token_block[:, None, None] + ids) * num_index_heads + heads[None, :, None]
     bucket = torch.where(ids >= 0, bucket, num_buckets).flatten()
-    # Stable: pairs of a bucket stay in token order, so the work list is deterministic.
-    order = torch.argsort(bucket, stable=True)
+    # Stable: pairs of a bucket stay in token order, so the work list is deterministic. int32
+    # keys when they fit: a radix sort does half the passes of int64.
+    sort_keys = bucket.to(torch.int32) if num_buckets < 2 ** 31 else bucket
+    order = torch.argsort(sort_keys, stable=True)
     counts = torch.zeros(num_buckets + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, bucket, torch.ones_like(bucket))
     counts = counts[:num_buckets]
@@ -112,38 +114,60 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
 @dataclass
 class QueryTileWork:
     """Query tiles (``tile_tokens`` consecutive tokens of one sequence, most work first) and, per
-    tile and index head, the sorted distinct blocks its tokens kept: the blocks a query-outer
-    kernel walks."""
+    tile and index head, the sorted distinct blocks its tokens kept (the blocks a query-outer
+    kernel walks), each with a bit mask of the tile's tokens that kept it."""
 
     schedule: torch.Tensor  # int32 [E, 2]: (sequence, tile within the sequence); -1 = padding
     union: torch.Tensor  # int32 [E, Hi, tile_tokens * top_k]: distinct kept blocks, ascending
+    union_members: torch.Tensor  # int64 [E, Hi, tile_tokens * top_k]: bit t = token t kept it
     union_count: torch.Tensor  # int32 [E, Hi]: how many entries of ``union`` are blocks
     tile_tokens: int
+
+
+MAX_TILE_TOKENS = 64  # the bits of a union_members entry
 
 
 def build_query_tile_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                           tile_tokens: int) -> QueryTileWork:
     """block_ids: int32 ``[T, Hi, top_k]`` (``-1`` unused), relative to each sequence's start."""
+    if not 1 <= tile_tokens <= MAX_TILE_TOKENS:
+        raise ValueError(f"tile_tokens: expected 1 to {MAX_TILE_TOKENS}, received {tile_tokens}")
     total, num_index_heads, top_k = block_ids.shape
+    device = block_ids.device
     schedule = query_tile_schedule(cu_seqlens, total, tile_tokens)
+    entries = schedule.shape[0]
     sequence, tile = schedule[:, 0].long(), schedule[:, 1].long()
     real = sequence >= 0
     sequence = sequence.clamp(min=0)
     start = cu_seqlens[sequence].long()
     length = cu_seqlens[sequence + 1].long() - start
-    position = tile[:, None] * tile_tokens + torch.arange(tile_tokens, device=block_ids.device)
+    position = tile[:, None] * tile_tokens + torch.arange(tile_tokens, device=device)
     token_valid = real[:, None] & (position < length[:, None])  # [E, tile_tokens]
     token = torch.where(token_valid, start[:, None] + position, 0)
     ids = torch.where(token_valid[..., None, None], block_ids[token], -1)  # [E, tok, Hi, k]
-    ids = ids.permute(0, 2, 1, 3).reshape(schedule.shape[0], num_index_heads, -1).long()
-    # Sort, turn repeats into sentinels, sort again: the distinct blocks first, ascending.
-    sentinel = 1 << 40
-    ids = torch.where(ids < 0, sentinel, ids).sort(dim=-1).values
-    repeat = torch.zeros_like(ids, dtype=torch.bool)
-    repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
-    ids = torch.where(repeat, sentinel, ids).sort(dim=-1).values
-    count = (ids < sentinel).sum(dim=-1)
-    # contiguous: sorting a permuted tensor can keep the permuted memory order.
+    ids = ids.permute(0, 2, 1, 3).long()  # [E, Hi, tok, k]
+    # Sort (block, token) keys: a block's entries become a run, one per token that kept it.
+    # int32 keys (a radix sort does half the passes of int64) hold blocks * 64 tokens up to
+    # 2^31, far beyond any sequence length.
+    sentinel = torch.iinfo(torch.int32).max
+    tile_token = torch.arange(tile_tokens, device=device)[:, None]
+    keys = torch.where(ids >= 0, ids * tile_tokens + tile_token, sentinel).to(torch.int32)
+    keys = keys.reshape(entries, num_index_heads, -1).sort(dim=-1).values.long()
+    valid = keys < sentinel
+    block = keys // tile_tokens
+    first_of_run = valid.clone()
+    first_of_run[..., 1:] &= block[..., 1:] != block[..., :-1]
+    slot = torch.cumsum(first_of_run, dim=-1) - 1  # the run's place in the union
+    width = keys.shape[-1]
+    # One extra column catches the entries that write nothing; it is dropped.
+    union = torch.full((entries, num_index_heads, width + 1), -1, dtype=torch.int64,
+                       device=device)
+    union.scatter_(-1, torch.where(first_of_run, slot, width), block)
+    members = torch.zeros_like(union)
+    token_bit = torch.bitwise_left_shift(torch.ones_like(keys), keys % tile_tokens)
+    members.scatter_add_(-1, torch.where(valid, slot, width), token_bit)
     return QueryTileWork(schedule=schedule,
-                         union=torch.where(ids < sentinel, ids, -1).to(torch.int32).contiguous(),
-                         union_count=count.to(torch.int32).contiguous(), tile_tokens=tile_tokens)
+                         union=union[..., :width].to(torch.int32).contiguous(),
+                         union_members=members[..., :width].contiguous(),
+                         union_count=first_of_run.sum(dim=-1).to(torch.int32).contiguous(),
+                         tile_tokens=tile_tokens)

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from .attention import SparseAttentionFunction
+from .attention import sparse_attention_function
 from .layout import (all_causal_block_ids, ids_from_token_major, ids_to_token_major,
                      packed_offsets, packed_tokens)
 from .naive import naive_msa_forward, naive_select_blocks
@@ -103,10 +103,10 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         longest = problem.seqlen if not problem.packed else (max_seqlen or problem.seqlen)
         ids = all_causal_block_ids(cu, problem.batch * problem.seqlen, problem.num_index_heads,
                                    block_size, longest)
-        out, kl = SparseAttentionFunction.apply(
+        out, kl = sparse_attention_function(
             packed_tokens(q), packed_tokens(k), packed_tokens(v), packed_tokens(index_q),
             packed_tokens(index_k), ids, cu, block_size, problem.softmax_scale,
-            problem.index_softmax_scale, kl_value, True)
+            problem.index_softmax_scale, kl_value)
         return _return(out.view(q.shape), kl, None, return_indices)
     if block_indices is None:
         ids = select_blocks_fwd(packed_tokens(index_q), packed_tokens(index_k), cu, top_k=top_k,
@@ -117,7 +117,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         block_indices = ids_from_token_major(ids, problem.packed, problem.batch, problem.seqlen)
     else:
         ids = ids_to_token_major(block_indices, problem.packed)
-    out, kl = SparseAttentionFunction.apply(
+    out, kl = sparse_attention_function(
         packed_tokens(q), packed_tokens(k), packed_tokens(v), packed_tokens(index_q),
         packed_tokens(index_k), ids, cu, block_size, problem.softmax_scale,
         problem.index_softmax_scale, kl_value)
@@ -169,7 +169,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not _use_kernels(backend, q.device):
         return naive_msa_forward(q, k, v, None, None, problem, cu_seqlens, block_indices)[0]
     cu = packed_offsets(cu_seqlens, problem.batch, problem.seqlen, q.device)
-    out, _ = SparseAttentionFunction.apply(
+    out, _ = sparse_attention_function(
         packed_tokens(q), packed_tokens(k), packed_tokens(v), None, None,
         ids_to_token_major(block_indices, problem.packed), cu, block_size, problem.softmax_scale,
         None, False)

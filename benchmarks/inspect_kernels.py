@@ -1,0 +1,114 @@
+"""Compiles the attention kernels for an H100/H200 (sm_90a) on any machine, GPU or not, and prints
+each launch configuration's shared memory, registers and register spills.
+
+    python benchmarks/inspect_kernels.py [--stages 1 2] [--keep DIR]
+
+A configuration that needs more than 227 KiB of shared memory cannot launch on the H200; one that
+spills registers inside the block loop is usually slow. This is how the stage counts in
+``openmsa/ops/attention.py`` were chosen without spending GPU time. The shapes are the paper's:
+H = 64, Hi = 4 (16 heads per token), D = Di = 128, block 128, top_k 16, bf16. Uses Triton's
+compiler and its bundled ptxas; nothing runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from openmsa.ops import attention
+
+SHARED_MEMORY_LIMIT = 227 * 1024  # per block on the H100/H200
+FLOAT_ARGS = {"scale", "scale_log2", "index_scale"}
+INT_POINTERS = {"SCHEDULE", "UNION", "UNION_COUNT", "CU_SEQLENS", "SEGMENTS",
+                "SEGMENT_ORDER", "PAIR_TOKEN", "BUCKET_START", "BUCKET_COUNT", "BLOCK_SEQUENCE",
+                "BLOCK_LOCAL"}
+INPUT_POINTERS = {"Q", "K", "V", "IQ", "IK", "DOUT", "OUT", "DQ"}
+
+
+def signature(fn, constants):
+    """Argument types as the launcher would specialize them for bf16 inputs."""
+    types = {}
+    for name in fn.arg_names:
+        if name in constants:
+            types[name] = "constexpr"
+        elif name in INPUT_POINTERS:
+            types[name] = "*bf16"
+        elif name in INT_POINTERS:
+            types[name] = "*i32"
+        elif name == "UNION_MEMBERS":
+            types[name] = "*i64"
+        elif name.isupper():
+            types[name] = "*fp32"
+        elif name in FLOAT_ARGS:
+            types[name] = "fp32"
+        else:
+            types[name] = "i32"
+    # Pointers and strides of real inputs are multiples of 16, which the launcher detects and
+    # which decides whether loads can be asynchronous copies (pipelined).
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+               if types[name].startswith("*") or name.startswith("stride")}
+    return types, aligned
+
+
+def inspect(fn, constants, num_warps, num_stages, keep=None):
+    types, aligned = signature(fn, constants)
+    source = ASTSource(fn=fn, signature=types, constexprs=constants, attrs=aligned)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = kernel.asm["ptx"]
+    name = f"{fn.__name__}_w{num_warps}_s{num_stages}"
+    path = os.path.join(keep or "/tmp", f"{name}.ptx")
+    with open(path, "w") as handle:
+        handle.write(ptx)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    report = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                            capture_output=True, text=True).stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    if not keep:
+        os.remove(path)
+    # ptxas says when it had to serialize the asynchronous MMAs (wgmma): a slow loop.
+    serialized = "wgmma.mma_async instructions are serialized" in report
+    return dict(shared=kernel.metadata.shared, registers=int(registers.group(1)),
+                spill_bytes=int(spills.group(1)) if spills else 0, serialized=serialized)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--keep", help="keep the PTX files in this folder")
+    args = parser.parse_args()
+    shared = dict(HI=4, GQ=16, GQ_PAD=16, KV_GROUP=1, INDEX_GROUP=4, BLOCK=128, HEAD_DIM=128,
+                  INDEX_DIM=128, PRECISION="tf32")
+    query = dict(shared, TOK=8, TOKP=16, ROWS=128, UNION_SLOTS=128)
+    kernels = [
+        ("forward", attention._sparse_attn_fwd_kernel, dict(query, WITH_INDEX=False)),
+        ("forward + index lse", attention._sparse_attn_fwd_kernel, dict(query, WITH_INDEX=True)),
+        ("dQ", attention._sparse_attn_dq_kernel, query),
+        ("dK/dV", attention._sparse_attn_dkdv_kernel,
+         dict(shared, TOK=4, TOKP=16, ROWS=64, SEGMENT_PAIRS=2048)),
+        ("KL query side", attention._kl_query_kernel,
+         dict(query, WITH_VALUE=True, WITH_GRAD=True)),
+        ("KL key side", attention._kl_key_kernel,
+         dict(shared, TOK=8, TOKP=16, ROWS=128, SEGMENT_PAIRS=2048)),
+    ]
+    print(f"{'kernel':<22} {'warps':>5} {'stages':>6} {'shared KiB':>10} {'registers':>9} "
+          f"{'spill B':>7}  fits  wgmma")
+    for label, fn, constants in kernels:
+        for num_stages in args.stages:
+            found = inspect(fn, constants, 8, num_stages, args.keep)
+            fits = "yes" if found["shared"] <= SHARED_MEMORY_LIMIT else "NO"
+            print(f"{label:<22} {8:>5} {num_stages:>6} {found['shared'] / 1024:>10.1f} "
+                  f"{found['registers']:>9} {found['spill_bytes']:>7}  {fits:<4}  "
+                  f"{'serialized' if found['serialized'] else 'async'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The device-built work lists against per-token loops (openmsa/ops/csr.py)."""
+
+import pytest
+import torch
+
+from openmsa.ops.csr import build_block_work, build_query_tile_work
+
+
+def random_block_ids(seqlens, num_index_heads, top_k, block_size, seed):
+    """Token-major ids as selection returns them: distinct causal blocks, own block included,
+    unused slots -1 (short prefixes keep fewer blocks than top_k)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for length in seqlens:
+        for position in range(length):
+            own = position // block_size
+            per_head = []
+            for _ in range(num_index_heads):
+                earlier = torch.randperm(own, generator=generator)[:top_k - 1].tolist()
+                kept = [own] + earlier
+                per_head.append(kept + [-1] * (top_k - len(kept)))
+            rows.append(per_head)
+    cu_seqlens = torch.tensor([0] + list(torch.tensor(seqlens).cumsum(0)), dtype=torch.int32)
+    return torch.tensor(rows, dtype=torch.int32), cu_seqlens
+
+
+@pytest.mark.parametrize("tile_tokens", [1, 4, 8, 64])
+def test_query_tile_unions_and_members(tile_tokens):
+    seqlens = (70, 1, 200, 129)
+    ids, cu = random_block_ids(seqlens, 3, 4, 16, seed=tile_tokens)
+    work = build_query_tile_work(ids, cu, tile_tokens)
+    seen_tiles = set()
+    for entry, (sequence, tile) in enumerate(work.schedule.tolist()):
+        if sequence < 0:
+            assert (work.union_count[entry] == 0).all()
+            continue
+        seen_tiles.add((sequence, tile))
+        start, end = cu[sequence].item(), cu[sequence + 1].item()
+        tokens = range(start + tile * tile_tokens, min(start + (tile + 1) * tile_tokens, end))
+        for head in range(3):
+            kept = {t: set(ids[t, head].tolist()) - {-1} for t in tokens}
+            expected = sorted(set().union(*kept.values()))
+            count = work.union_count[entry, head].item()
+            assert work.union[entry, head, :count].tolist() == expected
+            assert (work.union[entry, head, count:] == -1).all()
+            for slot, block in enumerate(expected):
+                members = work.union_members[entry, head, slot].item() % (1 << 64)  # as uint64
+                bits = {t - tokens[0] for t in tokens if block in kept[t]}
+                assert members == sum(1 << bit for bit in bits)
+    assert seen_tiles == {(s, t) for s, n in enumerate(seqlens)
+                          for t in range((n + tile_tokens - 1) // tile_tokens)}
+
+
+def test_tiles_beyond_the_members_mask_are_refused():
+    ids, cu = random_block_ids((10,), 1, 1, 16, seed=0)
+    with pytest.raises(ValueError, match="tile_tokens"):
+        build_query_tile_work(ids, cu, 128)
+
+
+@pytest.mark.parametrize("segment_pairs", [3, 2048])
+def test_key_block_lists_hold_every_pair_in_token_order(segment_pairs):
+    seqlens = (70, 1, 200, 129)
+    num_index_heads, block_size = 2, 16
+    ids, cu = random_block_ids(seqlens, num_index_heads, 4, block_size, seed=1)
+    work = build_block_work(ids, cu, block_size, segment_pairs)
+    covered = {}
+    for bucket, first in work.segments.tolist():
+        if bucket < 0:
+            continue
+        end = work.bucket_start[bucket].item() + work.bucket_count[bucket].item()
+        covered.setdefault(bucket, []).extend(
+            work.pair_token[first:min(first + segment_pairs, end)].tolist())
+    for global_block in range(work.num_global_blocks):
+        sequence = work.block_sequence[global_block].item()
+        if sequence < 0:
+            continue
+        start, end = cu[sequence].item(), cu[sequence + 1].item()
+        block = work.block_local[global_block].item()
+        for head in range(num_index_heads):
+            expected = [t for t in range(start, end) if block in ids[t, head].tolist()]
+            assert covered.get(global_block * num_index_heads + head, []) == expected
+    # Programs run most pairs first.
+    sizes = [min(segment_pairs, work.bucket_start[b].item() + work.bucket_count[b].item() - f)
+             if b >= 0 else 0 for b, f in work.segments[work.segment_order.long()].tolist()]
+    assert sizes == sorted(sizes, reverse=True)
