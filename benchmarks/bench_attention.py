@@ -25,7 +25,8 @@ import triton
 import triton.testing
 
 from openmsa.ops.attention import (SparseAttentionProblem, attention_delta, attention_dkdv,
-                                   attention_dq, sparse_attention_fwd)
+                                   attention_dq, kl_key_side, kl_query_side,
+                                   sparse_attention_fwd)
 
 
 def sparse_attention_bwd(q, k, v, out, lse, dout, problem, dq_config=None, dkdv_config=None):
@@ -58,7 +59,8 @@ def union_blocks(ids, tokens=8):
 
 
 def tune(args, seqlen=32768, heads=64, kv_heads=4, index_heads=4, head_dim=128):
-    """Sweeps tile rows x warps x pipeline stages for each kernel (coherent selection)."""
+    """Sweeps tile rows x warps x pipeline stages for each kernel (coherent selection), the
+    KL's kernels included."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(seqlen, h, head_dim, device="cuda", generator=generator).bfloat16()
                for h in (heads, kv_heads, kv_heads))
@@ -85,24 +87,32 @@ def tune(args, seqlen=32768, heads=64, kv_heads=4, index_heads=4, head_dim=128):
         if kernel not in best or ms < best[kernel][1]:
             best[kernel] = (config, ms)
 
+    index_scale = head_dim ** -0.5
+    with_index = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale, index_k,
+                                        index_scale)
+    _, _, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, with_index)
+    factor = torch.ones((), device="cuda")
     for rows in (64, 128):
-        problem = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale, query_rows=rows,
-                                         key_rows=rows)
-        for num_warps in (4, 8):
+        tiles = dict(query_rows=rows, key_rows=rows, kl_key_rows=rows)
+        main_only = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale, **tiles)
+        problem = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale, index_k,
+                                         index_scale, **tiles)
+        for num_warps in (8,):  # 4 warps: 1.3-4x slower in every kernel (earlier sweep)
             for num_stages in (1, 2):
                 config = dict(rows=rows, num_warps=num_warps, num_stages=num_stages)
                 launch = dict(num_warps=num_warps, num_stages=num_stages)
-                record("fwd", config, lambda: sparse_attention_fwd(q, k, v, None, None, problem,
-                                                                   **launch))
-                record("dq", config, lambda: attention_dq(q, k, v, dout, lse, delta, problem,
+                record("fwd+index", config, lambda: sparse_attention_fwd(
+                    q, k, v, index_q, index_k, problem, **launch))
+                record("kl_query", config, lambda: kl_query_side(
+                    q, k, index_q, index_k, lse, lse_index, problem, True, True, **launch))
+                record("kl_key", config, lambda: kl_key_side(
+                    q, k, index_q, index_k, lse, lse_index, factor, problem, **launch))
+                record("fwd", config, lambda: sparse_attention_fwd(q, k, v, None, None,
+                                                                   main_only, **launch))
+                record("dq", config, lambda: attention_dq(q, k, v, dout, lse, delta, main_only,
                                                           **launch))
-                record("dkdv", config, lambda: attention_dkdv(q, k, v, dout, lse, delta, problem,
-                                                              **launch))
-    problem = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale, key_rows=32)
-    for num_warps in (4, 8):
-        config = dict(rows=32, num_warps=num_warps, num_stages=1)
-        record("dkdv", config, lambda: attention_dkdv(q, k, v, dout, lse, delta, problem,
-                                                      num_warps=num_warps, num_stages=1))
+                record("dkdv", config, lambda: attention_dkdv(q, k, v, dout, lse, delta,
+                                                              main_only, **launch))
     return {kernel: config for kernel, (config, _) in best.items()}, sweep
 
 
