@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--selection", choices=("coherent", "random"), default="coherent",
                         help="index inputs: coherent (like a trained index branch) or random")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    parser.add_argument("--baseline-max-seqlen", type=parse_length, default=131072,
+                        help="time dense SDPA and FlexAttention up to this length (default "
+                             "128k; a dense step at 1M takes minutes)")
     parser.add_argument("--out", default="runs/bench", help="folder for bench.json and plots")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the plan and the FLOP counts, run nothing")
@@ -197,9 +200,12 @@ def measure(row, args) -> dict:
     result["main_attention_tflops_fwd_bwd"] = flops.tflops(
         main_flops * (1 + flops.BACKWARD_FACTOR), result["main_attention_fwd_bwd_ms"])
     result["selection_tflops"] = flops.tflops(row["index_tflop"] * 1e12, result["selection_ms"])
-    result.update(dense_baseline(q, k, v, dout, bench))
-    if not args.no_flex:
-        result.update(flex_baseline(q, k, v, dout, ids, args.block_size, bench))
+    if seqlen > args.baseline_max_seqlen:
+        result["dense_status"] = result["flex_status"] = "skipped: S > --baseline-max-seqlen"
+    else:
+        result.update(dense_baseline(q, k, v, dout, bench))
+        if not args.no_flex:
+            result.update(flex_baseline(q, k, v, dout, ids, args.block_size, bench))
     if "dense_fwd_bwd_ms" in result:
         result["speedup_vs_dense"] = result["dense_fwd_bwd_ms"] / result["msa_fwd_bwd_ms"]
     result["status"] = "ok"
