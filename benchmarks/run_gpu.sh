@@ -16,7 +16,8 @@ export OPENMSA_GPU_RECORD="$out/gpu_tests.jsonl"
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-  git log -1 --format='commit %H' 2>/dev/null
+  # A copied working tree may carry a stale .git: the caller can name the commit instead.
+  echo "commit ${OPENMSA_COMMIT:-$(git log -1 --format=%H 2>/dev/null)}"
 } 2>&1 | tee "$out/env.txt"
 python3 -m pytest -q -rA tests/gpu 2>&1 | tee "$out/pytest_gpu.log" | grep -E "passed|failed|error" | tail -30
 python3 -m openmsa.cli check 2>&1 | tee "$out/check.txt"
@@ -30,6 +31,9 @@ if wants msa; then
   python3 benchmarks/bench_msa.py --out "$out" 2>&1 | tee "$out/bench_msa.log" | tail -9
 fi
 if wants cli; then
-  python3 -m openmsa.cli bench --out "$out" 2>&1 | tee "$out/openmsa_bench.log" | tail -8
-  python3 -m openmsa.cli train --preset gpu --out "$out" 2>&1 | tee "$out/openmsa_train.log" | tail -4
+  python3 -m openmsa.cli train --preset gpu --out "$out/train" 2>&1 | tee "$out/openmsa_train.log" | tail -3
+  python3 -m openmsa.cli bench --seqlens 4k,16k,32k,64k,128k --out "$out/bench_h64" 2>&1 \
+    | tee "$out/openmsa_bench_h64.log" | tail -7
+  python3 -m openmsa.cli bench --preset h16 --seqlens 16k,32k --out "$out/bench_h16" 2>&1 \
+    | tee "$out/openmsa_bench_h16.log" | tail -3
 fi

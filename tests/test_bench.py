@@ -78,3 +78,15 @@ def test_flex_baseline_mask_keeps_each_tiles_blocks_causally():
     scores = q[0] @ k[0].repeat_interleave(2, 0).transpose(-1, -2) * dim ** -0.5
     expected = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v[0].repeat_interleave(2, 0)
     torch.testing.assert_close(out[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_plots_are_written_when_no_baseline_ran(tmp_path):
+    """Past --baseline-max-seqlen there is no dense time to compare with."""
+    pytest.importorskip("matplotlib")
+    from openmsa.bench.run import plot
+
+    rows = [dict(status="ok", seqlen=seqlen, msa_fwd_bwd_ms=ms,
+                 dense_status="skipped: S > --baseline-max-seqlen")
+            for seqlen, ms in ((524288, 880.0), (1048576, 2290.0))]
+    plot(rows, str(tmp_path))
+    assert (tmp_path / "bench.png").stat().st_size > 0

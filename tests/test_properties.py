@@ -31,7 +31,8 @@ def problems(draw):
     else:
         seqlens = None
         shape = (draw(st.integers(1, 2)), draw(st.integers(1, 170)))
-    options = dict(top_k=top_k, block_size=64, num_local_blocks=num_local,
+    options = dict(top_k=top_k, block_size=draw(st.sampled_from([64, 128])),
+                   num_local_blocks=num_local,
                    num_sink_blocks=num_sink, warmup=draw(st.booleans()))
     return heads, shape, seqlens, options, draw(st.integers(0, 2**16))
 

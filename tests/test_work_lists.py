@@ -83,3 +83,10 @@ def test_key_block_lists_hold_every_pair_in_token_order(segment_pairs):
     sizes = [min(segment_pairs, work.bucket_start[b].item() + work.bucket_count[b].item() - f)
              if b >= 0 else 0 for b, f in work.segments[work.segment_order.long()].tolist()]
     assert sizes == sorted(sizes, reverse=True)
+
+
+def test_pair_counts_beyond_int32_are_refused():
+    """Pair numbers are int32 in the kernels: 2^31 (token, index head, slot) entries refuse."""
+    ids = torch.zeros(1, 1, 1, dtype=torch.int32).expand(2**21, 32, 32)  # a view, no memory
+    with pytest.raises(ValueError, match="block_ids: expected fewer than 2"):
+        build_block_work(ids, torch.tensor([0, 2**21], dtype=torch.int32), 64, 2048)

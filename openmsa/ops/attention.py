@@ -514,6 +514,11 @@ def _precision(tensor) -> str:
     return "ieee" if tensor.dtype == torch.float32 else "tf32"
 
 
+def query_tile_shape(gq: int) -> tuple[int, int, int]:
+    """(tokens, padded heads, MMA rows) of the query-outer kernels' tiles."""
+    return _tile_shape(gq, QUERY_ROWS)
+
+
 def _tile_shape(gq: int, target_rows: int) -> tuple[int, int, int]:
     """(tokens per tile, padded heads, MMA rows) for ``gq`` heads per token: a power-of-two
     token count with about ``target_rows`` rows, and at least 16 rows; at most
@@ -535,6 +540,7 @@ KL_QUERY_CONFIG = dict(num_warps=8, num_stages=2)
 KL_KEY_CONFIG = dict(num_warps=8, num_stages=2)
 # Pairs per dK/dV program: bounds a program's work when many queries keep the same block.
 SEGMENT_PAIRS = 2048
+QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
 
 
 class SparseAttentionProblem:
@@ -544,7 +550,8 @@ class SparseAttentionProblem:
     """
 
     def __init__(self, q, k, block_ids, cu_seqlens, block_size, softmax_scale, index_k=None,
-                 index_scale=None, query_rows=128, key_rows=64, kl_key_rows=128):
+                 index_scale=None, query_rows=QUERY_ROWS, key_rows=64, kl_key_rows=128,
+                 query_work: QueryTileWork | None = None):
         self.total, self.num_heads, self.head_dim = q.shape
         self.num_kv_heads = k.shape[1]
         self.num_index_heads, self.top_k = block_ids.shape[1], block_ids.shape[2]
@@ -561,8 +568,9 @@ class SparseAttentionProblem:
         self.key_tokens, _, self.key_rows = _tile_shape(self.gq, key_rows)
         # The KL's key-side kernel holds one accumulator, so it can afford more rows.
         self.kl_key_tokens, _, self.kl_key_rows = _tile_shape(self.gq, kl_key_rows)
-        self.query_work: QueryTileWork = build_query_tile_work(block_ids, cu_seqlens,
-                                                               self.query_tokens)
+        # Given when the forward built it already (the custom operator's backward).
+        self.query_work: QueryTileWork = query_work or build_query_tile_work(
+            block_ids, cu_seqlens, self.query_tokens)
         self.shared = dict(HI=self.num_index_heads, GQ=self.gq, GQ_PAD=gq_pad,
                            KV_GROUP=self.num_index_heads // self.num_kv_heads,
                            INDEX_GROUP=self.index_group, BLOCK=block_size,
@@ -708,58 +716,25 @@ def kl_key_side(q, k, index_q, index_k, lse, lse_index, factor, p: SparseAttenti
 
 
 class SparseAttentionFunction(torch.autograd.Function):
-    """Autograd over packed inputs (q [T, H, D]; k, v [T, Hkv, D]; index_q [T, Hi, Di] and
-    index_k [T, Hik, Di], or None for the main attention alone; block_ids int32 [T, Hi, k]
-    token-major). Returns out and the KL (a float32 0-dim tensor: the exact value, or 0 with
-    ``kl_value=False``, with the same gradient either way; None without index tensors).
-    ``index_grad``: the KL gradient of index_q will be needed; with ``kl_value`` the forward's
-    walk computes it then (it does not depend on the upstream gradient of out)."""
+    """Autograd of the main attention alone over given kept blocks (``sparse_attention``):
+    q [T, H, D]; k, v [T, Hkv, D]; block_ids int32 [T, Hi, k] token-major. ``msa_attention``,
+    with the index branch and the KL, runs through the custom operators of
+    ``openmsa.ops.library``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index_q, index_k, block_ids, cu_seqlens, block_size, softmax_scale,
-                index_scale, kl_value, index_grad):
-        with_index = index_q is not None
-        problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
-                                         index_k, index_scale)
-        out, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem)
-        kl, d_index_q = None, None
-        if with_index and kl_value:
-            rows, d_index_q = kl_query_side(q, k, index_q, index_k, lse, lse_index, problem,
-                                            with_value=True, with_grad=index_grad)
-            kl = rows.sum() / (problem.total * problem.num_index_heads)
-        elif with_index:
-            kl = torch.zeros((), dtype=torch.float32, device=q.device)
-        ctx.save_for_backward(q, k, v, index_q, index_k, out, lse, lse_index, d_index_q)
+    def forward(ctx, q, k, v, block_ids, cu_seqlens, block_size, softmax_scale):
+        problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale)
+        out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
-        return out, kl
+        return out
 
     @staticmethod
-    def backward(ctx, dout, dkl):
-        q, k, v, index_q, index_k, out, lse, lse_index, d_index_q = ctx.saved_tensors
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
         p = ctx.problem
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()
+        dout = dout.contiguous()
         delta = attention_delta(out, dout, p)
         dq = attention_dq(q, k, v, dout, lse, delta, p)
         dk, dv = attention_dkdv(q, k, v, dout, lse, delta, p)
-        grad_index_q = grad_index_k = None
-        if p.with_index:
-            factor = p.kl_gradient_factor(
-                dkl.float() if dkl is not None else torch.zeros((), device=q.device))
-            if ctx.needs_input_grad[3]:
-                if d_index_q is None:
-                    _, d_index_q = kl_query_side(q, k, index_q, index_k, lse, lse_index, p,
-                                                 with_value=False, with_grad=True)
-                grad_index_q = (d_index_q * factor).to(index_q.dtype)
-            if ctx.needs_input_grad[4]:
-                grad_index_k = kl_key_side(q, k, index_q, index_k, lse, lse_index, factor, p)
-        return (dq, dk, dv, grad_index_q, grad_index_k) + (None,) * 7
-
-
-def sparse_attention_function(q, k, v, index_q, index_k, block_ids, cu_seqlens, block_size,
-                              softmax_scale, index_scale, kl_value):
-    """SparseAttentionFunction.apply, telling it whether index_q's gradient will be needed."""
-    index_grad = (torch.is_grad_enabled() and index_q is not None and index_q.requires_grad)
-    return SparseAttentionFunction.apply(q, k, v, index_q, index_k, block_ids, cu_seqlens,
-                                         block_size, softmax_scale, index_scale, kl_value,
-                                         index_grad)
+        return dq, dk, dv, None, None, None, None

@@ -53,6 +53,9 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
                      segment_pairs: int) -> BlockWork:
     """block_ids: int32 ``[T, Hi, top_k]`` (``-1`` unused), relative to each sequence's start."""
     total, num_index_heads, top_k = block_ids.shape
+    if total * num_index_heads * top_k >= 2**31:  # pair numbers are int32 in the kernels
+        raise ValueError(f"block_ids: expected fewer than 2^31 (token, index head, slot) "
+                         f"entries, received {total} x {num_index_heads} x {top_k}")
     device = block_ids.device
     num_sequences = cu_seqlens.numel() - 1
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()

@@ -6,8 +6,9 @@ import os
 
 import torch
 
-from .attention import sparse_attention_function
-from .layout import (all_causal_block_ids, ids_from_token_major, ids_to_token_major,
+from .attention import SparseAttentionFunction
+from .library import msa_forward
+from .layout import (ids_from_token_major, ids_to_token_major,
                      packed_offsets, packed_tokens)
 from .naive import naive_msa_forward, naive_select_blocks
 from .select import select_blocks_fwd
@@ -99,28 +100,18 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
                                                block_indices)
         return _return(out, kl if kl_value else kl - kl.detach(), block_ids, return_indices)
     cu = packed_offsets(cu_seqlens, problem.batch, problem.seqlen, q.device)
-    if warmup:  # the same kernels with every causal block kept
-        longest = problem.seqlen if not problem.packed else (max_seqlen or problem.seqlen)
-        ids = all_causal_block_ids(cu, problem.batch * problem.seqlen, problem.num_index_heads,
-                                   block_size, longest)
-        out, kl = sparse_attention_function(
-            packed_tokens(q), packed_tokens(k), packed_tokens(v), packed_tokens(index_q),
-            packed_tokens(index_k), ids, cu, block_size, problem.softmax_scale,
-            problem.index_softmax_scale, kl_value)
-        return _return(out.view(q.shape), kl, None, return_indices)
-    if block_indices is None:
-        ids = select_blocks_fwd(packed_tokens(index_q), packed_tokens(index_k), cu, top_k=top_k,
-                                block_size=block_size,
-                                index_softmax_scale=problem.index_softmax_scale,
-                                num_local_blocks=num_local_blocks,
-                                num_sink_blocks=num_sink_blocks)
-        block_indices = ids_from_token_major(ids, problem.packed, problem.batch, problem.seqlen)
-    else:
-        ids = ids_to_token_major(block_indices, problem.packed)
-    out, kl = sparse_attention_function(
+    ids = None if block_indices is None else ids_to_token_major(block_indices, problem.packed)
+    longest = problem.seqlen if not problem.packed else (max_seqlen or problem.seqlen)
+    # The forward computes index_q's KL gradient along with the KL's value when it is needed.
+    index_grad = torch.is_grad_enabled() and index_q.requires_grad
+    out, kl, _, _, token_major_ids, *_ = msa_forward(
         packed_tokens(q), packed_tokens(k), packed_tokens(v), packed_tokens(index_q),
-        packed_tokens(index_k), ids, cu, block_size, problem.softmax_scale,
-        problem.index_softmax_scale, kl_value)
+        packed_tokens(index_k), cu, ids, top_k, block_size, problem.softmax_scale,
+        problem.index_softmax_scale, num_local_blocks, num_sink_blocks, warmup, longest,
+        kl_value, index_grad)
+    if block_indices is None and not warmup:
+        block_indices = ids_from_token_major(token_major_ids, problem.packed, problem.batch,
+                                             problem.seqlen)
     return _return(out.view(q.shape), kl, block_indices, return_indices)
 
 
@@ -169,10 +160,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not _use_kernels(backend, q.device):
         return naive_msa_forward(q, k, v, None, None, problem, cu_seqlens, block_indices)[0]
     cu = packed_offsets(cu_seqlens, problem.batch, problem.seqlen, q.device)
-    out, _ = sparse_attention_function(
-        packed_tokens(q), packed_tokens(k), packed_tokens(v), None, None,
-        ids_to_token_major(block_indices, problem.packed), cu, block_size, problem.softmax_scale,
-        None, False)
+    out = SparseAttentionFunction.apply(
+        packed_tokens(q), packed_tokens(k), packed_tokens(v),
+        ids_to_token_major(block_indices, problem.packed), cu, block_size, problem.softmax_scale)
     return out.view(q.shape)
 
 

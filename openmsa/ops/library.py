@@ -1,0 +1,158 @@
+"""``msa_attention``'s kernels as PyTorch custom operators (``torch.library``).
+
+``openmsa::msa_forward`` runs selection (or takes given blocks, or every causal block in
+warmup), the sparse attention forward and the KL's forward parts; ``openmsa::msa_backward`` runs
+the backward. Each has a fake implementation (output shapes from input shapes alone), so
+``torch.compile`` traces through ``msa_attention`` without graph breaks, and the backward is
+registered as the forward's autograd formula. The query-tile work lists built by the forward are
+outputs, so the backward reuses them instead of building them again.
+
+Inputs are packed: q ``[T, H, D]``, k and v ``[T, Hkv, D]``, index_q ``[T, Hi, Di]``, index_k
+``[T, Hik, Di]``, cu_seqlens int32 ``[N + 1]``; block ids are token-major int32 ``[T, Hi, k]``.
+"""
+
+from typing import Optional
+
+import torch
+
+from .attention import (SparseAttentionProblem, attention_delta, attention_dkdv, attention_dq,
+                        kl_key_side, kl_query_side, sparse_attention_fwd, query_tile_shape)
+from .csr import QueryTileWork
+from .layout import all_causal_block_ids
+from .select import select_blocks_fwd
+
+Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@torch.library.custom_op("openmsa::msa_forward", mutates_args=())
+def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor,
+                index_k: torch.Tensor, cu_seqlens: torch.Tensor,
+                block_ids: Optional[torch.Tensor], top_k: int, block_size: int,
+                softmax_scale: float, index_scale: float, num_local_blocks: int,
+                num_sink_blocks: int, warmup: bool, max_seqlen: int, kl_value: bool,
+                index_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor]:
+    """Returns out, kl (fp32 0-dim: the exact KL, or 0 with ``kl_value=False``), the main lse2
+    ``[T, H]``, the index log-sum-exp ``[T, Hi]``, the kept block ids, the unscaled KL gradient
+    of index_q (``[T, Hi, Di]`` when ``kl_value and index_grad``, else empty) and the query-tile
+    work lists. ``block_ids``: given kept blocks, or None to select (or, in warmup, keep every
+    causal block of sequences up to ``max_seqlen`` tokens)."""
+    total = q.shape[0]
+    if warmup:
+        ids = all_causal_block_ids(cu_seqlens, total, index_q.shape[1], block_size, max_seqlen)
+    elif block_ids is not None:
+        ids = block_ids.clone()  # outputs may not alias inputs
+    else:
+        ids = select_blocks_fwd(index_q, index_k, cu_seqlens, top_k=top_k, block_size=block_size,
+                                index_softmax_scale=index_scale,
+                                num_local_blocks=num_local_blocks,
+                                num_sink_blocks=num_sink_blocks)
+    problem = SparseAttentionProblem(q, k, ids, cu_seqlens, block_size, softmax_scale, index_k,
+                                     index_scale)
+    out, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem)
+    d_index_q = q.new_empty(0, dtype=torch.float32)
+    if kl_value:
+        rows, grad = kl_query_side(q, k, index_q, index_k, lse, lse_index, problem,
+                                   with_value=True, with_grad=index_grad)
+        kl = rows.sum() / (total * problem.num_index_heads)
+        d_index_q = grad if grad is not None else d_index_q
+    else:
+        kl = torch.zeros((), dtype=torch.float32, device=q.device)
+    work = problem.query_work
+    return (out, kl, lse, lse_index, ids, d_index_q, work.schedule, work.union,
+            work.union_members, work.union_count)
+
+
+@msa_forward.register_fake
+def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softmax_scale,
+      index_scale, num_local_blocks, num_sink_blocks, warmup, max_seqlen, kl_value, index_grad):
+    total, num_heads, _ = q.shape
+    num_index_heads, index_dim = index_q.shape[1], index_q.shape[2]
+    if warmup:
+        slots = -(-max_seqlen // block_size)
+    elif block_ids is not None:
+        slots = block_ids.shape[2]
+    else:
+        slots = top_k
+    tokens = query_tile_shape(num_heads // num_index_heads)[0]
+    entries = total // tokens + cu_seqlens.shape[0] - 1
+    f32 = dict(dtype=torch.float32, device=q.device)
+    i32 = dict(dtype=torch.int32, device=q.device)
+    grad_shape = (total, num_index_heads, index_dim) if kl_value and index_grad else (0,)
+    width = tokens * slots
+    return (torch.empty_like(q), q.new_empty((), **f32), q.new_empty(total, num_heads, **f32),
+            q.new_empty(total, num_index_heads, **f32),
+            q.new_empty(total, num_index_heads, slots, **i32), q.new_empty(grad_shape, **f32),
+            q.new_empty(entries, 2, **i32), q.new_empty(entries, num_index_heads, width, **i32),
+            q.new_empty(entries, num_index_heads, width, dtype=torch.int64, device=q.device),
+            q.new_empty(entries, num_index_heads, **i32))
+
+
+@torch.library.custom_op("openmsa::msa_backward", mutates_args=())
+def msa_backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, lse_index: torch.Tensor,
+                 block_ids: torch.Tensor, d_index_q: torch.Tensor, schedule: torch.Tensor,
+                 union: torch.Tensor, union_members: torch.Tensor, union_count: torch.Tensor,
+                 cu_seqlens: torch.Tensor, block_size: int, softmax_scale: float,
+                 index_scale: float, index_grads: bool) -> Tensors:
+    """dq, dk, dv and, with ``index_grads``, the KL gradients of index_q and index_k (empty
+    tensors otherwise). ``dkl``: the fp32 0-dim gradient reaching kl. ``d_index_q``: the
+    forward's unscaled KL gradient of index_q, or empty to compute it here."""
+    work = QueryTileWork(schedule, union, union_members, union_count,
+                         tile_tokens=query_tile_shape(q.shape[1] // block_ids.shape[1])[0])
+    problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
+                                     index_k, index_scale, query_work=work)
+    dout = dout.contiguous()
+    delta = attention_delta(out, dout, problem)
+    dq = attention_dq(q, k, v, dout, lse, delta, problem)
+    dk, dv = attention_dkdv(q, k, v, dout, lse, delta, problem)
+    if not index_grads:
+        empty = q.new_empty(0)
+        return dq, dk, dv, empty, empty
+    factor = problem.kl_gradient_factor(dkl.float())
+    if d_index_q.numel() == 0:
+        _, d_index_q = kl_query_side(q, k, index_q, index_k, lse, lse_index, problem,
+                                     with_value=False, with_grad=True)
+    grad_index_q = (d_index_q * factor).to(index_q.dtype)
+    grad_index_k = kl_key_side(q, k, index_q, index_k, lse, lse_index, factor, problem)
+    return dq, dk, dv, grad_index_q, grad_index_k
+
+
+@msa_backward.register_fake
+def _(dout, dkl, q, k, v, index_q, index_k, out, lse, lse_index, block_ids, d_index_q, schedule,
+      union, union_members, union_count, cu_seqlens, block_size, softmax_scale, index_scale,
+      index_grads):
+    if not index_grads:
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(0),
+                q.new_empty(0))
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(index_q), torch.empty_like(index_k))
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, index_q, index_k, cu_seqlens, _, _, block_size, softmax_scale, index_scale, *_) = \
+        inputs
+    out, _, *saved = output
+    ctx.save_for_backward(q, k, v, index_q, index_k, out, cu_seqlens, *saved)
+    ctx.options = (block_size, softmax_scale, index_scale)
+
+
+def _backward(ctx, dout, dkl, *_):
+    q, k, v, index_q, index_k, out, cu_seqlens, *saved = ctx.saved_tensors
+    index_grads = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
+    if dkl is None:
+        dkl = torch.zeros((), dtype=torch.float32, device=q.device)
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv, grad_index_q, grad_index_k = msa_backward(
+        dout, dkl, q, k, v, index_q, index_k, out, *saved, cu_seqlens, *ctx.options,
+        index_grads)
+    if not index_grads:
+        grad_index_q = grad_index_k = None
+    return (dq, dk, dv, grad_index_q, grad_index_k) + (None,) * 12
+
+
+msa_forward.register_autograd(_backward, setup_context=_setup_context)
