@@ -574,3 +574,13 @@ def test_packed_block_indices_beyond_their_sequence_are_rejected(entry, no_compu
     call["block_indices"] = torch.ones(2, 128, 1, dtype=torch.int32)  # block 1: out of range
     with pytest.raises(ValueError, match=r"^block_indices: expected entries in \[-1, own block"):
         invoke(ENTRY_POINTS[entry], call)
+
+
+def test_head_dim_256_on_a_gpu_asks_for_the_reference_backend():
+    """256 exceeds an H200's shared memory in the dQ kernel: a clear error, not a crash."""
+    from openmsa.ops.msa import _check_gpu_head_dims
+
+    with pytest.raises(ValueError, match="q: expected head dim in \\(64, 128\\).*reference"):
+        _check_gpu_head_dims(torch.device("cuda"), q=256)
+    _check_gpu_head_dims(torch.device("cuda"), q=128, index_q=64)
+    _check_gpu_head_dims(torch.device("cpu"), q=256)  # the interpreter runs it

@@ -33,6 +33,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .csr import (MAX_TILE_TOKENS, BlockWork, QueryTileWork, build_block_work,
                   build_query_tile_work)
@@ -613,6 +614,24 @@ def _strides(*tensors):
     return [stride for t in tensors for stride in (t.stride(0), t.stride(1))]
 
 
+# Configurations whose pipeline stages did not fit this GPU's shared memory (small GQ with wide
+# head dims: a tile of 64 tokens carries a 64-row index query), remembered so that they are not
+# compiled again.
+_ONE_STAGE: set = set()
+
+
+def _launch(kernel, grid, *args, num_warps, num_stages, **constants):
+    """``kernel[grid](...)``, falling back to one pipeline stage (the same kernel without
+    overlapped loads) when ``num_stages`` exceeds the shared memory; other errors propagate."""
+    key = (kernel.fn.__name__, num_warps, tuple(sorted(constants.items())))
+    if num_stages > 1 and key not in _ONE_STAGE:
+        try:
+            return kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constants)
+        except OutOfResources:
+            _ONE_STAGE.add(key)
+    return kernel[grid](*args, num_warps=num_warps, num_stages=1, **constants)
+
+
 def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
                          num_warps=FWD_CONFIG["num_warps"],
                          num_stages=FWD_CONFIG["num_stages"]):
@@ -624,7 +643,7 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
     lse_index = (torch.empty(p.total, p.num_index_heads, dtype=torch.float32, device=q.device)
                  if p.with_index else lse)
     iq, ik = (index_q, index_k) if p.with_index else (q, k)  # unused placeholders otherwise
-    _sparse_attn_fwd_kernel[p.query_grid()](
+    _launch(_sparse_attn_fwd_kernel, p.query_grid(),
         q, k, v, iq, ik, out, lse, lse_index, *p.query_work_args(),
         *_strides(q, k, v, out, iq, ik), p.scale * LOG2_E, p.index_scale,
         **p.query_constants(), WITH_INDEX=p.with_index, num_warps=num_warps,
@@ -641,7 +660,7 @@ def kl_query_side(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProb
     rows = torch.empty(p.total, p.num_index_heads, dtype=torch.float32, device=q.device)
     d_index_q = (torch.empty(p.total, p.num_index_heads, p.index_dim, dtype=torch.float32,
                              device=q.device) if with_grad else rows)
-    _kl_query_kernel[p.query_grid()](
+    _launch(_kl_query_kernel, p.query_grid(),
         q, k, index_q, index_k, lse, lse_index, rows, d_index_q, *p.query_work_args(),
         *_strides(q, k, index_q, index_k), p.scale * LOG2_E, p.index_scale,
         **p.query_constants(), WITH_VALUE=with_value, WITH_GRAD=with_grad,
@@ -663,7 +682,7 @@ def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
                  num_warps=DQ_CONFIG["num_warps"], num_stages=DQ_CONFIG["num_stages"]):
     """dq, query-outer."""
     dq = torch.empty_like(q)
-    _sparse_attn_dq_kernel[p.query_grid()](
+    _launch(_sparse_attn_dq_kernel, p.query_grid(),
         q, k, v, dout, lse, delta, dq, *p.query_work_args(), *_strides(q, k, v, dout, dq),
         p.scale, p.scale * LOG2_E, **p.query_constants(), num_warps=num_warps,
         num_stages=num_stages)
@@ -687,7 +706,7 @@ def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
     segments = p.block_work.segments.shape[0]
     dk_part, dv_part = (torch.empty(segments * p.block_size, p.head_dim, dtype=torch.float32,
                                     device=q.device) for _ in range(2))
-    _sparse_attn_dkdv_kernel[(segments,)](
+    _launch(_sparse_attn_dkdv_kernel, (segments,),
         q, k, v, dout, lse, delta, dk_part, dv_part, *p.key_work_args(),
         *_strides(q, k, v, dout), p.scale * LOG2_E,
         **p.key_constants(p.key_tokens, p.key_rows), num_warps=num_warps,
@@ -704,7 +723,7 @@ def kl_key_side(q, k, index_q, index_k, lse, lse_index, factor, p: SparseAttenti
     segments = p.block_work.segments.shape[0]
     part = torch.empty(segments * p.block_size, p.index_dim, dtype=torch.float32,
                        device=q.device)
-    _kl_key_kernel[(segments,)](
+    _launch(_kl_key_kernel, (segments,),
         q, k, index_q, index_k, lse, lse_index, part, *p.key_work_args(),
         *_strides(q, k, index_q, index_k), p.scale * LOG2_E, p.index_scale,
         **p.key_constants(p.kl_key_tokens, p.kl_key_rows), num_warps=num_warps,

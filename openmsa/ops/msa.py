@@ -33,6 +33,21 @@ def _use_kernels(backend: str, device: torch.device) -> bool:
     return True
 
 
+# Head dims the attention kernels compile for on a GPU. At 256 the dQ tile alone needs more
+# shared memory than an H200 has (benchmarks/inspect_kernels.py), so such inputs go to the
+# reference backend by the caller's choice, not silently.
+GPU_HEAD_DIMS = (64, 128)
+
+
+def _check_gpu_head_dims(device: torch.device, **head_dims: int) -> None:
+    if device.type != "cuda":
+        return  # the CPU interpreter runs any supported head dim (tests)
+    for name, dim in head_dims.items():
+        if dim not in GPU_HEAD_DIMS:
+            raise ValueError(f"{name}: expected head dim in {GPU_HEAD_DIMS} for the Triton "
+                             f"kernels on a GPU, received {dim} (backend='reference' runs it)")
+
+
 def _return(out, kl, block_ids, return_indices):
     return (out, kl, block_ids) if return_indices else (out, kl)
 
@@ -99,6 +114,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         out, kl, block_ids = naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens,
                                                block_indices)
         return _return(out, kl if kl_value else kl - kl.detach(), block_ids, return_indices)
+    _check_gpu_head_dims(q.device, q=problem.head_dim, index_q=problem.index_head_dim)
     cu = packed_offsets(cu_seqlens, problem.batch, problem.seqlen, q.device)
     ids = None if block_indices is None else ids_to_token_major(block_indices, problem.packed)
     longest = problem.seqlen if not problem.packed else (max_seqlen or problem.seqlen)
@@ -159,6 +175,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    max_seqlen=max_seqlen, backend=backend)
     if not _use_kernels(backend, q.device):
         return naive_msa_forward(q, k, v, None, None, problem, cu_seqlens, block_indices)[0]
+    _check_gpu_head_dims(q.device, q=problem.head_dim)
     cu = packed_offsets(cu_seqlens, problem.batch, problem.seqlen, q.device)
     out = SparseAttentionFunction.apply(
         packed_tokens(q), packed_tokens(k), packed_tokens(v),

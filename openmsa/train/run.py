@@ -38,10 +38,8 @@ class Preset:
     lr: float = 3e-3
     kl_weight: float = 1.0
     rope_theta: float = 10000.0
-    # A curriculum: the first short_steps steps train on short_seqlen tokens, short_batch rows.
-    short_steps: int = 0
-    short_seqlen: int = 0
-    short_batch: int = 0
+    # A curriculum: phases of (steps, tokens, batch) before training on seqlen tokens.
+    curriculum: tuple[tuple[int, int, int], ...] = ()
 
 
 PRESETS = {
@@ -50,15 +48,17 @@ PRESETS = {
                   warmup_steps=100, eval_every=25),
     # Smoke test for CI: the same pipeline (the GPU preset's curriculum too), a few steps.
     "tiny": Preset(seqlen=192, block_size=64, top_k=2, num_pairs=3, batch=4, steps=4,
-                   warmup_steps=2, eval_every=2, rope_theta=1e6, short_steps=2,
-                   short_seqlen=128, short_batch=2),
+                   warmup_steps=2, eval_every=2, rope_theta=1e6, curriculum=((1, 64, 2),
+                                                                            (1, 128, 2))),
     # GPU, Triton kernels: 16k tokens, 128 blocks of 128, keep 4. From scratch at 16k neither
-    # model learned in 1500 steps (chance accuracy): the first 300 steps are on 512 tokens, and a
-    # RoPE base of 1e6 keeps the learned key matching valid at 16k token distances (with 1e4 a
-    # 256-token run learned 3x slower on the CPU). Warmup lasts 100 steps into the 16k phase.
-    "gpu": Preset(seqlen=16384, block_size=128, top_k=4, num_pairs=16, batch=8, steps=900,
-                  warmup_steps=400, eval_every=50, layers=2, rope_theta=1e6, short_steps=300,
-                  short_seqlen=512, short_batch=32),
+    # model learned in 1500 steps (chance accuracy), nor in 300 steps on 512 tokens with 16
+    # facts and 2 layers. On the CPU, one layer with a RoPE base of 1e6 learned 256 tokens with
+    # 8 facts in 75 steps (with base 1e4, 3x slower), answered 0.25 at 16k, and 0.69 after 150
+    # more steps on 2048 tokens. So: 256, then 2048, then 16k tokens; the MSA model's warmup
+    # lasts 100 steps into the 16k phase.
+    "gpu": Preset(seqlen=16384, block_size=128, top_k=4, num_pairs=8, batch=8, steps=900,
+                  warmup_steps=600, eval_every=50, rope_theta=1e6,
+                  curriculum=((300, 256, 32), (200, 2048, 16))),
 }
 
 
@@ -95,7 +95,9 @@ def evaluate(model, tokens, answers, fact_positions, block_size):
 def train_model(kind: str, preset: Preset, device, seed: int, progress) -> list[dict]:
     task = _task(preset)
     torch.manual_seed(seed)
-    short_task = _task(preset, preset.short_seqlen) if preset.short_steps else task
+    phases = []  # (last step, task, batch) of each curriculum phase
+    for steps, seqlen, batch in preset.curriculum:
+        phases.append(((phases[-1][0] if phases else 0) + steps, _task(preset, seqlen), batch))
     model = RetrievalModel(task, kind, layers=preset.layers, top_k=preset.top_k,
                            block_size=preset.block_size, rope_theta=preset.rope_theta).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
@@ -109,10 +111,9 @@ def train_model(kind: str, preset: Preset, device, seed: int, progress) -> list[
     start = time.perf_counter()
     for step in range(1, preset.steps + 1):
         warmup = schedule.apply(model, step - 1) if kind == "msa" else False
-        if step <= preset.short_steps:
-            tokens, answers, _ = short_task.sample(preset.short_batch or preset.batch, data)
-        else:
-            tokens, answers, _ = task.sample(preset.batch, data)
+        phase_task, batch = next(((t, b) for last, t, b in phases if step <= last),
+                                 (task, preset.batch))
+        tokens, answers, _ = phase_task.sample(batch, data)
         with _autocast(device):  # bf16 on a GPU: the Triton kernels' dtype
             logits, kl = model(_to(tokens, device))
         task_loss = F.cross_entropy(logits.float(), answers.to(device))
@@ -122,6 +123,7 @@ def train_model(kind: str, preset: Preset, device, seed: int, progress) -> list[
         optimizer.step()
         if step % preset.eval_every == 0 or step == preset.steps:
             record = {"model": kind, "step": step, "phase": "warmup" if warmup else "sparse",
+                      "train_tokens": tokens[0].shape[1],
                       "task_loss": task_loss.item(), "train_kl": kl.item(),
                       "seconds": time.perf_counter() - start}
             record.update({f"eval_{key}": value for key, value in evaluate(
@@ -150,6 +152,13 @@ def _progress_printer():
     return show
 
 
+def _curriculum_ends(histories: dict) -> list[int]:
+    """Evaluation steps after which the training sequence length changed."""
+    history = next(iter(histories.values()), [])
+    return [a["step"] for a, b in zip(history, history[1:])
+            if a.get("train_tokens") != b.get("train_tokens")]
+
+
 def plot(histories: dict, path: str, preset_name: str) -> None:
     import matplotlib
 
@@ -167,10 +176,13 @@ def plot(histories: dict, path: str, preset_name: str) -> None:
         warmup_end = [r["step"] for r in histories.get("msa", []) if r["phase"] == "warmup"]
         if warmup_end:
             axis.axvline(max(warmup_end), color="gray", linestyle=":", linewidth=1)
+        for phase_end in _curriculum_ends(histories):
+            axis.axvline(phase_end, color="gray", linestyle="--", linewidth=1)
         axis.set_title(title)
         axis.set_xlabel("step")
         axis.legend()
-    figure.suptitle(f"openmsa train --preset {preset_name} (dotted: end of dense warmup)")
+    figure.suptitle(f"openmsa train --preset {preset_name} (dotted: end of dense warmup; "
+                    "dashed: training length changes)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -182,7 +194,7 @@ def run(preset_name: str, out_dir: str, device: str | None = None, seed: int = 0
     if steps is not None:
         preset = Preset(**dict(asdict(preset), steps=steps,
                                warmup_steps=min(preset.warmup_steps, steps // 3),
-                               short_steps=min(preset.short_steps, steps // 3)))
+                               curriculum=()))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     os.makedirs(out_dir, exist_ok=True)
     print(f"openmsa train: preset {preset_name} on {device}: {asdict(preset)}")
