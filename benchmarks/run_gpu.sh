@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The GPU run: GPU tests, bf16 check against the reference, benchmarks. Prints short tables last.
 #   bash benchmarks/run_gpu.sh OUTDIR [PARTS]   PARTS: all (default) or a comma-separated list
-#   of select, attention, msa, cli
-# cli: the user-facing commands, `openmsa bench` and `openmsa train --preset gpu`.
+#   of select, attention, msa (the benchmark scripts), train, bench (the user-facing commands
+#   `openmsa train --preset gpu` and `openmsa bench`), cli (= train,bench)
 # Where only a few result files can be copied back, write to a scratch folder and tar it:
 #   bash benchmarks/run_gpu.sh /tmp/run cli; tar czf "$OUT/run.tgz" -C /tmp/run .
 # Runs from the repository root with the machine's own torch and triton (nothing is installed).
 set -u
 out=${1:?usage: run_gpu.sh OUTDIR [all|PART,PART...]}
 parts=",${2:-all},"
-wants() { [ "$parts" = ",all," ] && [ "$1" != cli ] || [[ "$parts" == *",$1,"* ]]; }
+wants() {
+  [ "$parts" = ",all," ] && [ "$1" != train ] && [ "$1" != bench ] && return 0
+  [[ "$parts" == *",$1,"* ]] || { [[ "$parts" == *",cli,"* ]] && [[ "$1" =~ ^(train|bench)$ ]]; }
+}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OPENMSA_GPU_RECORD="$out/gpu_tests.jsonl"
@@ -30,8 +33,10 @@ fi
 if wants msa; then
   python3 benchmarks/bench_msa.py --out "$out" 2>&1 | tee "$out/bench_msa.log" | tail -9
 fi
-if wants cli; then
+if wants train; then
   python3 -m openmsa.cli train --preset gpu --out "$out/train" 2>&1 | tee "$out/openmsa_train.log" | tail -3
+fi
+if wants bench; then
   python3 -m openmsa.cli bench --seqlens 4k,16k,32k,64k,128k --out "$out/bench_h64" 2>&1 \
     | tee "$out/openmsa_bench_h64.log" | tail -7
   python3 -m openmsa.cli bench --preset h16 --seqlens 16k,32k --out "$out/bench_h16" 2>&1 \
