@@ -35,7 +35,6 @@ class Preset:
     warmup_steps: int
     eval_every: int
     layers: int = 1
-    num_kv_heads: int = 2  # of 4 heads; index heads = KV heads
     lr: float = 3e-3
     kl_weight: float = 1.0
     rope_theta: float = 10000.0
@@ -56,12 +55,9 @@ PRESETS = {
     # facts and 2 layers. On the CPU, one layer with a RoPE base of 1e6 learned 256 tokens with
     # 8 facts in 75 steps (with base 1e4, 3x slower), answered 0.25 at 16k, and 0.69 after 150
     # more steps on 2048 tokens. So: 256, then 2048, then 16k tokens; the MSA model's warmup
-    # lasts 100 steps into the 16k phase. With two index heads (one per KV head) both models
-    # reached 0.984 accuracy but block recall only 0.68-0.82: one head group retrieves, the
-    # other's index head need not keep the fact. One KV head and one index head for all four
-    # heads make the recall the selection's, not a head's.
+    # lasts 100 steps into the 16k phase.
     "gpu": Preset(seqlen=16384, block_size=128, top_k=4, num_pairs=8, batch=8, steps=900,
-                  warmup_steps=600, eval_every=50, rope_theta=1e6, num_kv_heads=1,
+                  warmup_steps=600, eval_every=50, rope_theta=1e6,
                   curriculum=((300, 256, 32), (200, 2048, 16))),
 }
 
@@ -102,8 +98,7 @@ def train_model(kind: str, preset: Preset, device, seed: int, progress) -> list[
     phases = []  # (last step, task, batch) of each curriculum phase
     for steps, seqlen, batch in preset.curriculum:
         phases.append(((phases[-1][0] if phases else 0) + steps, _task(preset, seqlen), batch))
-    model = RetrievalModel(task, kind, layers=preset.layers, num_kv_heads=preset.num_kv_heads,
-                           top_k=preset.top_k,
+    model = RetrievalModel(task, kind, layers=preset.layers, top_k=preset.top_k,
                            block_size=preset.block_size, rope_theta=preset.rope_theta).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
     schedule = MSAWarmupSchedule(preset.warmup_steps if kind == "msa" else 0)
