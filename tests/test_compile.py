@@ -65,3 +65,42 @@ def test_model_compiles_with_fullgraph_and_matches_eager():
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     for got, expected in zip(grads, eager_grads):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["warmup", "given_blocks"])
+def test_forward_operator_passes_opcheck_in_every_mode(mode):
+    """The fake implementation's shapes hold for warmup (every causal block) and given blocks."""
+    q, k, v, index_q, index_k, cu_seqlens = packed_problem()
+    block_ids = None
+    if mode == "given_blocks":
+        with torch.no_grad():
+            ids = openmsa.select_blocks(index_q, index_k, top_k=2, block_size=64,
+                                        cu_seqlens=cu_seqlens, backend="triton")
+        block_ids = ids.permute(1, 0, 2).to(torch.int32).contiguous()  # token-major
+    args = (q, k, v, index_q, index_k, cu_seqlens, block_ids, 2, 64, 0.125, 0.125, 1, 0,
+            mode == "warmup", 80, True, True)
+    torch.library.opcheck(msa_forward, args)
+
+
+def test_launch_falls_back_to_one_stage_when_shared_memory_runs_out(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    from openmsa.ops import attention
+
+    launches = []
+
+    class Kernel:
+        fn = type("fn", (), {"__name__": "fake_kernel"})
+
+        def __getitem__(self, grid):
+            def launch(*args, num_warps, num_stages, **constants):
+                launches.append(num_stages)
+                if num_stages > 1:
+                    raise OutOfResources(246280, 232448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(attention, "_ONE_STAGE", set())
+    attention._launch(Kernel(), (1,), num_warps=8, num_stages=2, TOK=64)
+    attention._launch(Kernel(), (1,), num_warps=8, num_stages=2, TOK=64)  # remembered
+    attention._launch(Kernel(), (1,), num_warps=8, num_stages=2, TOK=8)  # another config
+    assert launches == [2, 1, 1, 2, 1]
