@@ -99,6 +99,25 @@ def _teacher_t(probs_t, token_rows_t, GQ: tl.constexpr, PRECISION: tl.constexpr)
 
 
 @triton.jit
+def _walk_list(UNION, UNION_MEMBERS, UNION_COUNT, entry, index_head, HI: tl.constexpr,
+               UNION_SLOTS: tl.constexpr):
+    """A query tile's walk list: its distinct kept blocks, their token masks and their count."""
+    offset = (entry * HI + index_head) * UNION_SLOTS
+    return UNION + offset, UNION_MEMBERS + offset, tl.load(UNION_COUNT + entry * HI + index_head)
+
+
+@triton.jit
+def _walk_block(blocks, members_of, u, first_position, all_members, BLOCK: tl.constexpr):
+    """Entry ``u`` of a walk list: the block, its token mask, and whether the block needs a mask
+    (a block before the tile that every token kept needs none; rows of padding heads or of
+    tokens past the sequence are computed there but never stored)."""
+    block = tl.load(blocks + u).to(tl.int64)
+    members = tl.load(members_of + u)
+    needs_mask = (block * BLOCK + BLOCK > first_position) | (members != all_members)
+    return block, members, needs_mask
+
+
+@triton.jit
 def _load_rows(PTR, rows, valid, head, stride_t, stride_h, DIM: tl.constexpr):
     """[len(rows), DIM] of one head at packed token ``rows`` (zeros where not ``valid``)."""
     dims = tl.arange(0, DIM)
@@ -147,19 +166,17 @@ def _sparse_attn_fwd_kernel(
     acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
     index_max = tl.full((TOKP,), float("-inf"), tl.float32)
     index_sum = tl.zeros((TOKP,), tl.float32)
-    union_base = UNION + (entry * HI + index_head) * UNION_SLOTS
-    members_base = UNION_MEMBERS + (entry * HI + index_head) * UNION_SLOTS
-    for u in range(0, tl.load(UNION_COUNT + entry * HI + index_head)):
-        block = tl.load(union_base + u).to(tl.int64)
-        members = tl.load(members_base + u)
+    blocks, members_of, walk_length = _walk_list(UNION, UNION_MEMBERS, UNION_COUNT, entry,
+                                                 index_head, HI, UNION_SLOTS)
+    for u in range(0, walk_length):
+        block, members, needs_mask = _walk_block(blocks, members_of, u, first_position,
+                                                 all_members, BLOCK)
         key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
         k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
         v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
         row_member, tok_member = _members(members, row_valid, tok_valid, TOK, TOKP, ROWS)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        # A block before the tile that every token kept needs no mask (rows of padding heads
-        # or tokens past the sequence are computed but never stored).
-        if (block * BLOCK + BLOCK > first_position) | (members != all_members):
+        if needs_mask:
             visible = (row_member[:, None] & key_valid[None, :]
                        & (key_pos[None, :] <= row_position[:, None]))
             scores = tl.where(visible, scores, float("-inf"))
@@ -229,11 +246,11 @@ def _kl_query_kernel(
     token_rows_t = _token_rows_t(TOK, TOKP, ROWS, Q.dtype.element_ty)
     kl = tl.zeros((TOKP,), tl.float32)
     d_index_q = tl.zeros((TOKP, INDEX_DIM), tl.float32)
-    union_base = UNION + (entry * HI + index_head) * UNION_SLOTS
-    members_base = UNION_MEMBERS + (entry * HI + index_head) * UNION_SLOTS
-    for u in range(0, tl.load(UNION_COUNT + entry * HI + index_head)):
-        block = tl.load(union_base + u).to(tl.int64)
-        members = tl.load(members_base + u)
+    blocks, members_of, walk_length = _walk_list(UNION, UNION_MEMBERS, UNION_COUNT, entry,
+                                                 index_head, HI, UNION_SLOTS)
+    for u in range(0, walk_length):
+        block, members, needs_mask = _walk_block(blocks, members_of, u, first_position,
+                                                 all_members, BLOCK)
         key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
         k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
         ik = _load_rows(IK, key_token, key_valid, index_head // INDEX_GROUP, stride_ik_t,
@@ -241,7 +258,7 @@ def _kl_query_kernel(
         row_member, tok_member = _members(members, row_valid, tok_valid, TOK, TOKP, ROWS)
         scores_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
         probs_t = tl.exp2(scores_t - lse[None, :])  # [BLOCK, ROWS]
-        if (block * BLOCK + BLOCK > first_position) | (members != all_members):
+        if needs_mask:
             visible_t = (row_member[None, :] & key_valid[:, None]
                          & (key_pos[:, None] <= row_position[None, :]))
             probs_t = tl.where(visible_t, probs_t, 0.0)
@@ -293,18 +310,18 @@ def _sparse_attn_dq_kernel(
     lse = tl.load(LSE + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
     delta = tl.load(DELTA + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
     dq = tl.zeros((ROWS, HEAD_DIM), tl.float32)
-    union_base = UNION + (entry * HI + index_head) * UNION_SLOTS
-    members_base = UNION_MEMBERS + (entry * HI + index_head) * UNION_SLOTS
-    for u in range(0, tl.load(UNION_COUNT + entry * HI + index_head)):
-        block = tl.load(union_base + u).to(tl.int64)
-        members = tl.load(members_base + u)
+    blocks, members_of, walk_length = _walk_list(UNION, UNION_MEMBERS, UNION_COUNT, entry,
+                                                 index_head, HI, UNION_SLOTS)
+    for u in range(0, walk_length):
+        block, members, needs_mask = _walk_block(blocks, members_of, u, first_position,
+                                                 all_members, BLOCK)
         key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
         k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
         v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
         row_member, tok_member = _members(members, row_valid, tok_valid, TOK, TOKP, ROWS)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         probs = tl.exp2(scores - lse[:, None])
-        if (block * BLOCK + BLOCK > first_position) | (members != all_members):
+        if needs_mask:
             visible = (row_member[:, None] & key_valid[None, :]
                        & (key_pos[None, :] <= row_position[:, None]))
             probs = tl.where(visible, probs, 0.0)
