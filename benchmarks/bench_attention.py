@@ -24,18 +24,11 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from openmsa.ops.attention import (SparseAttentionProblem, attention_delta, attention_dkdv,
-                                   attention_dq, kl_key_side, kl_query_side,
-                                   sparse_attention_fwd)
-
-
-def sparse_attention_bwd(q, k, v, out, lse, dout, problem, dq_config=None, dkdv_config=None):
-    """The main attention's backward alone (no index branch): delta, dq, then dk and dv."""
-    delta = attention_delta(out, dout, problem)
-    attention_dq(q, k, v, dout, lse, delta, problem, **(dq_config or {}))
-    attention_dkdv(q, k, v, dout, lse, delta, problem, **(dkdv_config or {}))
 from openmsa.bench.flops import kept_triples
 from openmsa.bench.run import index_inputs
+from openmsa.ops.attention import (SparseAttentionProblem, attention_backward, attention_delta,
+                                   attention_dkdv, attention_dq, kl_key_side, kl_query_side,
+                                   sparse_attention_fwd)
 from openmsa.ops.schedule import batch_cu_seqlens
 from openmsa.ops.select import select_blocks_fwd
 
@@ -184,7 +177,7 @@ def main() -> None:
             problem = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale)
             fwd_ms = bench(lambda: sparse_attention_fwd(q, k, v, None, None, problem))
             out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
-            bwd_ms = bench(lambda: sparse_attention_bwd(q, k, v, out, lse, dout, problem))
+            bwd_ms = bench(lambda: attention_backward(q, k, v, out, dout, lse, problem))
             fwd_again = bench(lambda: sparse_attention_fwd(q, k, v, None, None, problem))
             flops = 4.0 * head_dim * triples
             row = dict(shape=name, seqlen=seqlen, selection=kind, union_of_8_tokens=union,
@@ -197,7 +190,7 @@ def main() -> None:
                        speedup_bwd=dense_bwd / bwd_ms,
                        peak_gib=torch.cuda.max_memory_allocated() / 2**30)
             row["bwd_kernels_ms"] = kernel_times(
-                lambda: sparse_attention_bwd(q, k, v, out, lse, dout, problem))
+                lambda: attention_backward(q, k, v, out, dout, lse, problem))
             counts = problem.block_work.bucket_count.float()
             row["pairs_per_key_block_max_over_mean"] = (counts.max() / counts.mean()).item()
             row["build_kernels_ms"] = kernel_times(

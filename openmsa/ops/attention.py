@@ -621,6 +621,10 @@ class SparseAttentionProblem:
         return (work.segments, work.segment_order, work.pair_token, work.bucket_start,
                 work.bucket_count, work.block_sequence, work.block_local, self.cu_seqlens)
 
+    def kl_mean(self, kl_rows):
+        """The KL from its per-(token, index head) terms: their mean over Nq * Hi."""
+        return kl_rows.sum() / (self.total * self.num_index_heads)
+
     def kl_gradient_factor(self, kl_grad):
         """d kl / d z = (s - t) * kl_grad / (Nq * Hi), times the index scale for the chain rule
         through z = index_scale * index_q . index_k."""
@@ -706,6 +710,14 @@ def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
     return dq
 
 
+def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem):
+    """dq, dk, dv of the main attention: delta, the query-outer dQ, the key-outer dK/dV."""
+    dout = dout.contiguous()
+    delta = attention_delta(out, dout, p)
+    dq = attention_dq(q, k, v, dout, lse, delta, p)
+    return (dq,) + attention_dkdv(q, k, v, dout, lse, delta, p)
+
+
 def _reduce_segments(part, out, scale, group, p: SparseAttentionProblem):
     """Sums the per-segment partials of every (key block, output head) into ``out``."""
     blocks = p.block_work
@@ -768,9 +780,4 @@ class SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        p = ctx.problem
-        dout = dout.contiguous()
-        delta = attention_delta(out, dout, p)
-        dq = attention_dq(q, k, v, dout, lse, delta, p)
-        dk, dv = attention_dkdv(q, k, v, dout, lse, delta, p)
-        return dq, dk, dv, None, None, None, None
+        return attention_backward(q, k, v, out, dout, lse, ctx.problem) + (None,) * 4

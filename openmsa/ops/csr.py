@@ -79,9 +79,9 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
     bucket = (token_block[:, None, None] + ids) * num_index_heads + heads[None, :, None]
     bucket = torch.where(ids >= 0, bucket, num_buckets).flatten()
     # Stable: pairs of a bucket stay in token order, so the work list is deterministic. int32
-    # keys when they fit: a radix sort does half the passes of int64.
-    sort_keys = bucket.to(torch.int32) if num_buckets < 2 ** 31 else bucket
-    order = torch.argsort(sort_keys, stable=True)
+    # keys (a radix sort does half the passes of int64): buckets number fewer than the pairs,
+    # which are fewer than 2^31 (checked above).
+    order = torch.argsort(bucket.to(torch.int32), stable=True)
     counts = torch.zeros(num_buckets + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, bucket, torch.ones_like(bucket))
     counts = counts[:num_buckets]

@@ -15,10 +15,11 @@ from typing import Optional
 
 import torch
 
-from .attention import (SparseAttentionProblem, attention_delta, attention_dkdv, attention_dq,
-                        kl_key_side, kl_query_side, sparse_attention_fwd, query_tile_shape)
+from .attention import (SparseAttentionProblem, attention_backward, kl_key_side,
+                        kl_query_side, query_tile_shape, sparse_attention_fwd)
 from .csr import QueryTileWork
 from .layout import all_causal_block_ids
+from .schedule import query_tile_entries
 from .select import select_blocks_fwd
 
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -56,7 +57,7 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
     if kl_value:
         rows, grad = kl_query_side(q, k, index_q, index_k, lse, lse_index, problem,
                                    with_value=True, with_grad=index_grad)
-        kl = rows.sum() / (total * problem.num_index_heads)
+        kl = problem.kl_mean(rows)
         d_index_q = grad if grad is not None else d_index_q
     else:
         kl = torch.zeros((), dtype=torch.float32, device=q.device)
@@ -77,7 +78,7 @@ def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softm
     else:
         slots = top_k
     tokens = query_tile_shape(num_heads // num_index_heads)[0]
-    entries = total // tokens + cu_seqlens.shape[0] - 1
+    entries = query_tile_entries(total, cu_seqlens.shape[0] - 1, tokens)
     f32 = dict(dtype=torch.float32, device=q.device)
     i32 = dict(dtype=torch.int32, device=q.device)
     grad_shape = (total, num_index_heads, index_dim) if kl_value and index_grad else (0,)
@@ -105,10 +106,7 @@ def msa_backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torc
                          tile_tokens=query_tile_shape(q.shape[1] // block_ids.shape[1])[0])
     problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
                                      index_k, index_scale, query_work=work)
-    dout = dout.contiguous()
-    delta = attention_delta(out, dout, problem)
-    dq = attention_dq(q, k, v, dout, lse, delta, problem)
-    dk, dv = attention_dkdv(q, k, v, dout, lse, delta, problem)
+    dq, dk, dv = attention_backward(q, k, v, out, dout, lse, problem)
     if not index_grads:
         empty = q.new_empty(0)
         return dq, dk, dv, empty, empty

@@ -10,6 +10,12 @@ def batch_cu_seqlens(batch: int, seqlen: int, device) -> torch.Tensor:
     return torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
 
 
+def query_tile_entries(total_tokens: int, num_sequences: int, tile_tokens: int) -> int:
+    """Entries of ``query_tile_schedule``'s list: an upper bound on the tile count known from
+    shapes alone (each sequence adds at most one partial tile)."""
+    return total_tokens // tile_tokens + num_sequences
+
+
 def query_tile_schedule(cu_seqlens: torch.Tensor, total_tokens: int, tile_tokens: int):
     """One entry per query tile of ``tile_tokens`` tokens of every sequence, most work first.
 
@@ -25,7 +31,7 @@ def query_tile_schedule(cu_seqlens: torch.Tensor, total_tokens: int, tile_tokens
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     tiles = (lengths + tile_tokens - 1) // tile_tokens
     tile_offsets = torch.cumsum(tiles, 0)  # [N] end offset of each sequence's tiles
-    num_entries = total_tokens // tile_tokens + num_sequences
+    num_entries = query_tile_entries(total_tokens, num_sequences, tile_tokens)
     entry = torch.arange(num_entries, device=cu_seqlens.device)
     sequence = torch.searchsorted(tile_offsets, entry, right=True)
     valid = sequence < num_sequences
