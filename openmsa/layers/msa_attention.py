@@ -72,6 +72,26 @@ class MSAAttention(nn.Module):
         self.q_norm, self.k_norm = norm(head_dim), norm(head_dim)
         self.index_q_norm, self.index_k_norm = norm(index_head_dim), norm(index_head_dim)
 
+    def projections(self, hidden_states: torch.Tensor, position_ids: torch.Tensor):
+        """The inputs of ``msa_attention``: ``(q, k, v, index_q, index_k)`` of
+        ``hidden_states`` at ``position_ids``, with QK-norm and RoPE applied; the index branch
+        reads a detached copy."""
+        lead = hidden_states.shape[:-1]
+        detached = hidden_states.detach()
+
+        def project(layer, x, heads, dim, norm):
+            return apply_rope(norm(layer(x).view(*lead, heads, dim)), position_ids,
+                              self.rope_theta)
+
+        q = project(self.q_proj, hidden_states, self.num_heads, self.head_dim, self.q_norm)
+        k = project(self.k_proj, hidden_states, self.num_kv_heads, self.head_dim, self.k_norm)
+        v = self.v_proj(hidden_states).view(*lead, self.num_kv_heads, self.head_dim)
+        index_q = project(self.index_q_proj, detached, self.num_index_heads,
+                          self.index_head_dim, self.index_q_norm)
+        index_k = project(self.index_k_proj, detached, self.num_index_kv_heads,
+                          self.index_head_dim, self.index_k_norm)
+        return q, k, v, index_q, index_k
+
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
                 return_indices: bool = False):
@@ -92,19 +112,7 @@ class MSAAttention(nn.Module):
             else:  # cu_seqlens describes the whole packing
                 position_ids = query_positions_from_offsets(cu_seqlens, ranks * tokens)
                 position_ids = position_ids[rank * tokens:(rank + 1) * tokens]
-        detached = hidden_states.detach()
-
-        def project(layer, x, heads, dim, norm):
-            return apply_rope(norm(layer(x).view(*lead, heads, dim)), position_ids,
-                              self.rope_theta)
-
-        q = project(self.q_proj, hidden_states, self.num_heads, self.head_dim, self.q_norm)
-        k = project(self.k_proj, hidden_states, self.num_kv_heads, self.head_dim, self.k_norm)
-        v = self.v_proj(hidden_states).view(*lead, self.num_kv_heads, self.head_dim)
-        index_q = project(self.index_q_proj, detached, self.num_index_heads,
-                          self.index_head_dim, self.index_q_norm)
-        index_k = project(self.index_k_proj, detached, self.num_index_kv_heads,
-                          self.index_head_dim, self.index_k_norm)
+        q, k, v, index_q, index_k = self.projections(hidden_states, position_ids)
         if self.context_parallel_group is not None:
             from ..integrations.context_parallel import context_parallel_msa_attention
 

@@ -2,9 +2,13 @@
 
 The MSA model trains with dense warmup first (its index branch learns from the KL while every
 block is visible), then sparse. Every ``eval_every`` steps both models are scored on a fixed
-held-out batch; the MSA model always with sparse attention, so its accuracy and its *block
-recall* (the share of (question, index head) pairs whose kept blocks include the block of the
-asked fact) show the index branch learning, during warmup too.
+held-out batch; the MSA model always with sparse attention, so its accuracy and two recalls
+show the index branch learning, during warmup too:
+
+- *block recall*: the share of (question, index head) pairs whose kept blocks include the block
+  of the asked fact (also per index head, and for "any index head of the layer");
+- *mass recall*: the share of the main attention's mass at the question (dense, averaged over
+  each index head's main heads: the KL's teacher) that the kept blocks hold.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class Preset:
     lr: float = 3e-3
     kl_weight: float = 1.0
     rope_theta: float = 10000.0
+    # KV heads of the 4 attention heads; each KV head has one index head.
+    num_kv_heads: int = 2
     # A curriculum: phases of (steps, tokens, batch) before training on seqlen tokens.
     curriculum: tuple[tuple[int, int, int], ...] = ()
 
@@ -55,9 +61,11 @@ PRESETS = {
     # facts and 2 layers. On the CPU, one layer with a RoPE base of 1e6 learned 256 tokens with
     # 8 facts in 75 steps (with base 1e4, 3x slower), answered 0.25 at 16k, and 0.69 after 150
     # more steps on 2048 tokens. So: 256, then 2048, then 16k tokens; the MSA model's warmup
-    # lasts 100 steps into the 16k phase.
+    # lasts 100 steps into the 16k phase. One KV head (so one index head for all 4 heads): with
+    # two, the head group that does not read the fact had no reason to keep its block (block
+    # recall 0.68-0.81 on the H200, against 1.00 with one; docs/TRAINING.md).
     "gpu": Preset(seqlen=16384, block_size=128, top_k=4, num_pairs=8, batch=8, steps=900,
-                  warmup_steps=600, eval_every=50, rope_theta=1e6,
+                  warmup_steps=600, eval_every=50, rope_theta=1e6, num_kv_heads=1,
                   curriculum=((300, 256, 32), (200, 2048, 16))),
 }
 
@@ -76,12 +84,35 @@ def _to(tokens, device):
     return tuple(t.to(device) for t in tokens)
 
 
+def question_mass_recall(layer, hidden_states, kept_blocks, block_size):
+    """The share of the main attention's mass that the question's kept blocks hold: the
+    question (last token) attends densely over the whole sequence; each index head's mass is
+    the mean over its main heads (the KL's teacher). Returns ``[B, Hi]``."""
+    batch, seqlen, _ = hidden_states.shape
+    positions = torch.arange(seqlen, device=hidden_states.device).expand(batch, seqlen)
+    q, k, *_ = layer.projections(hidden_states, positions)
+    k = k.float().repeat_interleave(layer.num_heads // layer.num_kv_heads, dim=2)
+    scores = torch.einsum("bhd,bshd->bhs", q[:, -1].float(), k) * layer.head_dim ** -0.5
+    teacher = scores.softmax(-1).view(batch, layer.num_index_heads, -1, seqlen).mean(2)
+    num_blocks = -(-seqlen // block_size)
+    block_mass = F.pad(teacher, (0, num_blocks * block_size - seqlen)).view(
+        batch, layer.num_index_heads, num_blocks, block_size).sum(-1)
+    question_blocks = kept_blocks[:, :, -1, :].long()  # [B, Hi, top_k], -1 unused
+    kept_mass = block_mass.gather(-1, question_blocks.clamp(min=0))
+    return torch.where(question_blocks >= 0, kept_mass, 0.0).sum(-1)
+
+
 @torch.no_grad()
 def evaluate(model, tokens, answers, fact_positions, block_size):
     """Accuracy, KL and (MSA) block recall on a fixed batch, with sparse attention."""
     is_msa = set_msa_warmup(model, False) > 0
+    layer_inputs = []  # each MSA layer's hidden states, for the mass recall
+    hooks = [module.register_forward_pre_hook(lambda _, args: layer_inputs.append(args[0]))
+             for module in model.modules() if getattr(module, "is_msa_layer", False)]
     with _autocast(tokens[0].device):
         logits, kl, indices = model(tokens, return_indices=True)
+    for hook in hooks:
+        hook.remove()
     accuracy = (logits.argmax(-1) == answers).float().mean().item()
     result = {"accuracy": accuracy, "kl": kl.item()}
     if is_msa:
@@ -93,6 +124,12 @@ def evaluate(model, tokens, answers, fact_positions, block_size):
         # read the fact has no reason to keep its block.
         result["block_recall_per_index_head"] = hits.float().mean(dim=(0, 1)).tolist()
         result["block_recall_any_index_head"] = hits.any(-1).float().mean().item()
+        layers = [module for module in model.modules() if getattr(module, "is_msa_layer", False)]
+        with _autocast(tokens[0].device):
+            mass = torch.stack([question_mass_recall(layer, hidden, kept, block_size)
+                                for layer, hidden, kept in zip(layers, layer_inputs, indices)])
+        result["mass_recall"] = mass.mean().item()
+        result["mass_recall_per_index_head"] = mass.mean(dim=(0, 1)).tolist()
     return result
 
 
@@ -103,7 +140,8 @@ def train_model(kind: str, preset: Preset, device, seed: int, progress) -> list[
     for steps, seqlen, batch in preset.curriculum:
         phases.append(((phases[-1][0] if phases else 0) + steps, _task(preset, seqlen), batch))
     model = RetrievalModel(task, kind, layers=preset.layers, top_k=preset.top_k,
-                           block_size=preset.block_size, rope_theta=preset.rope_theta).to(device)
+                           block_size=preset.block_size, rope_theta=preset.rope_theta,
+                           num_kv_heads=preset.num_kv_heads).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
     schedule = MSAWarmupSchedule(preset.warmup_steps if kind == "msa" else 0)
     data = torch.Generator().manual_seed(seed + 1)
@@ -146,7 +184,8 @@ def _progress_printer():
         if last:
             summary = f" loss {last['task_loss']:.3f} acc {last['eval_accuracy']:.2f}"
             if "eval_block_recall" in last:
-                summary += f" kl {last['train_kl']:.3f} recall {last['eval_block_recall']:.2f}"
+                summary += (f" kl {last['train_kl']:.3f} recall {last['eval_block_recall']:.2f}"
+                            f" mass {last['eval_mass_recall']:.2f}")
         if interactive:
             done = 30 * step // total
             print(f"\r{kind:>5} [{'#' * done}{'.' * (30 - done)}] {step}/{total}{summary}",
@@ -169,14 +208,18 @@ def plot(histories: dict, path: str, preset_name: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("task_loss", "task loss"), ("eval_accuracy", "held-out accuracy"),
-              ("train_kl", "KL (index vs main)"), ("eval_block_recall", "block recall")]
+    # (title, [(metric, label suffix), ...]) per panel
+    panels = [("task loss", [("task_loss", "")]),
+              ("held-out accuracy", [("eval_accuracy", "")]),
+              ("KL (index vs main)", [("train_kl", "")]),
+              ("recall", [("eval_block_recall", " fact block"), ("eval_mass_recall", " mass")])]
     figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
-    for axis, (key, title) in zip(axes, panels):
+    for axis, (title, metrics) in zip(axes, panels):
         for kind, history in histories.items():
-            points = [(r["step"], r[key]) for r in history if key in r]
-            if points and not (key == "train_kl" and kind == "dense"):
-                axis.plot(*zip(*points), marker="o", markersize=3, label=kind)
+            for key, suffix in metrics:
+                points = [(r["step"], r[key]) for r in history if key in r]
+                if points and not (key == "train_kl" and kind == "dense"):
+                    axis.plot(*zip(*points), marker="o", markersize=3, label=kind + suffix)
         warmup_end = [r["step"] for r in histories.get("msa", []) if r["phase"] == "warmup"]
         if warmup_end:
             axis.axvline(max(warmup_end), color="gray", linestyle=":", linewidth=1)
@@ -220,6 +263,7 @@ def run(preset_name: str, out_dir: str, device: str | None = None, seed: int = 0
     print(f"\nfinal (held-out, {preset.steps} steps): dense accuracy {dense['eval_accuracy']:.3f}"
           f" | MSA accuracy {msa['eval_accuracy']:.3f}, KL {msa['train_kl']:.4f}, block recall "
           f"{msa['eval_block_recall']:.3f} (any index head: "
-          f"{msa['eval_block_recall_any_index_head']:.3f}); chance accuracy {1 / 16:.3f}")
+          f"{msa['eval_block_recall_any_index_head']:.3f}), mass recall "
+          f"{msa['eval_mass_recall']:.3f}; chance accuracy {1 / 16:.3f}")
     print(f"wrote {out_dir}/metrics.json, metrics.csv, curves.png")
     return summary
