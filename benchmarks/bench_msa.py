@@ -6,8 +6,9 @@ Times ``msa_attention`` forward and forward+backward (autograd, upstream gradien
 kl) with the exact KL value and with ``kl_value=False``, and PyTorch SDPA (cuDNN on an H200)
 dense causal attention forward+backward on the same q, k, v in the same run. Index inputs are
 "coherent" (neighbouring tokens keep similar blocks, like a trained index branch) or "random"
-(see bench_attention.py). Up to --warmup-max-seqlen it also times a warmup step (the same
-kernels with every causal block kept) against dense.
+(see bench_attention.py). Up to --warmup-max-seqlen it also times a warmup step (dense main
+attention on cuDNN, the KL kernels with every causal block kept) against dense, and the same
+step with the main attention on the Triton kernels (``deterministic=True``).
 """
 
 from __future__ import annotations
@@ -86,12 +87,17 @@ def main() -> None:
                        step_no_kl_value_ms=bench(lambda: step(False)),
                        step_extra_memory_gib=extra_gib)
             if seqlen <= args.warmup_max_seqlen and kind == args.kinds.split(",")[0]:
-                def warmup_step():
-                    out, kl = msa_attention(*inputs, top_k=16, block_size=128, warmup=True)
+                def warmup_step(deterministic):
+                    out, kl = msa_attention(*inputs, top_k=16, block_size=128, warmup=True,
+                                            deterministic=deterministic)
                     torch.autograd.grad((out, kl), inputs, (dout, one))
 
-                row["warmup_step_ms"] = bench(warmup_step)
+                # Warmup's main attention runs on cuDNN, or on the Triton kernels with
+                # deterministic=True.
+                row["warmup_step_ms"] = bench(lambda: warmup_step(False))
                 row["warmup_vs_dense"] = row["warmup_step_ms"] / dense_ms
+                row["warmup_triton_step_ms"] = bench(lambda: warmup_step(True))
+                row["warmup_kernels_ms"] = kernel_times(lambda: warmup_step(False))
             row["step_kernels_ms"] = kernel_times(lambda: step(True))
             row["speedup"] = dense_ms / row["step_ms"]
             row["speedup_no_kl_value"] = dense_ms / row["step_no_kl_value_ms"]
@@ -114,6 +120,7 @@ def main() -> None:
               f"{r['speedup']:>6.2f} {r['speedup_no_kl_value']:>10.2f} "
               f"{r['step_extra_memory_gib']:>9.2f}"
               + (f"  warmup {r['warmup_step_ms']:.1f} ms = {r['warmup_vs_dense']:.2f}x dense"
+                 f" (Triton main: {r['warmup_triton_step_ms']:.1f} ms)"
                  if "warmup_step_ms" in r else ""))
 
 

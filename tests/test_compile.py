@@ -25,7 +25,7 @@ def packed_problem(dtype=torch.float32, seed=0):
 def test_forward_operator_passes_opcheck(kl_value):
     q, k, v, index_q, index_k, cu_seqlens = packed_problem()
     args = (q, k, v, index_q, index_k, cu_seqlens, None, 2, 64, 0.125, 0.125, 1, 0, False, 80,
-            kl_value, True)
+            kl_value, True, 0)
     torch.library.opcheck(msa_forward, args)
 
 
@@ -33,10 +33,10 @@ def test_backward_operator_passes_opcheck():
     q, k, v, index_q, index_k, cu_seqlens = packed_problem()
     with torch.no_grad():
         out, _, *saved = msa_forward(q, k, v, index_q, index_k, cu_seqlens, None, 2, 64, 0.125,
-                                     0.125, 1, 0, False, 80, True, True)
+                                     0.125, 1, 0, False, 80, True, True, 0)
     dout = torch.randn_like(out)
     args = (dout, torch.tensor(1.5), q.detach(), k.detach(), v.detach(), index_q.detach(),
-            index_k.detach(), out, *saved, cu_seqlens, 64, 0.125, 0.125, True)
+            index_k.detach(), out, *saved, cu_seqlens, 64, 0.125, 0.125, True, 0)
     torch.library.opcheck(msa_backward, args)
 
 
@@ -78,7 +78,7 @@ def test_forward_operator_passes_opcheck_in_every_mode(mode):
                                         cu_seqlens=cu_seqlens, backend="triton")
         block_ids = ids.permute(1, 0, 2).to(torch.int32).contiguous()  # token-major
     args = (q, k, v, index_q, index_k, cu_seqlens, block_ids, 2, 64, 0.125, 0.125, 1, 0,
-            mode == "warmup", 80, True, True)
+            mode == "warmup", 80, True, True, 0)
     torch.library.opcheck(msa_forward, args)
 
 

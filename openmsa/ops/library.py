@@ -18,6 +18,7 @@ import torch
 from .attention import (SparseAttentionProblem, attention_backward, kl_key_side,
                         kl_query_side, query_tile_shape, sparse_attention_fwd)
 from .csr import QueryTileWork
+from .dense import dense_attention_backward, dense_attention_forward, dense_log_sum_exp
 from .layout import all_causal_block_ids
 from .schedule import query_tile_entries
 from .select import select_blocks_fwd
@@ -31,7 +32,7 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
                 block_ids: Optional[torch.Tensor], top_k: int, block_size: int,
                 softmax_scale: float, index_scale: float, num_local_blocks: int,
                 num_sink_blocks: int, warmup: bool, max_seqlen: int, kl_value: bool,
-                index_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                index_grad: bool, dense_batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                            torch.Tensor, torch.Tensor, torch.Tensor,
                                            torch.Tensor, torch.Tensor, torch.Tensor,
                                            torch.Tensor]:
@@ -39,7 +40,8 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
     ``[T, H]``, the index log-sum-exp ``[T, Hi]``, the kept block ids, the unscaled KL gradient
     of index_q (``[T, Hi, Di]`` when ``kl_value and index_grad``, else empty) and the query-tile
     work lists. ``block_ids``: given kept blocks, or None to select (or, in warmup, keep every
-    causal block of sequences up to ``max_seqlen`` tokens)."""
+    causal block of sequences up to ``max_seqlen`` tokens). ``dense_batch`` > 0: warmup's main
+    attention runs on cuDNN over that many equal batch rows (``openmsa.ops.dense``)."""
     total = q.shape[0]
     if warmup:
         ids = all_causal_block_ids(cu_seqlens, total, index_q.shape[1], block_size, max_seqlen)
@@ -52,7 +54,11 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
                                 num_sink_blocks=num_sink_blocks)
     problem = SparseAttentionProblem(q, k, ids, cu_seqlens, block_size, softmax_scale, index_k,
                                      index_scale)
-    out, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem)
+    if dense_batch:
+        out, lse = dense_attention_forward(q, k, v, dense_batch, softmax_scale)
+        lse_index = dense_log_sum_exp(index_q, index_k, dense_batch, index_scale)
+    else:
+        out, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem)
     d_index_q = q.new_empty(0, dtype=torch.float32)
     if kl_value:
         rows, grad = kl_query_side(q, k, index_q, index_k, lse, lse_index, problem,
@@ -68,7 +74,8 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
 
 @msa_forward.register_fake
 def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softmax_scale,
-      index_scale, num_local_blocks, num_sink_blocks, warmup, max_seqlen, kl_value, index_grad):
+      index_scale, num_local_blocks, num_sink_blocks, warmup, max_seqlen, kl_value, index_grad,
+      dense_batch):
     total, num_heads, _ = q.shape
     num_index_heads, index_dim = index_q.shape[1], index_q.shape[2]
     if warmup:
@@ -98,7 +105,7 @@ def msa_backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torc
                  block_ids: torch.Tensor, d_index_q: torch.Tensor, schedule: torch.Tensor,
                  union: torch.Tensor, union_members: torch.Tensor, union_count: torch.Tensor,
                  cu_seqlens: torch.Tensor, block_size: int, softmax_scale: float,
-                 index_scale: float, index_grads: bool) -> Tensors:
+                 index_scale: float, index_grads: bool, dense_batch: int) -> Tensors:
     """dq, dk, dv and, with ``index_grads``, the KL gradients of index_q and index_k (empty
     tensors otherwise). ``dkl``: the fp32 0-dim gradient reaching kl. ``d_index_q``: the
     forward's unscaled KL gradient of index_q, or empty to compute it here."""
@@ -106,7 +113,11 @@ def msa_backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torc
                          tile_tokens=query_tile_shape(q.shape[1] // block_ids.shape[1])[0])
     problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
                                      index_k, index_scale, query_work=work)
-    dq, dk, dv = attention_backward(q, k, v, out, dout, lse, problem)
+    if dense_batch:
+        dq, dk, dv = dense_attention_backward(dout, q, k, v, out, lse, dense_batch,
+                                              softmax_scale)
+    else:
+        dq, dk, dv = attention_backward(q, k, v, out, dout, lse, problem)
     if not index_grads:
         empty = q.new_empty(0)
         return dq, dk, dv, empty, empty
@@ -122,7 +133,7 @@ def msa_backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torc
 @msa_backward.register_fake
 def _(dout, dkl, q, k, v, index_q, index_k, out, lse, lse_index, block_ids, d_index_q, schedule,
       union, union_members, union_count, cu_seqlens, block_size, softmax_scale, index_scale,
-      index_grads):
+      index_grads, dense_batch):
     if not index_grads:
         return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(0),
                 q.new_empty(0))
@@ -136,6 +147,7 @@ def _setup_context(ctx, inputs, output):
     out, _, *saved = output
     ctx.save_for_backward(q, k, v, index_q, index_k, out, cu_seqlens, *saved)
     ctx.options = (block_size, softmax_scale, index_scale)
+    ctx.dense_batch = inputs[-1]
 
 
 def _backward(ctx, dout, dkl, *_):
@@ -147,10 +159,10 @@ def _backward(ctx, dout, dkl, *_):
         dout = torch.zeros_like(out)
     dq, dk, dv, grad_index_q, grad_index_k = msa_backward(
         dout, dkl, q, k, v, index_q, index_k, out, *saved, cu_seqlens, *ctx.options,
-        index_grads)
+        index_grads, ctx.dense_batch)
     if not index_grads:
         grad_index_q = grad_index_k = None
-    return (dq, dk, dv, grad_index_q, grad_index_k) + (None,) * 12
+    return (dq, dk, dv, grad_index_q, grad_index_k) + (None,) * 13
 
 
 msa_forward.register_autograd(_backward, setup_context=_setup_context)

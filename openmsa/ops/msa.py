@@ -7,6 +7,7 @@ import os
 import torch
 
 from .attention import SparseAttentionFunction
+from .dense import use_cudnn_dense
 from .library import msa_forward
 from .layout import (ids_from_token_major, ids_to_token_major,
                      packed_offsets, packed_tokens)
@@ -98,10 +99,14 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
     tensors; ``"triton"`` forces the kernels (CPU tensors need ``TRITON_INTERPRET=1``, for
     tests); ``"reference"`` forces the eager reference. Selection, sparse attention and the KL
     (value and gradient) are Triton kernels, run through the custom operators of
-    ``openmsa.ops.library`` (so ``torch.compile`` traces them); warmup runs the same kernels
-    with every causal block kept. The kernels' gradients are deterministic whatever
-    ``deterministic`` says (every sum runs in a fixed order). On a GPU the kernels take head
-    dims 64 and 128; 256 needs ``backend="reference"``.
+    ``openmsa.ops.library`` (so ``torch.compile`` traces them); warmup runs the KL kernels
+    with every causal block kept, and its dense main attention on cuDNN (PyTorch's ATen
+    operator, which returns the log-sum-exps the KL needs) for 16-bit CUDA batch input without
+    ``deterministic=True``, else the same sparse kernels with every causal block kept. The
+    Triton kernels' gradients are deterministic whatever ``deterministic`` says (every sum runs
+    in a fixed order); only warmup's cuDNN path may not be, so ``deterministic=True`` keeps
+    warmup on the Triton kernels. On a GPU the kernels take head dims 64 and 128; 256 needs
+    ``backend="reference"``.
     """
     problem = validate_msa_args(
         q, k, v, index_q, index_k, top_k=top_k, block_size=block_size,
@@ -123,11 +128,13 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
     longest = problem.seqlen if not problem.packed else (max_seqlen or problem.seqlen)
     # The forward computes index_q's KL gradient along with the KL's value when it is needed.
     index_grad = torch.is_grad_enabled() and index_q.requires_grad
+    dense_batch = (problem.batch if warmup and use_cudnn_dense(q, problem.packed, deterministic)
+                   else 0)
     out, kl, _, _, token_major_ids, *_ = msa_forward(
         packed_tokens(q), packed_tokens(k), packed_tokens(v), packed_tokens(index_q),
         packed_tokens(index_k), cu, ids, top_k, block_size, problem.softmax_scale,
         problem.index_softmax_scale, num_local_blocks, num_sink_blocks, warmup, longest,
-        kl_value, index_grad)
+        kl_value, index_grad, dense_batch)
     if block_indices is None and not warmup:
         block_indices = ids_from_token_major(token_major_ids, problem.packed, problem.batch,
                                              problem.seqlen)

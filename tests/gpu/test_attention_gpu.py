@@ -9,7 +9,8 @@ import torch
 
 from openmsa import msa_attention
 from openmsa.cli import TOLERANCE
-from openmsa.testing import MSACase, compare_with_reference, random_inputs, run_with_grads
+from openmsa.testing import (MSACase, compare_with_reference, random_inputs, rel_rms_error,
+                             run_with_grads)
 
 CASES = [
     MSACase("paper_groups", batch=1, seqlen=4096, num_heads=16, num_kv_heads=2,
@@ -23,6 +24,13 @@ CASES = [
     MSACase("batch2_gqa3", batch=2, seqlen=1500, num_heads=12, num_kv_heads=2,
             num_index_heads=4, num_index_kv_heads=2, head_dim=128,
             options=dict(top_k=4, block_size=128)),
+    # Warmup: batch rows run the main attention on cuDNN, packed input on the Triton kernels.
+    MSACase("warmup_batch2", batch=2, seqlen=1500, num_heads=16, num_kv_heads=2,
+            num_index_heads=4, head_dim=128, index_head_dim=128,
+            options=dict(block_size=128, warmup=True)),
+    MSACase("warmup_packed", seqlens=(700, 1, 1300), num_heads=8, num_kv_heads=2,
+            num_index_heads=2, head_dim=128, index_head_dim=128,
+            options=dict(block_size=128, warmup=True)),
 ]
 
 
@@ -38,6 +46,18 @@ def test_bf16_kernels_within_twice_the_reference_error(case):
     print(case.name, {n: f"{e:.2e}/{comparison.baseline_errors[n]:.2e}"
                       for n, e in comparison.errors.items()})
     assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
+
+
+def test_warmup_on_cudnn_matches_warmup_on_the_triton_kernels():
+    """deterministic=True keeps warmup on the Triton kernels; both paths agree to bf16 noise."""
+    case = CASES[4]
+    inputs, _ = random_inputs(case, torch.bfloat16, "cuda", seed=5)
+    out_grad = torch.randn(*inputs[0].shape, device="cuda")
+    cudnn, _ = run_with_grads(msa_attention, inputs, None, out_grad, 1.0, **case.options)
+    kernels, _ = run_with_grads(msa_attention, inputs, None, out_grad, 1.0, deterministic=True,
+                                **case.options)
+    for name, value in cudnn.items():
+        assert rel_rms_error(value, kernels[name]) < 2e-2, name
 
 
 def test_bf16_gradients_are_bitwise_deterministic():

@@ -21,17 +21,19 @@ def packed(tensors):
     return [t.detach().reshape(-1, *t.shape[2:]).requires_grad_() for t in tensors]
 
 
-def test_custom_operators_pass_opcheck_on_cuda():
+@pytest.mark.parametrize("warmup_on_cudnn", [False, True])
+def test_custom_operators_pass_opcheck_on_cuda(warmup_on_cudnn):
     q, k, v, index_q, index_k = packed(inputs(seqlen=1024))
     cu_seqlens = batch_cu_seqlens(1, 1024, "cuda")
+    dense_batch = 1 if warmup_on_cudnn else 0
     args = (q, k, v, index_q, index_k, cu_seqlens, None, 8, 128, 128 ** -0.5, 128 ** -0.5, 1,
-            0, False, 1024, True, True)
+            0, warmup_on_cudnn, 1024, True, True, dense_batch)
     torch.library.opcheck(msa_forward, args)
     with torch.no_grad():
         out, _, *saved = msa_forward(*args)
     backward_args = (torch.randn_like(out), torch.tensor(2.0, device="cuda"), q.detach(),
                      k.detach(), v.detach(), index_q.detach(), index_k.detach(), out, *saved,
-                     cu_seqlens, 128, 128 ** -0.5, 128 ** -0.5, True)
+                     cu_seqlens, 128, 128 ** -0.5, 128 ** -0.5, True, dense_batch)
     torch.library.opcheck(msa_backward, backward_args)
 
 
