@@ -40,6 +40,17 @@ def test_backward_operator_passes_opcheck():
     torch.library.opcheck(msa_backward, args)
 
 
+def test_operators_pass_opcheck_with_a_query_range():
+    """Queries 37..119 of the 150 keys' packing (the range starts inside a block and crosses
+    into the second sequence): the fake's tile-list length includes the range's partial first
+    tile, and the backward runs through the registered autograd formula."""
+    q, k, v, index_q, index_k, cu_seqlens = packed_problem()
+    q, index_q = (t.detach()[37:120].requires_grad_() for t in (q, index_q))
+    args = (q, k, v, index_q, index_k, cu_seqlens, None, 2, 64, 0.125, 0.125, 1, 0, False, 80,
+            True, True, 37, 150)
+    torch.library.opcheck(msa_forward, args)
+
+
 class TinyModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
