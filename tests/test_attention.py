@@ -214,33 +214,39 @@ RANGE_CASE = MSACase("packed_query_ranges", seqlens=(70, 1, 150, 65), num_heads=
 # Together every query. 37 and 200 (position 129 of the third sequence) start inside a key block
 # and inside a query tile (64 tokens here); the last two ranges cross sequence boundaries.
 QUERY_RANGES = ((0, 37), (37, 200), (200, 286))
+ONE_SEQUENCE = MSACase("one_sequence_query_ranges", batch=1, seqlen=200, num_heads=4,
+                       num_kv_heads=2, num_index_heads=2, options=dict(top_k=2, block_size=64))
 
 
-@pytest.mark.parametrize("warmup", [False, True], ids=["sparse", "warmup"])
-def test_query_ranges_add_up_to_the_full_run(warmup, monkeypatch):
-    """Queries that are a range of the keys' packing (msa_attention's query_start, as context
+@pytest.mark.parametrize("case,ranges,warmup", [
+    (RANGE_CASE, QUERY_RANGES, False), (RANGE_CASE, QUERY_RANGES, True),
+    (ONE_SEQUENCE, ((0, 37), (37, 130), (130, 200)), False),
+], ids=["packed", "packed_warmup", "one_sequence"])
+def test_query_ranges_add_up_to_the_full_run(case, ranges, warmup, monkeypatch):
+    """Queries that are a range of the keys' tokens (msa_attention's query_start, as context
     parallelism runs them): selection, out and the query-side gradients are the full run's rows;
     the KLs over the global count and the key-side gradients add up to the full run's. New
     buffers are poisoned: the key-side gradients of blocks no query of a range kept must come
     out zero, not unwritten."""
-    inputs, cu_seqlens = random_inputs(RANGE_CASE, torch.float32, "cpu", seed=15)
+    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=15)
     out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(16))
-    options = dict(RANGE_CASE.options, warmup=warmup, return_indices=not warmup,
-                   backend="triton")
+    options = dict(case.options, warmup=warmup, return_indices=not warmup, backend="triton")
     full, full_ids = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 1.5,
                                     **options)
     _poison_new_buffers(monkeypatch)
-    parts = run_query_ranges(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 1.5,
-                             QUERY_RANGES, **options)
-    for (first, end), (part, ids) in zip(QUERY_RANGES, parts):
+    parts = run_query_ranges(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 1.5, ranges,
+                             **options)
+    for (first, end), (part, ids) in zip(ranges, parts):
+        rows = (..., slice(first, end), slice(None), slice(None))
         if not warmup:
-            assert same_block_sets(ids, full_ids[:, first:end]).all(), (first, end)
+            assert same_block_sets(ids, full_ids[rows[:-1]]).all(), (first, end)
         for name in ("out", "dq", "dindex_q"):
-            torch.testing.assert_close(part[name][first:end], full[name][first:end], rtol=1e-5,
+            torch.testing.assert_close(part[name][rows], full[name][rows], rtol=1e-5,
                                        atol=1e-6, msg=f"{name} of range {first}..{end}")
-    last = parts[-1][0]  # its queries start in the third sequence: the first two keep nothing
-    for name in ("dk", "dv", "dindex_k"):
-        assert torch.count_nonzero(last[name][:71]) == 0, name
+    if case is RANGE_CASE:  # the last range's queries start in the third sequence
+        last = parts[-1][0]
+        for name in ("dk", "dv", "dindex_k"):
+            assert torch.count_nonzero(last[name][:71]) == 0, name
     for name in QUANTITY_NAMES:
         total = sum(part[name] for part, _ in parts)
         assert rel_rms_error(total, full[name]) < 1e-5, name

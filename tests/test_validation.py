@@ -33,8 +33,8 @@ def make_call(B=1, S=8, H=4, Hkv=2, Hi=2, Hik=1, D=64, Di=64, dtype=F32, seqlens
               query_range=None, **kwargs):
     """A valid call: the five tensors plus keyword arguments (top_k=2, block_size=64).
 
-    ``seqlens`` given -> packed 3-D ``[T, heads, dim]`` input with matching ``cu_seqlens``;
-    ``query_range=(first, end)`` then cuts q and index_q to those packed tokens.
+    ``seqlens`` given -> packed 3-D ``[T, heads, dim]`` input with matching ``cu_seqlens``.
+    ``query_range=(first, end)`` cuts q and index_q to those tokens (``query_start=first``).
     """
     gen = torch.Generator().manual_seed(0)
     lead = (sum(seqlens),) if seqlens is not None else (B, S)
@@ -49,7 +49,8 @@ def make_call(B=1, S=8, H=4, Hkv=2, Hi=2, Hik=1, D=64, Di=64, dtype=F32, seqlens
         call["cu_seqlens"] = torch.tensor(offsets, dtype=torch.int32)
     if query_range is not None:
         first, end = query_range
-        call["q"], call["index_q"] = call["q"][first:end], call["index_q"][first:end]
+        for name in ("q", "index_q"):
+            call[name] = call[name][..., first:end, :, :]
         call["query_start"] = first
     call.update(kwargs)
     return call
@@ -406,10 +407,20 @@ BAD += [
 
 # Query ranges (q and index_q hold packed tokens [query_start, query_start + Tq)).
 RANGE = dict(seqlens=(5, 11), query_range=(3, 12))  # queries 3..11 of the 16 packed tokens
+RANGE_OF_ONE_SEQUENCE = dict(query_range=(2, 7))  # positions 2..6 of the 8 of a batch of one
 BAD += [
-    Bad("query_start_without_cu_seqlens", ValueError,
-        r"^query_start: expected None unless cu_seqlens is given .*received 0$",
-        edit=setitem(query_start=0)),
+    Bad("query_range_with_a_batch_of_two", ValueError,
+        r"^query_start: expected a batch of one with a query range \(or packed input\), "
+        r"received batches of 2 \(q\) and 2 \(k\)$",
+        base=dict(B=2), edit=setitem(query_start=0)),
+    Bad("query_range_k_batch_differs", ValueError,
+        r"^query_start: expected a batch of one .*received batches of 1 \(q\) and 2 \(k\)$",
+        base=RANGE_OF_ONE_SEQUENCE,
+        edit=chain(*(reshape(n, (2, 8, *_SHAPES[n])) for n in ("k", "v", "index_k")))),
+    Bad("query_range_of_one_sequence_past_the_keys", ValueError,
+        r"^query_start: expected at most 3 \(the 5 query tokens of q must lie within the 8 "
+        r"tokens of k\), received 4$", base=RANGE_OF_ONE_SEQUENCE,
+        edit=setitem(query_start=4)),
     Bad("query_start_negative", ValueError, r"^query_start: expected an int >= 0, received -1$",
         base=RANGE, edit=setitem(query_start=-1)),
     Bad("query_start_float", TypeError, r"^query_start: expected an int, received float$",

@@ -92,9 +92,11 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         query_start: a query range, for context parallelism: q and index_q ``[Tq, heads, dim]``
             hold only the packed tokens ``[query_start, query_start + Tq)`` of the packing that
             k, v, index_k ``[T, heads, dim]`` and ``cu_seqlens`` describe (the range may start
-            and end anywhere, inside sequences too). ``out``, the indices and the gradients of
-            q and index_q cover the range; those of k, v and index_k cover every token (zero
-            where no query of the range reads the key). Needs ``cu_seqlens``.
+            and end anywhere, inside sequences too); without ``cu_seqlens``, q ``[1, Sq, ...]``
+            holds positions ``[query_start, query_start + Sq)`` of the one sequence of k
+            ``[1, S, ...]``. ``out``, the indices and the gradients of q and index_q cover the
+            range; those of k, v and index_k cover every key (zero where no query of the range
+            reads it).
         kl_num_queries: the number of query tokens the KL is a mean over (default: those of
             q). With the global count, the KLs of disjoint query ranges add up to the KL of
             all queries, and so do their gradients.
@@ -129,7 +131,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
                                                block_indices)
         return _return(out, kl if kl_value else kl - kl.detach(), block_ids, return_indices)
     _check_gpu_head_dims(q.device, q=problem.head_dim, index_q=problem.index_head_dim)
-    cu = packed_offsets(cu_seqlens, problem.batch, problem.seqlen, q.device)
+    cu = packed_offsets(cu_seqlens, problem.batch, problem.num_keys, q.device)
     ids = None if block_indices is None else ids_to_token_major(block_indices, problem.packed)
     longest = max_seqlen or problem.num_keys
     # The forward computes index_q's KL gradient along with the KL's value when it is needed.

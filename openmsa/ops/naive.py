@@ -212,8 +212,8 @@ def naive_msa_forward(q, k, v, index_q, index_k, problem: MSAProblem, cu_seqlens
     Returns ``(out, kl, block_ids)``: ``out`` in q's dtype and shape, ``kl`` a float32 0-dim
     tensor, ``block_ids`` int32 ``[B, Hi, S, top_k]`` (packed: ``[Hi, T, top_k]``; None in warmup).
     Given ``block_indices`` are used instead of selecting; then ``block_ids`` is that tensor.
-    With a query range (``problem.query_start``), q and index_q hold the packed tokens from
-    ``query_start`` on, and k, v, index_k every token of the packing.
+    With a query range (``problem.query_start``), q and index_q hold the tokens from
+    ``query_start`` on, and k, v, index_k every token of the packing (or of the one sequence).
     ``compute_dtype`` defaults to float32 (float64 for float64 inputs); tests set the input's
     16-bit dtype to get the error of a reference that computes in that dtype.
     """
@@ -223,7 +223,7 @@ def naive_msa_forward(q, k, v, index_q, index_k, problem: MSAProblem, cu_seqlens
         block_indices = block_indices.long()
     if cu_seqlens is None:
         out, kl_sum, block_ids = _attend_sequences(q, k, v, index_q, index_k, block_indices,
-                                                   problem, compute_dtype)
+                                                   problem, compute_dtype, problem.query_start)
     else:
         query_q, key_k, key_v, query_iq, key_ik = (
             None if t is None else t.reshape(t.shape[-3:])  # [tokens, heads, dim]

@@ -40,7 +40,7 @@ class MSAProblem:
     num_local_blocks: int
     num_sink_blocks: int
     warmup: bool
-    query_start: int  # q and index_q hold the packed tokens from query_start on (0: all)
+    query_start: int  # q and index_q hold the tokens of k from query_start on (0: all)
     num_keys: int  # tokens of k per batch row (S, or T packed)
     kl_num_queries: int  # the KL's mean divides by this many query tokens
 
@@ -160,7 +160,8 @@ def validate_block_indices(block_indices, problem: MSAProblem, cu_seqlens,
 def query_positions(problem: MSAProblem, cu_seqlens, device) -> torch.Tensor:
     """Position of every query inside its own sequence: int64 [S] (packed: [T])."""
     if not problem.packed:
-        return torch.arange(problem.seqlen, device=device)
+        return torch.arange(problem.query_start, problem.query_start + problem.seqlen,
+                            device=device)
     positions = query_positions_from_offsets(cu_seqlens, problem.num_keys)
     return positions[problem.query_start:problem.query_start + problem.seqlen]
 
@@ -224,15 +225,12 @@ def _check_tensors(tensors: dict, backend: str, cu_seqlens, max_seqlen,
         validate_cu_seqlens(cu_seqlens, keys.shape[-3], first.device, max_seqlen)
 
 
-def _check_query_range(query_start, kl_num_queries, cu_seqlens) -> None:
+def _check_query_range(query_start, kl_num_queries) -> None:
     """The types and signs of the query-range options (their bounds need the shapes)."""
     if query_start is not None:
         _check_int("query_start", query_start)
         if query_start < 0:
             raise _fail("query_start", "an int >= 0", query_start)
-        if cu_seqlens is None:
-            raise _fail("query_start", "None unless cu_seqlens is given (a query range is a "
-                        "range of packed tokens)", query_start)
     if kl_num_queries is not None:
         _check_int("kl_num_queries", kl_num_queries)
 
@@ -294,13 +292,18 @@ def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_s
     for name, flag in (("warmup", warmup), ("deterministic", deterministic),
                        ("return_indices", return_indices)):
         _check_bool(name, flag)
-    _check_query_range(query_start, kl_num_queries, cu_seqlens)
+    _check_query_range(query_start, kl_num_queries)
     key_names = ("k", "v", "index_k") if query_start is not None else ()
     _check_tensors(tensors, backend, cu_seqlens, max_seqlen, key_names)
     num_queries, num_keys = q.shape[-3], k.shape[-3]
-    if query_start is not None and query_start + num_queries > num_keys:
-        raise _fail("query_start", f"at most {num_keys - num_queries} (the {num_queries} query "
-                    f"tokens of q must lie within the {num_keys} tokens of k)", query_start)
+    if query_start is not None:  # one packing (or sequence) of keys, a range of it as queries
+        if q.dim() == 4 and (q.shape[0], k.shape[0]) != (1, 1):
+            raise _fail("query_start", "a batch of one with a query range (or packed input)",
+                        f"batches of {q.shape[0]} (q) and {k.shape[0]} (k)")
+        if query_start + num_queries > num_keys:
+            raise _fail("query_start", f"at most {num_keys - num_queries} (the {num_queries} "
+                        f"query tokens of q must lie within the {num_keys} tokens of k)",
+                        query_start)
     batch = 1 if cu_seqlens is not None else q.shape[0]
     if kl_num_queries is not None and kl_num_queries < batch * num_queries:
         raise _fail("kl_num_queries", f"an int >= {batch * num_queries} (the query tokens of q)",
