@@ -68,6 +68,27 @@ def run_with_grads(fn, inputs, cu_seqlens, out_grad, kl_weight: float, **options
     return values, indices
 
 
+def run_query_ranges(fn, inputs, cu_seqlens, out_grad, kl_weight: float, ranges, **options):
+    """``run_with_grads`` once per query range ``(first, end)`` of packed (or batch-of-one)
+    ``inputs``: ``fn`` gets q and index_q cut to the range, every key, ``query_start=first`` and
+    the KL's count of all tokens (context parallelism's building block). Returns one
+    ``(values, indices)`` per range; ``values["out"]`` is zero outside the range, so that the
+    ranges' values and gradients add up to those of one run over every query."""
+    total = inputs[0].shape[-3]
+    results = []
+    for first, end in ranges:
+        def on_range(q, k, v, index_q, index_k, **opts):
+            out, *rest = fn(q[..., first:end, :, :], k, v, index_q[..., first:end, :, :],
+                            index_k, query_start=first, kl_num_queries=total, **opts)
+            padding = [out.new_zeros(*out.shape[:-3], n, *out.shape[-2:])
+                       for n in (first, total - end)]
+            return (torch.cat([padding[0], out, padding[1]], dim=-3), *rest)
+
+        results.append(run_with_grads(on_range, inputs, cu_seqlens, out_grad, kl_weight,
+                                      **options))
+    return results
+
+
 def rel_rms_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``||actual - expected|| / ||expected||`` in float64 (absolute error if expected is 0)."""
     actual, expected = actual.double(), expected.double()

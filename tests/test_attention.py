@@ -11,7 +11,7 @@ from openmsa.ops import attention as attention_module
 from openmsa.ops import msa as msa_module
 from openmsa.ops.layout import ids_to_token_major, packed_offsets, packed_tokens
 from openmsa.testing import (INPUT_NAMES, QUANTITY_NAMES, MSACase, random_inputs, rel_rms_error,
-                             run_with_grads)
+                             run_query_ranges, run_with_grads, same_block_sets)
 
 pytestmark = pytest.mark.skipif(not msa_module.INTERPRETING,
                                 reason="needs TRITON_INTERPRET=1 (the README's test command)")
@@ -129,19 +129,24 @@ def test_kl_gradient_scales_with_the_weight_on_kl():
     assert torch.count_nonzero(one["dq"]) == 0  # kl sends nothing to q, k, v
 
 
-def test_every_output_element_is_written(monkeypatch):
-    """All kernel buffers are poisoned with NaN (floats) or -7777 (ints) before the kernels."""
-    case = CASES[1]
-    clean, _, _ = _kernel_and_reference(case, torch.float32)
+def _poison_new_buffers(monkeypatch):
+    """Fills every tensor torch.empty / empty_like make from now on with NaN (floats) or -7777
+    (ints): an element a kernel should write but does not shows."""
     original_empty, original_empty_like = torch.empty, torch.empty_like
 
     def poison(tensor):
         return tensor.fill_(float("nan") if tensor.is_floating_point() else -7777)
 
-    monkeypatch.setattr(attention_module.torch, "empty",
-                        lambda *a, **kw: poison(original_empty(*a, **kw)))
-    monkeypatch.setattr(attention_module.torch, "empty_like",
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(original_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like",
                         lambda *a, **kw: poison(original_empty_like(*a, **kw)))
+
+
+def test_every_output_element_is_written(monkeypatch):
+    """All kernel buffers are poisoned before the kernels."""
+    case = CASES[1]
+    clean, _, _ = _kernel_and_reference(case, torch.float32)
+    _poison_new_buffers(monkeypatch)
     poisoned, _, _ = _kernel_and_reference(case, torch.float32)
     monkeypatch.undo()
     for name in QUANTITY_NAMES:
@@ -202,3 +207,46 @@ def test_warmup_kernels_match_reference(case):
                                  **case.options)
     for name in QUANTITY_NAMES:
         assert rel_rms_error(got[name], expected[name]) < 1e-5, name
+
+
+RANGE_CASE = MSACase("packed_query_ranges", seqlens=(70, 1, 150, 65), num_heads=4,
+                     num_kv_heads=2, num_index_heads=2, options=dict(top_k=2, block_size=64))
+# Together every query. 37 and 200 (position 129 of the third sequence) start inside a key block
+# and inside a query tile (64 tokens here); the last two ranges cross sequence boundaries.
+QUERY_RANGES = ((0, 37), (37, 200), (200, 286))
+ONE_SEQUENCE = MSACase("one_sequence_query_ranges", batch=1, seqlen=200, num_heads=4,
+                       num_kv_heads=2, num_index_heads=2, options=dict(top_k=2, block_size=64))
+
+
+@pytest.mark.parametrize("case,ranges,warmup", [
+    (RANGE_CASE, QUERY_RANGES, False), (RANGE_CASE, QUERY_RANGES, True),
+    (ONE_SEQUENCE, ((0, 37), (37, 130), (130, 200)), False),
+], ids=["packed", "packed_warmup", "one_sequence"])
+def test_query_ranges_add_up_to_the_full_run(case, ranges, warmup, monkeypatch):
+    """Queries that are a range of the keys' tokens (msa_attention's query_start, as context
+    parallelism runs them): selection, out and the query-side gradients are the full run's rows;
+    the KLs over the global count and the key-side gradients add up to the full run's. New
+    buffers are poisoned: the key-side gradients of blocks no query of a range kept must come
+    out zero, not unwritten."""
+    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=15)
+    out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(16))
+    options = dict(case.options, warmup=warmup, return_indices=not warmup, backend="triton")
+    full, full_ids = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 1.5,
+                                    **options)
+    _poison_new_buffers(monkeypatch)
+    parts = run_query_ranges(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 1.5, ranges,
+                             **options)
+    for (first, end), (part, ids) in zip(ranges, parts):
+        rows = (..., slice(first, end), slice(None), slice(None))
+        if not warmup:
+            assert same_block_sets(ids, full_ids[rows[:-1]]).all(), (first, end)
+        for name in ("out", "dq", "dindex_q"):
+            torch.testing.assert_close(part[name][rows], full[name][rows], rtol=1e-5,
+                                       atol=1e-6, msg=f"{name} of range {first}..{end}")
+    if case is RANGE_CASE:  # the last range's queries start in the third sequence
+        last = parts[-1][0]
+        for name in ("dk", "dv", "dindex_k"):
+            assert torch.count_nonzero(last[name][:71]) == 0, name
+    for name in QUANTITY_NAMES:
+        total = sum(part[name] for part, _ in parts)
+        assert rel_rms_error(total, full[name]) < 1e-5, name

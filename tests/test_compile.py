@@ -25,7 +25,7 @@ def packed_problem(dtype=torch.float32, seed=0):
 def test_forward_operator_passes_opcheck(kl_value):
     q, k, v, index_q, index_k, cu_seqlens = packed_problem()
     args = (q, k, v, index_q, index_k, cu_seqlens, None, 2, 64, 0.125, 0.125, 1, 0, False, 80,
-            kl_value, True, 0)
+            kl_value, True)
     torch.library.opcheck(msa_forward, args)
 
 
@@ -33,11 +33,22 @@ def test_backward_operator_passes_opcheck():
     q, k, v, index_q, index_k, cu_seqlens = packed_problem()
     with torch.no_grad():
         out, _, *saved = msa_forward(q, k, v, index_q, index_k, cu_seqlens, None, 2, 64, 0.125,
-                                     0.125, 1, 0, False, 80, True, True, 0)
+                                     0.125, 1, 0, False, 80, True, True)
     dout = torch.randn_like(out)
     args = (dout, torch.tensor(1.5), q.detach(), k.detach(), v.detach(), index_q.detach(),
-            index_k.detach(), out, *saved, cu_seqlens, 64, 0.125, 0.125, True, 0)
+            index_k.detach(), out, *saved, cu_seqlens, 64, 0.125, 0.125, True)
     torch.library.opcheck(msa_backward, args)
+
+
+def test_operators_pass_opcheck_with_a_query_range():
+    """Queries 37..119 of the 150 keys' packing (the range starts inside a block and crosses
+    into the second sequence): the fake's tile-list length includes the range's partial first
+    tile, and the backward runs through the registered autograd formula."""
+    q, k, v, index_q, index_k, cu_seqlens = packed_problem()
+    q, index_q = (t.detach()[37:120].requires_grad_() for t in (q, index_q))
+    args = (q, k, v, index_q, index_k, cu_seqlens, None, 2, 64, 0.125, 0.125, 1, 0, False, 80,
+            True, True, 37, 150)
+    torch.library.opcheck(msa_forward, args)
 
 
 class TinyModel(torch.nn.Module):
@@ -78,7 +89,7 @@ def test_forward_operator_passes_opcheck_in_every_mode(mode):
                                         cu_seqlens=cu_seqlens, backend="triton")
         block_ids = ids.permute(1, 0, 2).to(torch.int32).contiguous()  # token-major
     args = (q, k, v, index_q, index_k, cu_seqlens, block_ids, 2, 64, 0.125, 0.125, 1, 0,
-            mode == "warmup", 80, True, True, 0)
+            mode == "warmup", 80, True, True)
     torch.library.opcheck(msa_forward, args)
 
 

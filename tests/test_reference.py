@@ -5,7 +5,8 @@ import torch
 
 import openmsa
 from openmsa.ops import naive
-from openmsa.testing import INPUT_NAMES, QUANTITY_NAMES, MSACase, random_inputs, run_with_grads
+from openmsa.testing import (INPUT_NAMES, QUANTITY_NAMES, MSACase, random_inputs,
+                             run_query_ranges, run_with_grads)
 from loop_reference import loop_msa
 
 
@@ -127,6 +128,49 @@ def test_packed_equals_each_sequence_alone(warmup):
         if not warmup:
             assert torch.equal(packed_ids[:, start:end], alone_ids[0])
     torch.testing.assert_close(packed["kl"].double(), kl_weighted, rtol=1e-6, atol=0)
+
+
+# Query ranges that start inside key blocks; the packed ones cross sequence boundaries.
+RANGE_CASES = [
+    (PACKED_CASE, ((0, 37), (37, 200), (200, 395))),
+    (MSACase("one_sequence", batch=1, seqlen=200, num_heads=4, num_kv_heads=2,
+             num_index_heads=2, options=dict(top_k=2, block_size=64)),
+     ((0, 37), (37, 130), (130, 200))),
+]
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+@pytest.mark.parametrize("case,ranges", RANGE_CASES, ids=lambda x: getattr(x, "name", ""))
+def test_query_ranges_add_up_to_the_full_run(case, ranges, warmup):
+    """Queries that are ranges of the keys' tokens (query_start): ids, out and query-side
+    gradients are the full run's rows; KLs over the global count and key-side gradients add up
+    to the full run's."""
+    inputs, cu_seqlens = random_inputs(case, torch.float64, "cpu", seed=8)
+    out_grad = _grad_seed(inputs, case.num_heads, case.head_dim)
+    options = dict(case.options, warmup=warmup, return_indices=not warmup)
+    full, full_ids = run_with_grads(openmsa.naive_msa_attention, inputs, cu_seqlens, out_grad,
+                                    2.0, **options)
+    parts = run_query_ranges(openmsa.naive_msa_attention, inputs, cu_seqlens, out_grad, 2.0,
+                             ranges, **options)
+    for (first, end), (part, ids) in zip(ranges, parts):
+        rows = (..., slice(first, end), slice(None), slice(None))
+        if not warmup:
+            assert torch.equal(ids, full_ids[rows[:-1]])
+        for name in ("out", "dq", "dindex_q"):
+            torch.testing.assert_close(part[name][rows], full[name][rows], rtol=1e-6,
+                                       atol=1e-12, msg=name)
+    for name in QUANTITY_NAMES:
+        # kl is float32 (SPEC): the KLs and index gradients agree to its rounding.
+        torch.testing.assert_close(sum(part[name] for part, _ in parts), full[name],
+                                   rtol=1e-6, atol=1e-12, msg=name)
+    if not warmup:  # a range's ids, given back, reproduce its run
+        (first, end), (part, ids) = ranges[1], parts[1]
+        rows = (..., slice(first, end), slice(None), slice(None))
+        q, k, v, index_q, index_k = (t.detach() for t in inputs)
+        out, _ = openmsa.naive_msa_attention(
+            q[rows], k, v, index_q[rows], index_k, cu_seqlens=cu_seqlens, query_start=first,
+            block_indices=ids, **case.options)
+        torch.testing.assert_close(out, part["out"][rows], rtol=1e-12, atol=1e-12)
 
 
 def test_perturbing_one_packed_sequence_leaves_the_others_unchanged():

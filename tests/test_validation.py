@@ -30,10 +30,11 @@ INPUTS = ("q", "k", "v", "index_q", "index_k")
 # --------------------------------------------------------------------------------------------
 
 def make_call(B=1, S=8, H=4, Hkv=2, Hi=2, Hik=1, D=64, Di=64, dtype=F32, seqlens=None,
-              **kwargs):
+              query_range=None, **kwargs):
     """A valid call: the five tensors plus keyword arguments (top_k=2, block_size=64).
 
     ``seqlens`` given -> packed 3-D ``[T, heads, dim]`` input with matching ``cu_seqlens``.
+    ``query_range=(first, end)`` cuts q and index_q to those tokens (``query_start=first``).
     """
     gen = torch.Generator().manual_seed(0)
     lead = (sum(seqlens),) if seqlens is not None else (B, S)
@@ -46,6 +47,11 @@ def make_call(B=1, S=8, H=4, Hkv=2, Hi=2, Hik=1, D=64, Di=64, dtype=F32, seqlens
         for n in seqlens:
             offsets.append(offsets[-1] + n)
         call["cu_seqlens"] = torch.tensor(offsets, dtype=torch.int32)
+    if query_range is not None:
+        first, end = query_range
+        for name in ("q", "index_q"):
+            call[name] = call[name][..., first:end, :, :]
+        call["query_start"] = first
     call.update(kwargs)
     return call
 
@@ -399,6 +405,48 @@ BAD += [
         edit=setitem(block_indices=block_ids(shape=(1, 2, 16, 2)))),
 ]
 
+# Query ranges (q and index_q hold packed tokens [query_start, query_start + Tq)).
+RANGE = dict(seqlens=(5, 11), query_range=(3, 12))  # queries 3..11 of the 16 packed tokens
+RANGE_OF_ONE_SEQUENCE = dict(query_range=(2, 7))  # positions 2..6 of the 8 of a batch of one
+BAD += [
+    Bad("query_range_with_a_batch_of_two", ValueError,
+        r"^query_start: expected a batch of one with a query range \(or packed input\), "
+        r"received batches of 2 \(q\) and 2 \(k\)$",
+        base=dict(B=2), edit=setitem(query_start=0)),
+    Bad("query_range_k_batch_differs", ValueError,
+        r"^query_start: expected a batch of one .*received batches of 1 \(q\) and 2 \(k\)$",
+        base=RANGE_OF_ONE_SEQUENCE,
+        edit=chain(*(reshape(n, (2, 8, *_SHAPES[n])) for n in ("k", "v", "index_k")))),
+    Bad("query_range_of_one_sequence_past_the_keys", ValueError,
+        r"^query_start: expected at most 3 \(the 5 query tokens of q must lie within the 8 "
+        r"tokens of k\), received 4$", base=RANGE_OF_ONE_SEQUENCE,
+        edit=setitem(query_start=4)),
+    Bad("query_start_negative", ValueError, r"^query_start: expected an int >= 0, received -1$",
+        base=RANGE, edit=setitem(query_start=-1)),
+    Bad("query_start_float", TypeError, r"^query_start: expected an int, received float$",
+        base=RANGE, edit=setitem(query_start=3.0)),
+    Bad("query_range_past_the_keys", ValueError,
+        r"^query_start: expected at most 7 \(the 9 query tokens of q must lie within the 16 "
+        r"tokens of k\), received 8$", base=RANGE, edit=setitem(query_start=8)),
+    Bad("query_range_index_q_length_differs", ValueError,
+        r"^index_q: expected leading dimensions \(9,\) \(those of q\), received \(16,\)$",
+        base=RANGE, edit=reshape("index_q", (16, 2, 64))),
+    Bad("query_range_v_length_differs", ValueError,
+        r"^v: expected leading dimensions \(16,\) \(those of k\), received \(15,\)$",
+        base=RANGE, edit=reshape("v", (15, 2, 64))),
+    Bad("query_range_cu_seqlens_counts_the_queries", ValueError,
+        r"^cu_seqlens: expected last entry equal to the packed token count T=16, received 9$",
+        base=RANGE, edit=setitem(cu_seqlens=cu(0, 4, 9))),
+    Bad("kl_num_queries_below_the_queries", ValueError,
+        r"^kl_num_queries: expected an int >= 9 \(the query tokens of q\), received 8$",
+        base=RANGE, edit=setitem(kl_num_queries=8)),
+    Bad("kl_num_queries_float", TypeError, r"^kl_num_queries: expected an int, received float$",
+        base=RANGE, edit=setitem(kl_num_queries=16.0)),
+    Bad("query_range_block_indices_without_own_block", ValueError,
+        r"^block_indices: expected the query's own block in every row", base=RANGE,
+        edit=setitem(block_indices=lambda: torch.full((2, 9, 1), -1, dtype=torch.int32))),
+]
+
 # Zero tokens.
 BAD += [
     Bad("zero_tokens", ValueError,
@@ -523,6 +571,8 @@ INPLACE_CASES = {
     "given_block_indices": dict(base=dict(B=1, S=70), options=dict(top_k=1, return_indices=True),
                                 block_indices=True),
     "warmup": dict(base=dict(B=1, S=70), options=dict(warmup=True)),
+    "query_range": dict(base=dict(seqlens=(30, 40), query_range=(20, 50)),
+                        options=dict(top_k=1, return_indices=True, kl_num_queries=70)),
 }
 
 

@@ -24,19 +24,27 @@ def random_block_ids(seqlens, num_index_heads, top_k, block_size, seed):
     return torch.tensor(rows, dtype=torch.int32), cu_seqlens
 
 
-@pytest.mark.parametrize("tile_tokens", [1, 4, 8, 64])
-def test_query_tile_unions_and_members(tile_tokens):
-    seqlens = (70, 1, 200, 129)
-    ids, cu = random_block_ids(seqlens, 3, 4, 16, seed=tile_tokens)
-    work = build_query_tile_work(ids, cu, tile_tokens)
+SEQLENS = (70, 1, 200, 129)  # 400 tokens
+# (first, end) query ranges of the packing: all of it, and ranges starting inside a sequence.
+RANGES = [(0, 400), (37, 300), (100, 250)]
+
+
+@pytest.mark.parametrize("tile_tokens,query_range", [
+    (1, RANGES[0]), (4, RANGES[0]), (8, RANGES[0]), (64, RANGES[0]), (8, RANGES[1]),
+    (64, RANGES[2])])
+def test_query_tile_unions_and_members(tile_tokens, query_range):
+    first, end = query_range
+    ids, cu = random_block_ids(SEQLENS, 3, 4, 16, seed=tile_tokens)
+    work = build_query_tile_work(ids[first:end], cu, tile_tokens, query_start=first)
     seen_tiles = set()
     for entry, (sequence, tile) in enumerate(work.schedule.tolist()):
         if sequence < 0:
             assert (work.union_count[entry] == 0).all()
             continue
         seen_tiles.add((sequence, tile))
-        start, end = cu[sequence].item(), cu[sequence + 1].item()
-        tokens = range(start + tile * tile_tokens, min(start + (tile + 1) * tile_tokens, end))
+        start, stop = cu[sequence].item(), cu[sequence + 1].item()
+        tile_start = start + tile * tile_tokens  # packed token of the tile's first position
+        tokens = range(max(tile_start, first), min(tile_start + tile_tokens, stop, end))
         for head in range(3):
             kept = {t: set(ids[t, head].tolist()) - {-1} for t in tokens}
             expected = sorted(set().union(*kept.values()))
@@ -45,10 +53,15 @@ def test_query_tile_unions_and_members(tile_tokens):
             assert (work.union[entry, head, count:] == -1).all()
             for slot, block in enumerate(expected):
                 members = work.union_members[entry, head, slot].item() % (1 << 64)  # as uint64
-                bits = {t - tokens[0] for t in tokens if block in kept[t]}
+                bits = {t - tile_start for t in tokens if block in kept[t]}
                 assert members == sum(1 << bit for bit in bits)
-    assert seen_tiles == {(s, t) for s, n in enumerate(seqlens)
-                          for t in range((n + tile_tokens - 1) // tile_tokens)}
+    expected_tiles = set()
+    for sequence, (start, stop) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        queries = range(max(start, first) - start, min(stop, end) - start)  # positions
+        if queries:
+            expected_tiles |= {(sequence, t) for t in range(queries[0] // tile_tokens,
+                                                            queries[-1] // tile_tokens + 1)}
+    assert seen_tiles == expected_tiles
 
 
 def test_tiles_beyond_the_members_mask_are_refused():
@@ -57,28 +70,35 @@ def test_tiles_beyond_the_members_mask_are_refused():
         build_query_tile_work(ids, cu, 128)
 
 
-@pytest.mark.parametrize("segment_pairs", [3, 2048])
-def test_key_block_lists_hold_every_pair_in_token_order(segment_pairs):
-    seqlens = (70, 1, 200, 129)
+@pytest.mark.parametrize("segment_pairs,query_range", [
+    (3, RANGES[0]), (2048, RANGES[0]), (3, RANGES[1])])
+def test_key_block_lists_hold_every_pair_in_token_order(segment_pairs, query_range):
+    first, end = query_range
     num_index_heads, block_size = 2, 16
-    ids, cu = random_block_ids(seqlens, num_index_heads, 4, block_size, seed=1)
-    work = build_block_work(ids, cu, block_size, segment_pairs)
+    ids, cu = random_block_ids(SEQLENS, num_index_heads, 4, block_size, seed=1)
+    work = build_block_work(ids[first:end], cu, block_size, segment_pairs, query_start=first,
+                            num_keys=400)
     covered = {}
-    for bucket, first in work.segments.tolist():
+    for bucket, first_pair in work.segments.tolist():
         if bucket < 0:
             continue
-        end = work.bucket_start[bucket].item() + work.bucket_count[bucket].item()
+        bucket_end = work.bucket_start[bucket].item() + work.bucket_count[bucket].item()
         covered.setdefault(bucket, []).extend(
-            work.pair_token[first:min(first + segment_pairs, end)].tolist())
+            work.pair_token[first_pair:min(first_pair + segment_pairs, bucket_end)].tolist())
+    blocks = set()
     for global_block in range(work.num_global_blocks):
         sequence = work.block_sequence[global_block].item()
         if sequence < 0:
             continue
-        start, end = cu[sequence].item(), cu[sequence + 1].item()
+        start, stop = cu[sequence].item(), cu[sequence + 1].item()
         block = work.block_local[global_block].item()
+        blocks.add((sequence, block))
         for head in range(num_index_heads):
-            expected = [t for t in range(start, end) if block in ids[t, head].tolist()]
+            # Pairs name query rows: packed token - first.
+            expected = [t - first for t in range(max(start, first), min(stop, end))
+                        if block in ids[t, head].tolist()]
             assert covered.get(global_block * num_index_heads + head, []) == expected
+    assert blocks == {(s, b) for s, n in enumerate(SEQLENS) for b in range(-(-n // block_size))}
     # Programs run most pairs first.
     sizes = [min(segment_pairs, work.bucket_start[b].item() + work.bucket_count[b].item() - f)
              if b >= 0 else 0 for b, f in work.segments[work.segment_order.long()].tolist()]

@@ -42,32 +42,40 @@ LOG2_E = math.log2(math.e)
 
 
 @triton.jit
-def _query_tile(SCHEDULE, CU_SEQLENS, entry, index_head, GQ: tl.constexpr, TOK: tl.constexpr,
-                TOKP: tl.constexpr, ROWS: tl.constexpr):
-    """A (real) query tile: TOK consecutive tokens of one sequence; its MMA rows are the GQ heads
-    of ``index_head`` x the tokens, head-major (row = g * TOK + t; rows of heads >= GQ are
-    padding).
+def _query_tile(SCHEDULE, CU_SEQLENS, entry, index_head, query_start, query_end, GQ: tl.constexpr,
+                TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr):
+    """A (real) query tile: TOK consecutive positions of one sequence on its grid of TOK
+    positions; its MMA rows are the GQ heads of ``index_head`` x the tokens, head-major
+    (row = g * TOK + t; rows of heads >= GQ are padding). Only the packed tokens
+    [query_start, query_end) are queries (a context-parallel rank's range); the tile's other
+    tokens are padding, and a query's row in Q, out and the other query-side tensors is its
+    packed token - query_start.
     Returns the sequence's start and length, the tile's first position, the members mask of a
-    block every token of the tile kept, per-row (valid, packed token, position, head) and
-    per-token rows padded to TOKP (valid, packed token, position)."""
+    block every query of the tile kept, per-row (valid, query row, position, head) and
+    per-token rows padded to TOKP (valid, query row, position)."""
     sequence = tl.load(SCHEDULE + 2 * entry).to(tl.int64)
     tile = tl.load(SCHEDULE + 2 * entry + 1).to(tl.int64)
     seq_start = tl.load(CU_SEQLENS + sequence).to(tl.int64)
     seq_len = tl.load(CU_SEQLENS + sequence + 1).to(tl.int64) - seq_start
     first_position = tile * TOK
-    tile_tokens = tl.minimum(seq_len - first_position, TOK)
-    all_members = tl.where(tile_tokens >= 64, -1, (tl.full((), 1, tl.int64) << tile_tokens) - 1)
+    # The tile's queries are its tokens [first_query, end_query).
+    first_query = tl.maximum(query_start - seq_start - first_position, 0)
+    end_query = tl.minimum(tl.minimum(query_end - seq_start, seq_len) - first_position, TOK)
+    one = tl.full((), 1, tl.int64)
+    all_members = (tl.where(end_query >= 64, -1, (one << end_query) - 1)
+                   - ((one << first_query) - 1))
+    query_base = seq_start - query_start  # the query row of the sequence's position 0
     # Tokens padded to TOKP (>= 16) rows, the M of the index-branch MMAs; rows TOK.. are empty.
     padded = tl.arange(0, TOKP)
     tok_position = first_position + padded
-    tok_valid = (padded < TOK) & (tok_position < seq_len)
+    tok_valid = (padded >= first_query) & (padded < end_query)
     rows = tl.arange(0, ROWS)
     row_position = first_position + rows % TOK
-    row_valid = (rows // TOK < GQ) & (row_position < seq_len)
+    row_valid = (rows // TOK < GQ) & (rows % TOK >= first_query) & (rows % TOK < end_query)
     row_head = index_head * GQ + rows // TOK
     return (seq_start, seq_len, first_position, all_members, row_valid,
-            seq_start + row_position, row_position, row_head, tok_valid, seq_start + tok_position,
-            tok_position)
+            query_base + row_position, row_position, row_head, tok_valid,
+            query_base + tok_position, tok_position)
 
 
 @triton.jit
@@ -135,6 +143,7 @@ def _block_keys(seq_start, seq_len, block, BLOCK: tl.constexpr):
 @triton.jit
 def _sparse_attn_fwd_kernel(
     Q, K, V, IQ, IK, OUT, LSE, LSE_INDEX, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT, CU_SEQLENS,
+    query_start, query_end,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_o_t, stride_o_h, stride_iq_t, stride_iq_h, stride_ik_t, stride_ik_h,
     scale_log2, index_scale,
@@ -153,7 +162,7 @@ def _sparse_attn_fwd_kernel(
         return
     (seq_start, seq_len, first_position, all_members, row_valid, row_token, row_position,
      row_head, tok_valid, tok_token, tok_position) = _query_tile(
-        SCHEDULE, CU_SEQLENS, entry, index_head, GQ, TOK, TOKP, ROWS)
+        SCHEDULE, CU_SEQLENS, entry, index_head, query_start, query_end, GQ, TOK, TOKP, ROWS)
     kv_head = index_head // KV_GROUP
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
@@ -214,6 +223,7 @@ def _sparse_attn_fwd_kernel(
 @triton.jit
 def _kl_query_kernel(
     Q, K, IQ, IK, LSE, LSE_INDEX, KL_ROWS, DIQ, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT, CU_SEQLENS,
+    query_start, query_end,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_iq_t, stride_iq_h,
     stride_ik_t, stride_ik_h, scale_log2, index_scale,
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
@@ -234,7 +244,7 @@ def _kl_query_kernel(
         return
     (seq_start, seq_len, first_position, all_members, row_valid, row_token, row_position,
      row_head, tok_valid, tok_token, tok_position) = _query_tile(
-        SCHEDULE, CU_SEQLENS, entry, index_head, GQ, TOK, TOKP, ROWS)
+        SCHEDULE, CU_SEQLENS, entry, index_head, query_start, query_end, GQ, TOK, TOKP, ROWS)
     kv_head = index_head // KV_GROUP
     q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
                 + tl.arange(0, HEAD_DIM)[None, :], mask=row_valid[:, None], other=0.0)
@@ -286,6 +296,7 @@ def _kl_query_kernel(
 @triton.jit
 def _sparse_attn_dq_kernel(
     Q, K, V, DOUT, LSE, DELTA, DQ, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT, CU_SEQLENS,
+    query_start, query_end,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_do_t, stride_do_h, stride_dq_t, stride_dq_h, scale, scale_log2,
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
@@ -300,7 +311,7 @@ def _sparse_attn_dq_kernel(
         return
     (seq_start, seq_len, first_position, all_members, row_valid, row_token, row_position,
      row_head, tok_valid, tok_token, tok_position) = _query_tile(
-        SCHEDULE, CU_SEQLENS, entry, index_head, GQ, TOK, TOKP, ROWS)
+        SCHEDULE, CU_SEQLENS, entry, index_head, query_start, query_end, GQ, TOK, TOKP, ROWS)
     kv_head = index_head // KV_GROUP
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
@@ -349,9 +360,10 @@ def _delta_kernel(OUT, DOUT, DELTA, stride_o_t, stride_o_h, stride_do_t, stride_
 
 @triton.jit
 def _segment(SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
-             CU_SEQLENS, HI: tl.constexpr, SEGMENT_PAIRS: tl.constexpr):
+             CU_SEQLENS, query_start, HI: tl.constexpr, SEGMENT_PAIRS: tl.constexpr):
     """This program's segment of a key-block -> queries list: (segment, its pairs [first, last),
-    index head, local block, sequence start and length); segment -1 is padding."""
+    index head, local block, sequence start and length, and the query row of the sequence's
+    position 0: pairs name query rows, packed token - query_start); segment -1 is padding."""
     segment = tl.load(SEGMENT_ORDER + tl.program_id(0)).to(tl.int64)
     bucket = tl.load(SEGMENTS + 2 * segment).to(tl.int64)
     valid_bucket = tl.maximum(bucket, 0)
@@ -365,7 +377,7 @@ def _segment(SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE
     last = tl.minimum(first + SEGMENT_PAIRS, bucket_end)
     block = tl.load(BLOCK_LOCAL + global_block).to(tl.int64)
     return (tl.where(bucket < 0, -1, segment), first, last, valid_bucket % HI, block,
-            seq_start, seq_len)
+            seq_start, seq_len, seq_start - query_start)
 
 
 @triton.jit
@@ -386,7 +398,7 @@ def _pair_rows(PAIR_TOKEN, first_pair, last, GQ: tl.constexpr, GQ_PAD: tl.conste
 def _sparse_attn_dkdv_kernel(
     Q, K, V, DOUT, LSE, DELTA, DK_PART, DV_PART,
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
-    BLOCK_LOCAL, CU_SEQLENS,
+    BLOCK_LOCAL, CU_SEQLENS, query_start,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_do_t, stride_do_h, scale_log2,
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
@@ -397,9 +409,9 @@ def _sparse_attn_dkdv_kernel(
     """Key-outer dK, dV of one segment: up to SEGMENT_PAIRS (token, index head) pairs that kept
     one key block, TOK pairs x GQ heads (head-major rows) per step; segments run in
     SEGMENT_ORDER (most pairs first). Writes fp32 partials (dK unscaled)."""
-    segment, first, last, index_head, block, seq_start, seq_len = _segment(
+    segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
-        CU_SEQLENS, HI, SEGMENT_PAIRS)
+        CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
     if segment < 0:
         return
     kv_head = index_head // KV_GROUP
@@ -424,8 +436,8 @@ def _sparse_attn_dkdv_kernel(
         probs_t = tl.exp2(scores_t - lse[None, :])  # [BLOCK, ROWS]
         # Padding rows (q = dO = 0) add nothing; only queries inside the block (the first
         # pairs: token order) need the causal mask.
-        if tl.load(PAIR_TOKEN + first_pair) - seq_start < block * BLOCK + BLOCK - 1:
-            query_pos = row_token - seq_start
+        if tl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
+            query_pos = row_token - query_base
             probs_t = tl.where(row_valid[None, :] & (key_pos[:, None] <= query_pos[None, :]),
                                probs_t, 0.0)
         dv = tl.dot(probs_t.to(dout.dtype), dout, dv, input_precision=PRECISION)
@@ -441,7 +453,7 @@ def _sparse_attn_dkdv_kernel(
 def _kl_key_kernel(
     Q, K, IQ, IK, LSE, LSE_INDEX, DIK_PART,
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
-    BLOCK_LOCAL, CU_SEQLENS,
+    BLOCK_LOCAL, CU_SEQLENS, query_start,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_iq_t, stride_iq_h,
     stride_ik_t, stride_ik_h, scale_log2, index_scale,
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
@@ -453,9 +465,9 @@ def _kl_key_kernel(
     queries list: sum over the segment's pairs of (s - t)^T index_q, with the teacher rebuilt
     from the main probabilities (one QK^T per step) and the student from the index scores.
     A kernel of its own, apart from dK/dV, whose two accumulators already fill the registers."""
-    segment, first, last, index_head, block, seq_start, seq_len = _segment(
+    segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
-        CU_SEQLENS, HI, SEGMENT_PAIRS)
+        CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
     if segment < 0:
         return
     key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
@@ -478,8 +490,8 @@ def _kl_key_kernel(
                       other=float("inf"))
         probs_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
                           - lse[None, :])  # [BLOCK, ROWS]
-        if tl.load(PAIR_TOKEN + first_pair) - seq_start < block * BLOCK + BLOCK - 1:
-            query_pos = row_token - seq_start
+        if tl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
+            query_pos = row_token - query_base
             probs_t = tl.where(key_pos[:, None] <= query_pos[None, :], probs_t, 0.0)
         teacher_t = _teacher_t(probs_t, token_rows_t, GQ, PRECISION)
         pair_valid = (padded < TOK) & (first_pair + padded < last)
@@ -490,7 +502,7 @@ def _kl_key_kernel(
         lse_index = tl.load(LSE_INDEX + pair_token * HI + index_head, mask=pair_valid,
                             other=0.0)
         z_t = tl.dot(ik, tl.trans(index_q), input_precision=PRECISION) * index_scale
-        visible_t = pair_valid[None, :] & (key_pos[:, None] <= (pair_token - seq_start)[None, :])
+        visible_t = pair_valid[None, :] & (key_pos[:, None] <= (pair_token - query_base)[None, :])
         dz_t = tl.where(visible_t, tl.exp(z_t - lse_index[None, :]), 0.0) - teacher_t
         d_index_k = tl.dot(dz_t.to(index_q.dtype), index_q, d_index_k, input_precision=PRECISION)
     tl.store(DIK_PART + (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * INDEX_DIM
@@ -565,13 +577,19 @@ class SparseAttentionProblem:
     """Shapes, constants and device-built work lists shared by the forward and the backward.
 
     ``index_k``, ``index_scale`` (None: main attention only, no KL) describe the index branch.
+    The queries (q and the query-side tensors, ``[Tq, ...]``) are the packed tokens
+    ``[query_start, query_start + Tq)`` of the packing of k (``[T, ...]``) and ``cu_seqlens``;
+    by default all of them. The KL is a mean over ``kl_num_queries`` query tokens (default Tq).
     """
 
     def __init__(self, q, k, block_ids, cu_seqlens, block_size, softmax_scale, index_k=None,
                  index_scale=None, query_rows=QUERY_ROWS, key_rows=64, kl_key_rows=128,
-                 query_work: QueryTileWork | None = None):
+                 query_work: QueryTileWork | None = None, query_start: int = 0,
+                 kl_num_queries: int | None = None):
         self.total, self.num_heads, self.head_dim = q.shape
-        self.num_kv_heads = k.shape[1]
+        self.num_keys, self.num_kv_heads = k.shape[0], k.shape[1]
+        self.query_start = query_start
+        self.kl_num_queries = self.total if kl_num_queries is None else kl_num_queries
         self.num_index_heads, self.top_k = block_ids.shape[1], block_ids.shape[2]
         self.gq = self.num_heads // self.num_index_heads
         self.with_index = index_k is not None
@@ -588,7 +606,7 @@ class SparseAttentionProblem:
         self.kl_key_tokens, _, self.kl_key_rows = _tile_shape(self.gq, kl_key_rows)
         # Given when the forward built it already (the custom operator's backward).
         self.query_work: QueryTileWork = query_work or build_query_tile_work(
-            block_ids, cu_seqlens, self.query_tokens)
+            block_ids, cu_seqlens, self.query_tokens, query_start)
         self.shared = dict(HI=self.num_index_heads, GQ=self.gq, GQ_PAD=gq_pad,
                            KV_GROUP=self.num_index_heads // self.num_kv_heads,
                            INDEX_GROUP=self.index_group, BLOCK=block_size,
@@ -598,7 +616,8 @@ class SparseAttentionProblem:
     @functools.cached_property
     def block_work(self) -> BlockWork:
         """The key-block -> queries list, needed by the backward only: built on first use."""
-        return build_block_work(self.block_ids, self.cu_seqlens, self.block_size, SEGMENT_PAIRS)
+        return build_block_work(self.block_ids, self.cu_seqlens, self.block_size, SEGMENT_PAIRS,
+                                self.query_start, self.num_keys)
 
     def query_constants(self):
         return dict(self.shared, TOK=self.query_tokens, TOKP=max(16, self.query_tokens),
@@ -614,21 +633,23 @@ class SparseAttentionProblem:
     def query_work_args(self):
         work = self.query_work
         return (work.schedule, work.union, work.union_members, work.union_count,
-                self.cu_seqlens)
+                self.cu_seqlens, self.query_start, self.query_start + self.total)
 
     def key_work_args(self):
         work = self.block_work
         return (work.segments, work.segment_order, work.pair_token, work.bucket_start,
-                work.bucket_count, work.block_sequence, work.block_local, self.cu_seqlens)
+                work.bucket_count, work.block_sequence, work.block_local, self.cu_seqlens,
+                self.query_start)
 
     def kl_mean(self, kl_rows):
-        """The KL from its per-(token, index head) terms: their mean over Nq * Hi."""
-        return kl_rows.sum() / (self.total * self.num_index_heads)
+        """The KL from its per-(token, index head) terms: their sum over Nq * Hi, with
+        Nq = ``kl_num_queries``."""
+        return kl_rows.sum() / (self.kl_num_queries * self.num_index_heads)
 
     def kl_gradient_factor(self, kl_grad):
         """d kl / d z = (s - t) * kl_grad / (Nq * Hi), times the index scale for the chain rule
         through z = index_scale * index_q . index_k."""
-        return kl_grad * (self.index_scale / (self.total * self.num_index_heads))
+        return kl_grad * (self.index_scale / (self.kl_num_queries * self.num_index_heads))
 
 
 def _strides(*tensors):

@@ -7,6 +7,10 @@ Selection gives every (token, index head) ``top_k`` block ids. Two lists are bui
 - ``QueryTileWork``: for each tile of consecutive tokens and each index head, the sorted
   distinct blocks the tile's tokens kept (the forward, dQ and KL walks).
 
+The queries may be a range of the keys' packing (``query_start``, for context parallelism): the
+ids are then those of the packed tokens ``[query_start, query_start + Tq)``, the lists name
+queries by their row in the ids (packed token - query_start) and keys by their packed token.
+
 All sizes that reach the host (grid sizes, buffer sizes) are upper bounds known from the shapes
 alone, so nothing waits for the GPU.
 """
@@ -31,7 +35,7 @@ class BlockWork:
     (and segments) of one KV head's index heads are contiguous.
     """
 
-    pair_token: torch.Tensor  # int32 [P]: packed token of each pair, sorted by bucket then token
+    pair_token: torch.Tensor  # int32 [P]: query row of each pair, sorted by bucket then row
     bucket_start: torch.Tensor  # int32 [NB * Hi]: first pair of each bucket
     bucket_count: torch.Tensor  # int32 [NB * Hi]: pairs in each bucket
     bucket_segments_end: torch.Tensor  # int32 [NB * Hi]: segments of buckets 0..b (inclusive)
@@ -43,15 +47,19 @@ class BlockWork:
     segment_pairs: int
 
 
-def sequence_of_tokens(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """int64 [T]: the sequence each packed token belongs to."""
-    return torch.searchsorted(cu_seqlens[1:].long(),
-                              torch.arange(total_tokens, device=cu_seqlens.device), right=True)
+def sequence_of_tokens(cu_seqlens: torch.Tensor, num_tokens: int,
+                       first_token: int = 0) -> torch.Tensor:
+    """int64 [num_tokens]: the sequence of each packed token from ``first_token`` on."""
+    tokens = torch.arange(first_token, first_token + num_tokens, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
 
 
 def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
-                     segment_pairs: int) -> BlockWork:
-    """block_ids: int32 ``[T, Hi, top_k]`` (``-1`` unused), relative to each sequence's start."""
+                     segment_pairs: int, query_start: int = 0,
+                     num_keys: int | None = None) -> BlockWork:
+    """block_ids: int32 ``[Tq, Hi, top_k]`` (``-1`` unused), relative to each sequence's start,
+    of the packed tokens ``[query_start, query_start + Tq)``; ``num_keys``: the packing's token
+    count T (default Tq)."""
     total, num_index_heads, top_k = block_ids.shape
     if total * num_index_heads * top_k >= 2**31:  # pair numbers are int32 in the kernels
         raise ValueError(f"block_ids: expected fewer than 2^31 (token, index head, slot) "
@@ -61,7 +69,8 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     blocks_per_sequence = (lengths + block_size - 1) // block_size
     first_block = torch.cumsum(blocks_per_sequence, 0) - blocks_per_sequence
-    num_global_blocks = total // block_size + num_sequences  # >= sum of blocks_per_sequence
+    num_keys = total if num_keys is None else num_keys
+    num_global_blocks = num_keys // block_size + num_sequences  # >= sum of blocks_per_sequence
 
     global_block = torch.arange(num_global_blocks, device=device)
     block_sequence = torch.searchsorted(torch.cumsum(blocks_per_sequence, 0), global_block,
@@ -73,7 +82,7 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
 
     # Bucket of every pair; unused slots go to an extra bucket past the end.
     num_buckets = num_global_blocks * num_index_heads
-    token_block = first_block[sequence_of_tokens(cu_seqlens, total)]  # [T]
+    token_block = first_block[sequence_of_tokens(cu_seqlens, total, query_start)]  # [Tq]
     heads = torch.arange(num_index_heads, device=device)
     ids = block_ids.long()
     bucket = (token_block[:, None, None] + ids) * num_index_heads + heads[None, :, None]
@@ -131,13 +140,15 @@ MAX_TILE_TOKENS = 64  # the bits of a union_members entry
 
 
 def build_query_tile_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                          tile_tokens: int) -> QueryTileWork:
-    """block_ids: int32 ``[T, Hi, top_k]`` (``-1`` unused), relative to each sequence's start."""
+                          tile_tokens: int, query_start: int = 0) -> QueryTileWork:
+    """block_ids: int32 ``[Tq, Hi, top_k]`` (``-1`` unused), relative to each sequence's start,
+    of the packed tokens ``[query_start, query_start + Tq)``. Bit t of a members mask is the
+    tile's token t, counted from the tile's first position on the sequence's grid."""
     if not 1 <= tile_tokens <= MAX_TILE_TOKENS:
         raise ValueError(f"tile_tokens: expected 1 to {MAX_TILE_TOKENS}, received {tile_tokens}")
     total, num_index_heads, top_k = block_ids.shape
     device = block_ids.device
-    schedule = query_tile_schedule(cu_seqlens, total, tile_tokens)
+    schedule = query_tile_schedule(cu_seqlens, total, tile_tokens, query_start)
     entries = schedule.shape[0]
     sequence, tile = schedule[:, 0].long(), schedule[:, 1].long()
     real = sequence >= 0
@@ -145,8 +156,9 @@ def build_query_tile_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor,
     start = cu_seqlens[sequence].long()
     length = cu_seqlens[sequence + 1].long() - start
     position = tile[:, None] * tile_tokens + torch.arange(tile_tokens, device=device)
-    token_valid = real[:, None] & (position < length[:, None])  # [E, tile_tokens]
-    token = torch.where(token_valid, start[:, None] + position, 0)
+    row = start[:, None] + position - query_start  # [E, tile_tokens] row in block_ids
+    token_valid = real[:, None] & (position < length[:, None]) & (row >= 0) & (row < total)
+    token = torch.where(token_valid, row, 0)
     ids = torch.where(token_valid[..., None, None], block_ids[token], -1)  # [E, tok, Hi, k]
     ids = ids.permute(0, 2, 1, 3).long()  # [E, Hi, tok, k]
     # Sort (block, token) keys: a block's entries become a run, one per token that kept it.

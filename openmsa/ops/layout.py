@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from .schedule import batch_cu_seqlens
-from .validate import query_positions_from_offsets
 
 
 def packed_tokens(tensor: torch.Tensor) -> torch.Tensor:
@@ -38,12 +37,13 @@ def ids_from_token_major(token_major: torch.Tensor, packed: bool, batch: int,
     return token_major.view(batch, seqlen, *token_major.shape[1:]).permute(0, 2, 1, 3)
 
 
-def all_causal_block_ids(cu_seqlens: torch.Tensor, total_tokens: int, num_index_heads: int,
-                         block_size: int, max_seqlen: int) -> torch.Tensor:
-    """Warmup's "selection": every block up to the query's own, int32 ``[T, Hi, nb]`` with
-    ``nb = ceil(max_seqlen / block_size)`` (later slots -1), built without host sync."""
+def all_causal_block_ids(query_positions: torch.Tensor, num_index_heads: int, block_size: int,
+                         max_seqlen: int) -> torch.Tensor:
+    """Warmup's "selection": every block up to the query's own, int32 ``[Tq, Hi, nb]`` with
+    ``nb = ceil(max_seqlen / block_size)`` (later slots -1), built without host sync.
+    ``query_positions``: int64 ``[Tq]``, each query's position in its sequence."""
     num_blocks = -(-max_seqlen // block_size)
-    own = query_positions_from_offsets(cu_seqlens, total_tokens) // block_size  # [T]
-    blocks = torch.arange(num_blocks, device=cu_seqlens.device)
+    own = query_positions // block_size  # [Tq]
+    blocks = torch.arange(num_blocks, device=query_positions.device)
     ids = torch.where(blocks[None, :] <= own[:, None], blocks[None, :], -1).to(torch.int32)
-    return ids[:, None, :].expand(total_tokens, num_index_heads, num_blocks).contiguous()
+    return ids[:, None, :].expand(own.shape[0], num_index_heads, num_blocks).contiguous()

@@ -7,8 +7,11 @@ the backward. Each has a fake implementation (output shapes from input shapes al
 registered as the forward's autograd formula. The query-tile work lists built by the forward are
 outputs, so the backward reuses them instead of building them again.
 
-Inputs are packed: q ``[T, H, D]``, k and v ``[T, Hkv, D]``, index_q ``[T, Hi, Di]``, index_k
-``[T, Hik, Di]``, cu_seqlens int32 ``[N + 1]``; block ids are token-major int32 ``[T, Hi, k]``.
+Inputs are packed: q ``[Tq, H, D]``, k and v ``[T, Hkv, D]``, index_q ``[Tq, Hi, Di]``, index_k
+``[T, Hik, Di]``, cu_seqlens int32 ``[N + 1]``; block ids are token-major int32 ``[Tq, Hi, k]``.
+The queries are the packed tokens ``[query_start, query_start + Tq)`` of the keys' packing (all
+of them by default: ``query_start = 0``, ``Tq = T``), and the KL is a mean over
+``kl_num_queries`` query tokens (None: Tq); context parallelism runs each rank's queries so.
 """
 
 from typing import Optional
@@ -22,6 +25,7 @@ from .dense import dense_attention_backward, dense_attention_forward, dense_log_
 from .layout import all_causal_block_ids
 from .schedule import query_tile_entries
 from .select import select_blocks_fwd
+from .validate import query_positions_from_offsets
 
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -32,28 +36,32 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
                 block_ids: Optional[torch.Tensor], top_k: int, block_size: int,
                 softmax_scale: float, index_scale: float, num_local_blocks: int,
                 num_sink_blocks: int, warmup: bool, max_seqlen: int, kl_value: bool,
-                index_grad: bool, dense_batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                           torch.Tensor, torch.Tensor, torch.Tensor,
-                                           torch.Tensor, torch.Tensor, torch.Tensor,
-                                           torch.Tensor]:
+                index_grad: bool, query_start: int = 0, kl_num_queries: Optional[int] = None,
+                dense_batch: int = 0,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns out, kl (fp32 0-dim: the exact KL, or 0 with ``kl_value=False``), the main lse2
-    ``[T, H]``, the index log-sum-exp ``[T, Hi]``, the kept block ids, the unscaled KL gradient
-    of index_q (``[T, Hi, Di]`` when ``kl_value and index_grad``, else empty) and the query-tile
-    work lists. ``block_ids``: given kept blocks, or None to select (or, in warmup, keep every
-    causal block of sequences up to ``max_seqlen`` tokens). ``dense_batch`` > 0: warmup's main
-    attention runs on cuDNN over that many equal batch rows (``openmsa.ops.dense``)."""
+    ``[Tq, H]``, the index log-sum-exp ``[Tq, Hi]``, the kept block ids, the unscaled KL
+    gradient of index_q (``[Tq, Hi, Di]`` when ``kl_value and index_grad``, else empty) and the
+    query-tile work lists. ``block_ids``: given kept blocks, or None to select (or, in warmup,
+    keep every causal block of sequences up to ``max_seqlen`` tokens). ``dense_batch`` > 0:
+    warmup's main attention runs on cuDNN over that many equal batch rows (``openmsa.ops.dense``;
+    every token a query)."""
     total = q.shape[0]
     if warmup:
-        ids = all_causal_block_ids(cu_seqlens, total, index_q.shape[1], block_size, max_seqlen)
+        positions = query_positions_from_offsets(cu_seqlens, k.shape[0])
+        ids = all_causal_block_ids(positions[query_start:query_start + total],
+                                   index_q.shape[1], block_size, max_seqlen)
     elif block_ids is not None:
         ids = block_ids.clone()  # outputs may not alias inputs
     else:
         ids = select_blocks_fwd(index_q, index_k, cu_seqlens, top_k=top_k, block_size=block_size,
                                 index_softmax_scale=index_scale,
                                 num_local_blocks=num_local_blocks,
-                                num_sink_blocks=num_sink_blocks)
+                                num_sink_blocks=num_sink_blocks, query_start=query_start)
     problem = SparseAttentionProblem(q, k, ids, cu_seqlens, block_size, softmax_scale, index_k,
-                                     index_scale)
+                                     index_scale, query_start=query_start,
+                                     kl_num_queries=kl_num_queries)
     if dense_batch:
         out, lse = dense_attention_forward(q, k, v, dense_batch, softmax_scale)
         lse_index = dense_log_sum_exp(index_q, index_k, dense_batch, index_scale)
@@ -75,7 +83,7 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
 @msa_forward.register_fake
 def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softmax_scale,
       index_scale, num_local_blocks, num_sink_blocks, warmup, max_seqlen, kl_value, index_grad,
-      dense_batch):
+      query_start=0, kl_num_queries=None, dense_batch=0):
     total, num_heads, _ = q.shape
     num_index_heads, index_dim = index_q.shape[1], index_q.shape[2]
     if warmup:
@@ -85,7 +93,7 @@ def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softm
     else:
         slots = top_k
     tokens = query_tile_shape(num_heads // num_index_heads)[0]
-    entries = query_tile_entries(total, cu_seqlens.shape[0] - 1, tokens)
+    entries = query_tile_entries(total, cu_seqlens.shape[0] - 1, tokens, query_start)
     f32 = dict(dtype=torch.float32, device=q.device)
     i32 = dict(dtype=torch.int32, device=q.device)
     grad_shape = (total, num_index_heads, index_dim) if kl_value and index_grad else (0,)
@@ -105,14 +113,16 @@ def msa_backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torc
                  block_ids: torch.Tensor, d_index_q: torch.Tensor, schedule: torch.Tensor,
                  union: torch.Tensor, union_members: torch.Tensor, union_count: torch.Tensor,
                  cu_seqlens: torch.Tensor, block_size: int, softmax_scale: float,
-                 index_scale: float, index_grads: bool, dense_batch: int) -> Tensors:
+                 index_scale: float, index_grads: bool, query_start: int = 0,
+                 kl_num_queries: Optional[int] = None, dense_batch: int = 0) -> Tensors:
     """dq, dk, dv and, with ``index_grads``, the KL gradients of index_q and index_k (empty
     tensors otherwise). ``dkl``: the fp32 0-dim gradient reaching kl. ``d_index_q``: the
     forward's unscaled KL gradient of index_q, or empty to compute it here."""
     work = QueryTileWork(schedule, union, union_members, union_count,
                          tile_tokens=query_tile_shape(q.shape[1] // block_ids.shape[1])[0])
     problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
-                                     index_k, index_scale, query_work=work)
+                                     index_k, index_scale, query_work=work,
+                                     query_start=query_start, kl_num_queries=kl_num_queries)
     if dense_batch:
         dq, dk, dv = dense_attention_backward(dout, q, k, v, out, lse, dense_batch,
                                               softmax_scale)
@@ -133,7 +143,7 @@ def msa_backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torc
 @msa_backward.register_fake
 def _(dout, dkl, q, k, v, index_q, index_k, out, lse, lse_index, block_ids, d_index_q, schedule,
       union, union_members, union_count, cu_seqlens, block_size, softmax_scale, index_scale,
-      index_grads, dense_batch):
+      index_grads, query_start=0, kl_num_queries=None, dense_batch=0):
     if not index_grads:
         return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(0),
                 q.new_empty(0))
@@ -142,12 +152,12 @@ def _(dout, dkl, q, k, v, index_q, index_k, out, lse, lse_index, block_ids, d_in
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, index_q, index_k, cu_seqlens, _, _, block_size, softmax_scale, index_scale, *_) = \
-        inputs
+    (q, k, v, index_q, index_k, cu_seqlens, _, _, block_size, softmax_scale, index_scale, *_,
+     query_start, kl_num_queries, dense_batch) = inputs
     out, _, *saved = output
     ctx.save_for_backward(q, k, v, index_q, index_k, out, cu_seqlens, *saved)
     ctx.options = (block_size, softmax_scale, index_scale)
-    ctx.dense_batch = inputs[-1]
+    ctx.query_options = (query_start, kl_num_queries, dense_batch)
 
 
 def _backward(ctx, dout, dkl, *_):
@@ -159,10 +169,10 @@ def _backward(ctx, dout, dkl, *_):
         dout = torch.zeros_like(out)
     dq, dk, dv, grad_index_q, grad_index_k = msa_backward(
         dout, dkl, q, k, v, index_q, index_k, out, *saved, cu_seqlens, *ctx.options,
-        index_grads, ctx.dense_batch)
+        index_grads, *ctx.query_options)
     if not index_grads:
         grad_index_q = grad_index_k = None
-    return (dq, dk, dv, grad_index_q, grad_index_k) + (None,) * 13
+    return (dq, dk, dv, grad_index_q, grad_index_k) + (None,) * 15
 
 
 msa_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -60,7 +60,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
                   cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
                   deterministic: bool = False, return_indices: bool = False,
                   backend: str = "auto", block_indices: torch.Tensor | None = None,
-                  kl_value: bool = True):
+                  kl_value: bool = True, query_start: int | None = None,
+                  kl_num_queries: int | None = None):
     """MiniMax Sparse Attention: returns ``(out, kl)`` (``(out, kl, indices)`` with
     ``return_indices=True``).
 
@@ -89,6 +90,17 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         kl_value: compute the KL's value. With False, ``kl`` is a zero-valued carrier: its
             value is 0 and its gradient is exactly the KL's. The value rides on a pass the
             gradient needs anyway, so skipping it saves little (2% of a step at 128k tokens).
+        query_start: a query range, for context parallelism: q and index_q ``[Tq, heads, dim]``
+            hold only the packed tokens ``[query_start, query_start + Tq)`` of the packing that
+            k, v, index_k ``[T, heads, dim]`` and ``cu_seqlens`` describe (the range may start
+            and end anywhere, inside sequences too); without ``cu_seqlens``, q ``[1, Sq, ...]``
+            holds positions ``[query_start, query_start + Sq)`` of the one sequence of k
+            ``[1, S, ...]``. ``out``, the indices and the gradients of q and index_q cover the
+            range; those of k, v and index_k cover every key (zero where no query of the range
+            reads it).
+        kl_num_queries: the number of query tokens the KL is a mean over (default: those of
+            q). With the global count, the KLs of disjoint query ranges add up to the KL of
+            all queries, and so do their gradients.
 
     Returns:
         ``out`` with q's shape and dtype; ``kl``, a float32 0-dim tensor holding the exact
@@ -113,7 +125,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         softmax_scale=softmax_scale, index_softmax_scale=index_softmax_scale,
         num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks, warmup=warmup,
         cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, deterministic=deterministic,
-        return_indices=return_indices, backend=backend)
+        return_indices=return_indices, backend=backend, query_start=query_start,
+        kl_num_queries=kl_num_queries)
     if not isinstance(kl_value, bool):
         raise TypeError(f"kl_value: expected a bool, received {type(kl_value).__name__}")
     if block_indices is not None:
@@ -123,18 +136,19 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
                                                block_indices)
         return _return(out, kl if kl_value else kl - kl.detach(), block_ids, return_indices)
     _check_gpu_head_dims(q.device, q=problem.head_dim, index_q=problem.index_head_dim)
-    cu = packed_offsets(cu_seqlens, problem.batch, problem.seqlen, q.device)
+    cu = packed_offsets(cu_seqlens, problem.batch, problem.num_keys, q.device)
     ids = None if block_indices is None else ids_to_token_major(block_indices, problem.packed)
-    longest = problem.seqlen if not problem.packed else (max_seqlen or problem.seqlen)
+    longest = max_seqlen or problem.num_keys
     # The forward computes index_q's KL gradient along with the KL's value when it is needed.
     index_grad = torch.is_grad_enabled() and index_q.requires_grad
-    dense_batch = (problem.batch if warmup and use_cudnn_dense(q, problem.packed, deterministic)
-                   else 0)
+    whole_rows = problem.query_start == 0 and problem.seqlen == problem.num_keys
+    dense_batch = (problem.batch if warmup and whole_rows
+                   and use_cudnn_dense(q, problem.packed, deterministic) else 0)
     out, kl, _, _, token_major_ids, *_ = msa_forward(
         packed_tokens(q), packed_tokens(k), packed_tokens(v), packed_tokens(index_q),
         packed_tokens(index_k), cu, ids, top_k, block_size, problem.softmax_scale,
         problem.index_softmax_scale, num_local_blocks, num_sink_blocks, warmup, longest,
-        kl_value, index_grad, dense_batch)
+        kl_value, index_grad, problem.query_start, problem.kl_num_queries, dense_batch)
     if block_indices is None and not warmup:
         block_indices = ids_from_token_major(token_major_ids, problem.packed, problem.batch,
                                              problem.seqlen)
@@ -201,7 +215,8 @@ def naive_msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
                         cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
                         deterministic: bool = False, return_indices: bool = False,
                         backend: str = "reference", block_indices: torch.Tensor | None = None,
-                        kl_value: bool = True):
+                        kl_value: bool = True, query_start: int | None = None,
+                        kl_num_queries: int | None = None):
     """The eager PyTorch reference of ``msa_attention`` (same signature and results).
 
     Plain autograd over chunked, checkpointed queries: exact, slow, and the test oracle. It
@@ -214,7 +229,8 @@ def naive_msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
         softmax_scale=softmax_scale, index_softmax_scale=index_softmax_scale,
         num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks, warmup=warmup,
         cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, deterministic=deterministic,
-        return_indices=return_indices, backend="reference")
+        return_indices=return_indices, backend="reference", query_start=query_start,
+        kl_num_queries=kl_num_queries)
     if not isinstance(kl_value, bool):
         raise TypeError(f"kl_value: expected a bool, received {type(kl_value).__name__}")
     if block_indices is not None:

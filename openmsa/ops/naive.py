@@ -176,21 +176,24 @@ def _attend_chunk(q, k, v, index_q, index_k, block_ids, first_query: int, proble
 
 
 def _attend_sequences(q, k, v, index_q, index_k, block_ids, problem: MSAProblem,
-                      compute_dtype: torch.dtype):
-    """All queries of ``[B, S, ...]`` inputs, chunk by chunk. Returns out [B, S, H, D] (compute
-    dtype), the unnormalized KL sum and kept ids [B, Hi, S, top_k] (None in warmup)."""
-    batch, seqlen = q.shape[0], q.shape[1]
-    chunk = max(1, _CHUNK_ELEMENTS // (batch * problem.num_heads * seqlen))
+                      compute_dtype: torch.dtype, first_position: int = 0):
+    """The queries ``[B, Sq, ...]`` at positions ``first_position ..`` of sequences whose keys
+    ``[B, first_position + Sq, ...]`` start at position 0, chunk by chunk. Returns out
+    [B, Sq, H, D] (compute dtype), the unnormalized KL sum and kept ids [B, Hi, Sq, top_k]
+    (None in warmup)."""
+    batch, num_queries, num_keys = q.shape[0], q.shape[1], k.shape[1]
+    chunk = max(1, _CHUNK_ELEMENTS // (batch * problem.num_heads * num_keys))
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, index_q, index_k))
     outs, kl_sum, ids = [], q.new_zeros((), dtype=compute_dtype), []
-    for start in range(0, seqlen, chunk):
-        end = min(start + chunk, seqlen)
+    for start in range(0, num_queries, chunk):
+        end = min(start + chunk, num_queries)
+        keys_end = first_position + end
         index_chunk = (None, None) if index_q is None else (index_q[:, start:end],
-                                                            index_k[:, :end])
-        args = (q[:, start:end], k[:, :end], v[:, :end], *index_chunk,
-                None if block_ids is None else block_ids[:, :, start:end], start, problem,
-                compute_dtype)
+                                                            index_k[:, :keys_end])
+        args = (q[:, start:end], k[:, :keys_end], v[:, :keys_end], *index_chunk,
+                None if block_ids is None else block_ids[:, :, start:end],
+                first_position + start, problem, compute_dtype)
         if needs_grad:
             out, chunk_kl, chunk_ids = checkpoint(_attend_chunk, *args, use_reentrant=False)
         else:
@@ -209,6 +212,8 @@ def naive_msa_forward(q, k, v, index_q, index_k, problem: MSAProblem, cu_seqlens
     Returns ``(out, kl, block_ids)``: ``out`` in q's dtype and shape, ``kl`` a float32 0-dim
     tensor, ``block_ids`` int32 ``[B, Hi, S, top_k]`` (packed: ``[Hi, T, top_k]``; None in warmup).
     Given ``block_indices`` are used instead of selecting; then ``block_ids`` is that tensor.
+    With a query range (``problem.query_start``), q and index_q hold the tokens from
+    ``query_start`` on, and k, v, index_k every token of the packing (or of the one sequence).
     ``compute_dtype`` defaults to float32 (float64 for float64 inputs); tests set the input's
     16-bit dtype to get the error of a reference that computes in that dtype.
     """
@@ -218,25 +223,33 @@ def naive_msa_forward(q, k, v, index_q, index_k, problem: MSAProblem, cu_seqlens
         block_indices = block_indices.long()
     if cu_seqlens is None:
         out, kl_sum, block_ids = _attend_sequences(q, k, v, index_q, index_k, block_indices,
-                                                   problem, compute_dtype)
+                                                   problem, compute_dtype, problem.query_start)
     else:
-        flat = [None if t is None else t.reshape(t.shape[-3:])  # [T, heads, dim]
-                for t in (q, k, v, index_q, index_k)]
+        query_q, key_k, key_v, query_iq, key_ik = (
+            None if t is None else t.reshape(t.shape[-3:])  # [tokens, heads, dim]
+            for t in (q, k, v, index_q, index_k))
         offsets = cu_seqlens.tolist()
+        first_query, end_query = problem.query_start, problem.query_start + problem.seqlen
         outs, kl_sum, ids = [], q.new_zeros((), dtype=compute_dtype), []
         for start, end in zip(offsets[:-1], offsets[1:]):
-            if end == start:
+            # This sequence's queries: packed tokens [lo, hi), rows [lo, hi) - first_query.
+            lo, hi = max(start, first_query), min(end, end_query)
+            if hi <= lo:
                 continue
-            seq = [None if t is None else t[None, start:end] for t in flat]
-            seq_ids = None if block_indices is None else block_indices[None, :, start:end]
-            out, seq_kl, seq_block_ids = _attend_sequences(*seq, seq_ids, problem, compute_dtype)
+            rows = slice(lo - first_query, hi - first_query)
+            seq_q, seq_iq = (None if t is None else t[None, rows] for t in (query_q, query_iq))
+            seq_k, seq_v, seq_ik = (None if t is None else t[None, start:hi]
+                                    for t in (key_k, key_v, key_ik))
+            seq_ids = None if block_indices is None else block_indices[None, :, rows]
+            out, seq_kl, seq_block_ids = _attend_sequences(
+                seq_q, seq_k, seq_v, seq_iq, seq_ik, seq_ids, problem, compute_dtype,
+                first_position=lo - start)
             outs.append(out[0])
             kl_sum = kl_sum + seq_kl
             ids.append(None if seq_block_ids is None else seq_block_ids[0])
         out = torch.cat(outs, dim=0).reshape(q.shape)
         block_ids = None if problem.warmup else torch.cat(ids, dim=1)
-    num_queries = problem.batch * problem.seqlen
-    kl = (kl_sum / (num_queries * problem.num_index_heads)).float()
+    kl = (kl_sum / (problem.kl_num_queries * problem.num_index_heads)).float()
     if block_ids is not None:
         block_ids = block_ids.to(torch.int32)
     return out.to(q.dtype), kl, block_ids

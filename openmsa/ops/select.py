@@ -42,7 +42,7 @@ def _merge_block(keys, block_score, block_id, forced):
 
 @triton.jit
 def _select_fwd_kernel(
-    IQ, IK, IDS, CU_SEQLENS, SCHEDULE,
+    IQ, IK, IDS, CU_SEQLENS, SCHEDULE, query_start, query_end,
     stride_iq_t, stride_iq_h, stride_ik_t, stride_ik_h, stride_ids_t, stride_ids_h,
     scale,
     G: tl.constexpr, TILE_TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -58,12 +58,18 @@ def _select_fwd_kernel(
     seq_start = tl.load(CU_SEQLENS + sequence).to(tl.int64)
     seq_len = tl.load(CU_SEQLENS + sequence + 1).to(tl.int64) - seq_start
 
+    # The queries are the packed tokens [query_start, query_end): positions [first, end) here.
+    first_query = tl.maximum(query_start - seq_start, 0)
+    end_query = tl.minimum(query_end - seq_start, seq_len)
+
     rows = tl.arange(0, ROWS)
     token = tile * TILE_TOKENS + rows // G  # [ROWS] position in the sequence
     head = key_head * G + rows % G  # [ROWS] index head
-    row_valid = (rows < G * TILE_TOKENS) & (token < seq_len)  # ROWS is G * TILE_TOKENS padded
+    # ROWS is G * TILE_TOKENS padded to a power of two.
+    row_valid = (rows < G * TILE_TOKENS) & (token >= first_query) & (token < end_query)
+    query_row = seq_start - query_start + token  # [ROWS] row in index_q and the ids
     dims = tl.arange(0, HEAD_DIM)
-    iq = tl.load(IQ + (seq_start + token)[:, None] * stride_iq_t + head[:, None] * stride_iq_h
+    iq = tl.load(IQ + query_row[:, None] * stride_iq_t + head[:, None] * stride_iq_h
                  + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
 
     # Every token of the tile lies in one block: BLOCK is a multiple of TILE_TOKENS.
@@ -104,7 +110,7 @@ def _select_fwd_kernel(
 
     block_ids = 0x7FFFFFFF - keys.to(tl.int32)  # the low 32 bits
     block_ids = tl.where(keys < -(1 << 62), -1, block_ids)
-    tl.store(IDS + (seq_start + token)[:, None] * stride_ids_t + head[:, None] * stride_ids_h
+    tl.store(IDS + query_row[:, None] * stride_ids_t + head[:, None] * stride_ids_h
              + slots[None, :], block_ids, mask=row_valid[:, None] & (slots[None, :] < TOP_K))
 
 
@@ -119,12 +125,14 @@ def _tile_tokens(index_heads_per_key_head: int, block_size: int, tile_rows: int)
 
 def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: torch.Tensor,
                       *, top_k: int, block_size: int, index_softmax_scale: float,
-                      num_local_blocks: int, num_sink_blocks: int, tile_rows: int = 128,
-                      num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
+                      num_local_blocks: int, num_sink_blocks: int, query_start: int = 0,
+                      tile_rows: int = 128, num_warps: int = 8,
+                      num_stages: int = 2) -> torch.Tensor:
     """Kept block ids for packed inputs.
 
-    index_q: [T, Hi, Di]; index_k: [T, Hik, Di]; cu_seqlens: int32 [N + 1].
-    Returns int32 [T, Hi, top_k], block ids relative to each sequence's start, -1 unused.
+    index_q: [Tq, Hi, Di], the packed tokens [query_start, query_start + Tq) of the packing
+    that index_k [T, Hik, Di] and cu_seqlens (int32 [N + 1]) describe (by default all of them).
+    Returns int32 [Tq, Hi, top_k], block ids relative to each sequence's start, -1 unused.
     ``tile_rows``, ``num_warps`` and ``num_stages`` tune the kernel; the defaults won the sweep
     of benchmarks/bench_select.py on an H200 (see docs/KERNELS.md).
     """
@@ -137,12 +145,12 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
         index_k = index_k.contiguous()
     ids = torch.empty(total, num_index_heads, top_k, dtype=torch.int32, device=index_q.device)
     tile_tokens = _tile_tokens(heads_per_key_head, block_size, tile_rows)
-    schedule = query_tile_schedule(cu_seqlens, total, tile_tokens)
+    schedule = query_tile_schedule(cu_seqlens, total, tile_tokens, query_start)
     interpreting = index_q.device.type == "cpu"  # the Triton interpreter
     precision = "ieee" if index_q.dtype == torch.float32 else "tf32"
     grid = (schedule.shape[0], num_key_heads)
     _select_fwd_kernel[grid](
-        index_q, index_k, ids, cu_seqlens, schedule,
+        index_q, index_k, ids, cu_seqlens, schedule, query_start, query_start + total,
         index_q.stride(0), index_q.stride(1), index_k.stride(0), index_k.stride(1),
         ids.stride(0), ids.stride(1),
         index_softmax_scale,

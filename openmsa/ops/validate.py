@@ -26,7 +26,7 @@ class MSAProblem:
 
     packed: bool  # inputs are [T, heads, dim] with cu_seqlens
     batch: int  # B (1 when packed)
-    seqlen: int  # S (T when packed)
+    seqlen: int  # query tokens per batch row: S (T when packed)
     num_heads: int  # H
     num_kv_heads: int  # Hkv
     num_index_heads: int  # Hi
@@ -40,6 +40,9 @@ class MSAProblem:
     num_local_blocks: int
     num_sink_blocks: int
     warmup: bool
+    query_start: int  # q and index_q hold the tokens of k from query_start on (0: all)
+    num_keys: int  # tokens of k per batch row (S, or T packed)
+    kl_num_queries: int  # the KL's mean divides by this many query tokens
 
 
 def _fail(name: str, expected: str, received) -> ValueError:
@@ -157,8 +160,10 @@ def validate_block_indices(block_indices, problem: MSAProblem, cu_seqlens,
 def query_positions(problem: MSAProblem, cu_seqlens, device) -> torch.Tensor:
     """Position of every query inside its own sequence: int64 [S] (packed: [T])."""
     if not problem.packed:
-        return torch.arange(problem.seqlen, device=device)
-    return query_positions_from_offsets(cu_seqlens, problem.seqlen)
+        return torch.arange(problem.query_start, problem.query_start + problem.seqlen,
+                            device=device)
+    positions = query_positions_from_offsets(cu_seqlens, problem.num_keys)
+    return positions[problem.query_start:problem.query_start + problem.seqlen]
 
 
 def query_positions_from_offsets(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
@@ -169,9 +174,12 @@ def query_positions_from_offsets(cu_seqlens: torch.Tensor, total_tokens: int) ->
     return positions - torch.repeat_interleave(starts, lengths, output_size=total_tokens)
 
 
-def _check_tensors(tensors: dict, backend: str, cu_seqlens, max_seqlen) -> None:
+def _check_tensors(tensors: dict, backend: str, cu_seqlens, max_seqlen,
+                   key_names: tuple[str, ...] = ()) -> None:
     """Types, dtypes, devices, ranks and leading dims of the named tensors (the first is the
-    one the others must match)."""
+    one the others must match). ``key_names`` (with a query range): tensors that hold every
+    token of the packing, whose leading dims match the first of them and whose token count
+    ``cu_seqlens`` describes."""
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, received {type(tensor).__name__}")
@@ -204,15 +212,27 @@ def _check_tensors(tensors: dict, backend: str, cu_seqlens, max_seqlen) -> None:
         if tensor.dim() != rank:
             raise _fail(name, f"a {rank}-D {layout} tensor like {first_name}",
                         f"shape {tuple(tensor.shape)}")
-        if tensor.shape[:-2] != first.shape[:-2]:
-            raise _fail(name, f"leading dimensions {shape[:-2]} (those of {first_name})",
-                        tuple(tensor.shape[:-2]))
+        like = key_names[0] if name in key_names else first_name
+        if tensor.shape[:-2] != tensors[like].shape[:-2]:
+            raise _fail(name, f"leading dimensions {tuple(tensors[like].shape[:-2])} (those of "
+                        f"{like})", tuple(tensor.shape[:-2]))
     if max_seqlen is not None and cu_seqlens is None:
         raise _fail("max_seqlen", "None unless cu_seqlens is given", max_seqlen)
     if first.shape[-3] == 0 or (rank == 4 and first.shape[0] == 0):
         raise _fail(first_name, "at least one query token", f"shape {shape}")
     if cu_seqlens is not None:
-        validate_cu_seqlens(cu_seqlens, first.shape[-3], first.device, max_seqlen)
+        keys = tensors[key_names[0]] if key_names else first
+        validate_cu_seqlens(cu_seqlens, keys.shape[-3], first.device, max_seqlen)
+
+
+def _check_query_range(query_start, kl_num_queries) -> None:
+    """The types and signs of the query-range options (their bounds need the shapes)."""
+    if query_start is not None:
+        _check_int("query_start", query_start)
+        if query_start < 0:
+            raise _fail("query_start", "an int >= 0", query_start)
+    if kl_num_queries is not None:
+        _check_int("kl_num_queries", kl_num_queries)
 
 
 def _check_index_heads(index_q, index_k) -> None:
@@ -261,7 +281,8 @@ def validate_select_args(index_q, index_k, *, top_k, block_size, index_softmax_s
 
 def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_scale,
                       index_softmax_scale, num_local_blocks, num_sink_blocks, warmup, cu_seqlens,
-                      max_seqlen, deterministic, return_indices, backend) -> MSAProblem:
+                      max_seqlen, deterministic, return_indices, backend, query_start=None,
+                      kl_num_queries=None) -> MSAProblem:
     """Validates the arguments of ``msa_attention`` (SPEC sections 2, 5, 6 and 7)."""
     tensors = {"q": q, "k": k, "v": v, "index_q": index_q, "index_k": index_k}
     for name, tensor in tensors.items():
@@ -271,7 +292,22 @@ def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_s
     for name, flag in (("warmup", warmup), ("deterministic", deterministic),
                        ("return_indices", return_indices)):
         _check_bool(name, flag)
-    _check_tensors(tensors, backend, cu_seqlens, max_seqlen)
+    _check_query_range(query_start, kl_num_queries)
+    key_names = ("k", "v", "index_k") if query_start is not None else ()
+    _check_tensors(tensors, backend, cu_seqlens, max_seqlen, key_names)
+    num_queries, num_keys = q.shape[-3], k.shape[-3]
+    if query_start is not None:  # one packing (or sequence) of keys, a range of it as queries
+        if q.dim() == 4 and (q.shape[0], k.shape[0]) != (1, 1):
+            raise _fail("query_start", "a batch of one with a query range (or packed input)",
+                        f"batches of {q.shape[0]} (q) and {k.shape[0]} (k)")
+        if query_start + num_queries > num_keys:
+            raise _fail("query_start", f"at most {num_keys - num_queries} (the {num_queries} "
+                        f"query tokens of q must lie within the {num_keys} tokens of k)",
+                        query_start)
+    batch = 1 if cu_seqlens is not None else q.shape[0]
+    if kl_num_queries is not None and kl_num_queries < batch * num_queries:
+        raise _fail("kl_num_queries", f"an int >= {batch * num_queries} (the query tokens of q)",
+                    kl_num_queries)
 
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_kv_heads = k.shape[-2]
@@ -302,8 +338,8 @@ def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_s
 
     return MSAProblem(
         packed=cu_seqlens is not None,
-        batch=1 if cu_seqlens is not None else q.shape[0],
-        seqlen=q.shape[-3],
+        batch=batch,
+        seqlen=num_queries,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         num_index_heads=num_index_heads,
@@ -317,6 +353,9 @@ def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_s
         num_local_blocks=num_local_blocks,
         num_sink_blocks=num_sink_blocks,
         warmup=warmup,
+        query_start=query_start or 0,
+        num_keys=num_keys,
+        kl_num_queries=kl_num_queries or batch * num_queries,
     )
 
 
@@ -351,12 +390,14 @@ def validate_sparse_args(q, k, v, block_indices, *, block_size, softmax_scale, c
     _check_int("block_size", block_size)
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise _fail("block_size", f"one of {SUPPORTED_BLOCK_SIZES}", block_size)
+    batch, seqlen = (1 if packed else q.shape[0]), q.shape[-3]
     problem = MSAProblem(
-        packed=packed, batch=1 if packed else q.shape[0], seqlen=q.shape[-3],
+        packed=packed, batch=batch, seqlen=seqlen,
         num_heads=num_heads, num_kv_heads=num_kv_heads, num_index_heads=num_index_heads,
         num_index_kv_heads=1, head_dim=head_dim, index_head_dim=head_dim,
         top_k=max(1, block_indices.shape[-1]), block_size=block_size,
         softmax_scale=_resolve_scale("softmax_scale", softmax_scale, head_dim),
-        index_softmax_scale=1.0, num_local_blocks=1, num_sink_blocks=0, warmup=False)
+        index_softmax_scale=1.0, num_local_blocks=1, num_sink_blocks=0, warmup=False,
+        query_start=0, num_keys=seqlen, kl_num_queries=batch * seqlen)
     validate_block_indices(block_indices, problem, cu_seqlens, q.device)
     return problem

@@ -27,13 +27,13 @@ def test_custom_operators_pass_opcheck_on_cuda(warmup_on_cudnn):
     cu_seqlens = batch_cu_seqlens(1, 1024, "cuda")
     dense_batch = 1 if warmup_on_cudnn else 0
     args = (q, k, v, index_q, index_k, cu_seqlens, None, 8, 128, 128 ** -0.5, 128 ** -0.5, 1,
-            0, warmup_on_cudnn, 1024, True, True, dense_batch)
+            0, warmup_on_cudnn, 1024, True, True, 0, None, dense_batch)
     torch.library.opcheck(msa_forward, args)
     with torch.no_grad():
         out, _, *saved = msa_forward(*args)
     backward_args = (torch.randn_like(out), torch.tensor(2.0, device="cuda"), q.detach(),
                      k.detach(), v.detach(), index_q.detach(), index_k.detach(), out, *saved,
-                     cu_seqlens, 128, 128 ** -0.5, 128 ** -0.5, True, dense_batch)
+                     cu_seqlens, 128, 128 ** -0.5, 128 ** -0.5, True, 0, None, dense_batch)
     torch.library.opcheck(msa_backward, backward_args)
 
 
