@@ -38,6 +38,12 @@ def _token_major(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.transpose(1, 2).reshape(-1, tensor.shape[1], tensor.shape[3])
 
 
+def _token_major_rows(lse: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """The operator's log-sum-exp ``[B, heads, S, 1]`` -> contiguous ``[B * S, heads]`` (the
+    kernels index it as such; with B = 1 a reshape alone would return a strided view)."""
+    return lse.view(batch, -1, seqlen).transpose(1, 2).reshape(batch * seqlen, -1).contiguous()
+
+
 def dense_attention_forward(q, k, v, batch: int, softmax_scale: float):
     """q ``[B * S, H, D]``, k, v ``[B * S, Hkv, D]``. Returns out ``[B * S, H, D]`` and the
     main log-sum-exp in the kernels' convention (base 2 of the scaled scores) ``[B * S, H]``,
@@ -46,8 +52,7 @@ def dense_attention_forward(q, k, v, batch: int, softmax_scale: float):
     out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
         _heads_major(q, batch), _heads_major(k, batch), _heads_major(v, batch), None,
         True, 0.0, True, False, scale=softmax_scale)  # no bias; lse; no dropout; causal
-    lse2 = (lse.view(batch, -1, seqlen) * LOG2_E).transpose(1, 2).reshape(q.shape[0], -1)
-    return _token_major(out).contiguous(), lse2
+    return _token_major(out).contiguous(), _token_major_rows(lse * LOG2_E, batch, seqlen)
 
 
 def dense_log_sum_exp(index_q, index_k, batch: int, index_scale: float) -> torch.Tensor:
@@ -60,7 +65,7 @@ def dense_log_sum_exp(index_q, index_k, batch: int, index_scale: float) -> torch
     _, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
         _heads_major(index_q, batch), keys, keys, None, True, 0.0, True, False,
         scale=index_scale)
-    return lse.view(batch, -1, seqlen).transpose(1, 2).reshape(index_q.shape[0], -1)
+    return _token_major_rows(lse, batch, seqlen)
 
 
 def dense_attention_backward(dout, q, k, v, out, lse2, batch: int, softmax_scale: float):
