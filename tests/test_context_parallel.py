@@ -9,59 +9,74 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import openmsa
-from openmsa.integrations.context_parallel import context_parallel_msa_attention
+from openmsa.integrations.context_parallel import (context_parallel_msa_attention,
+                                                   shard_sequence, zigzag_shard)
+from openmsa.layers import MSAAttention
+from openmsa.testing import INPUT_NAMES, same_block_sets
 
 SEQLEN, OPTIONS = 256, dict(top_k=2, block_size=64, backend="reference")
-
-
-def _inputs(heads):
-    generator = torch.Generator().manual_seed(0)
-    shapes = [(heads[0], 64), (heads[1], 64), (heads[1], 64), (heads[2], 64), (heads[3], 64)]
-    tensors = [torch.randn(1, SEQLEN, h, d, generator=generator, dtype=torch.float64)
-               for h, d in shapes]
-    out_grad = torch.randn(1, SEQLEN, heads[0], 64, generator=generator, dtype=torch.float64)
-    return tensors, out_grad
-
-
 PACKED = (40, 1, 150, 65)  # 256 tokens in four sequences, split across ranks mid-sequence
 
 
-def _worker(rank, world, init_file, heads, warmup, failures, packed=False):
+def _inputs(heads, batch=1):
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(heads[0], 64), (heads[1], 64), (heads[1], 64), (heads[2], 64), (heads[3], 64)]
+    tensors = [torch.randn(batch, SEQLEN, h, d, generator=generator, dtype=torch.float64)
+               for h, d in shapes]
+    out_grad = torch.randn(batch, SEQLEN, heads[0], 64, generator=generator, dtype=torch.float64)
+    return tensors, out_grad
+
+
+def _packed_offsets():
+    return torch.tensor([0, *PACKED]).cumsum(0).to(torch.int32)
+
+
+def _run(rank, worker, world, init_file, failures, args):
+    """One process: ``worker(rank, world, *args)`` inside a gloo group; errors go to the
+    parent."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
-        tensors, out_grad = _inputs(heads)
-        options = dict(OPTIONS, warmup=warmup)
-        if packed:  # [T, heads, dim] with offsets of the whole packing
-            tensors, out_grad = [t[0] for t in tensors], out_grad[0]
-            options["cu_seqlens"] = torch.tensor([0, *PACKED]).cumsum(0).to(torch.int32)
-        full = [t.clone().requires_grad_() for t in tensors]
-        out, kl = openmsa.msa_attention(*full, **options)
-        ((out * out_grad).sum() + kl).backward()
-        shard = slice(rank * SEQLEN // world, (rank + 1) * SEQLEN // world)
-        index = (shard,) if packed else (slice(None), shard)
-        local = [t[index].clone().requires_grad_() for t in tensors]
-        out_cp, kl_cp = context_parallel_msa_attention(*local, **options)
-        ((out_cp * out_grad[index]).sum() + kl_cp).backward()
-        torch.testing.assert_close(out_cp, out[index], rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(kl_cp, kl, rtol=1e-6, atol=1e-9)
-        for name, a, b in zip(("q", "k", "v", "index_q", "index_k"), local, full):
-            torch.testing.assert_close(a.grad, b.grad[index], rtol=1e-6, atol=1e-10, msg=name)
+        worker(rank, world, *args)
     except Exception as error:  # reported to the parent, which fails the test
         failures.put(f"rank {rank}: {type(error).__name__}: {error}"[:2000])
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(world, heads, warmup=False, packed=False):
+def _spawn(worker, world, *args):
     with tempfile.TemporaryDirectory() as folder:
         failures = mp.get_context("spawn").SimpleQueue()
-        mp.start_processes(_worker, args=(world, os.path.join(folder, "init"), heads, warmup,
-                                          failures, packed), nprocs=world, start_method="spawn")
+        mp.start_processes(_run, args=(worker, world, os.path.join(folder, "init"), failures,
+                                       args), nprocs=world, start_method="spawn")
         messages = []
         while not failures.empty():
             messages.append(failures.get())
         assert not messages, "\n".join(messages)
+
+
+# --------------------------------------------------------------------------------------------
+# Head-parallel mode: contiguous shards
+# --------------------------------------------------------------------------------------------
+
+def _head_worker(rank, world, heads, warmup, packed):
+    tensors, out_grad = _inputs(heads)
+    options = dict(OPTIONS, warmup=warmup)
+    if packed:  # [T, heads, dim] with offsets of the whole packing
+        tensors, out_grad = [t[0] for t in tensors], out_grad[0]
+        options["cu_seqlens"] = _packed_offsets()
+    full = [t.clone().requires_grad_() for t in tensors]
+    out, kl = openmsa.msa_attention(*full, **options)
+    ((out * out_grad).sum() + kl).backward()
+    shard = slice(rank * SEQLEN // world, (rank + 1) * SEQLEN // world)
+    index = (shard,) if packed else (slice(None), shard)
+    local = [t[index].clone().requires_grad_() for t in tensors]
+    out_cp, kl_cp = context_parallel_msa_attention(*local, **options)
+    ((out_cp * out_grad[index]).sum() + kl_cp).backward()
+    torch.testing.assert_close(out_cp, out[index], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(kl_cp, kl, rtol=1e-6, atol=1e-9)
+    for name, a, b in zip(INPUT_NAMES, local, full):
+        torch.testing.assert_close(a.grad, b.grad[index], rtol=1e-6, atol=1e-10, msg=name)
 
 
 @pytest.mark.parametrize("world,heads", [
@@ -70,51 +85,35 @@ def _spawn(world, heads, warmup=False, packed=False):
     (2, (4, 2, 4, 2)),   # index key heads split across ranks
 ])
 def test_head_parallel_matches_single_process(world, heads):
-    _spawn(world, heads)
+    _spawn(_head_worker, world, heads, False, False)
 
 
 def test_head_parallel_warmup_matches_single_process():
-    _spawn(2, (4, 2, 2, 1), warmup=True)
+    _spawn(_head_worker, 2, (4, 2, 2, 1), True, False)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_head_parallel_packed_input_matches_single_process(world):
-    _spawn(world, (8, 4, 4, 1), packed=True)
+    _spawn(_head_worker, world, (8, 4, 4, 1), False, True)
 
 
-def _layer_worker(rank, world, init_file, failures):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        from openmsa.layers import MSAAttention
-
-        torch.manual_seed(0)
-        single = MSAAttention(96, 4, 2, 64, top_k=2, block_size=64, backend="reference").double()
-        parallel = MSAAttention(96, 4, 2, 64, top_k=2, block_size=64, backend="reference",
-                                context_parallel_group=dist.group.WORLD).double()
-        parallel.load_state_dict(single.state_dict())
-        x = torch.randn(1, SEQLEN, 96, dtype=torch.float64, generator=torch.Generator()
-                        .manual_seed(1))
-        hidden, kl = single(x)
-        shard = slice(rank * SEQLEN // world, (rank + 1) * SEQLEN // world)
-        hidden_cp, kl_cp = parallel(x[:, shard])
-        torch.testing.assert_close(hidden_cp, hidden[:, shard], rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(kl_cp, kl, rtol=1e-6, atol=1e-9)
-    except Exception as error:
-        failures.put(f"rank {rank}: {type(error).__name__}: {error}"[:2000])
-    finally:
-        dist.destroy_process_group()
+def _head_layer_worker(rank, world):
+    torch.manual_seed(0)
+    single = MSAAttention(96, 4, 2, 64, top_k=2, block_size=64, backend="reference").double()
+    parallel = MSAAttention(96, 4, 2, 64, top_k=2, block_size=64, backend="reference",
+                            context_parallel_group=dist.group.WORLD).double()
+    parallel.load_state_dict(single.state_dict())
+    x = torch.randn(1, SEQLEN, 96, dtype=torch.float64, generator=torch.Generator()
+                    .manual_seed(1))
+    hidden, kl = single(x)
+    shard = slice(rank * SEQLEN // world, (rank + 1) * SEQLEN // world)
+    hidden_cp, kl_cp = parallel(x[:, shard])
+    torch.testing.assert_close(hidden_cp, hidden[:, shard], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(kl_cp, kl, rtol=1e-6, atol=1e-9)
 
 
 def test_layer_with_a_process_group_matches_the_single_process_layer():
-    with tempfile.TemporaryDirectory() as folder:
-        failures = mp.get_context("spawn").SimpleQueue()
-        mp.start_processes(_layer_worker, args=(2, os.path.join(folder, "init"), failures),
-                           nprocs=2, start_method="spawn")
-        messages = []
-        while not failures.empty():
-            messages.append(failures.get())
-        assert not messages, "\n".join(messages)
+    _spawn(_head_layer_worker, 2)
 
 
 def test_clear_errors():
@@ -122,3 +121,130 @@ def test_clear_errors():
         context_parallel_msa_attention(*_inputs((4, 2, 2, 1))[0], mode="ring")
     with pytest.raises(ValueError, match="^group:"):
         context_parallel_msa_attention(*_inputs((4, 2, 2, 1))[0])
+    with pytest.raises(ValueError, match="^context_parallel_mode: expected one of"):
+        MSAAttention(96, 4, 2, 64, context_parallel_mode="ring")
+
+
+# --------------------------------------------------------------------------------------------
+# Sequence-parallel mode: zig-zag shards
+# --------------------------------------------------------------------------------------------
+
+# (name, heads (H, Hkv, Hi, Hik), batch, packed, warmup). With 4 ranks the chunks are 32 tokens:
+# query ranges start inside key blocks of 64; packed chunks cut and cross sequences.
+SEQUENCE_CASES = [
+    ("shared index key head", (4, 2, 2, 1), 1, False, False),
+    ("index key heads split, two batch rows", (4, 2, 4, 2), 2, False, False),
+    ("warmup", (4, 2, 2, 1), 1, False, True),
+    ("packed", (8, 4, 4, 1), 1, True, False),
+    ("packed warmup", (4, 1, 2, 1), 1, True, True),
+]
+
+
+def _check_sequence_mode(heads, batch, packed, warmup):
+    """out, kl, all five gradients and the kept blocks against the single-process run."""
+    tensors, out_grad = _inputs(heads, batch)
+    options = dict(OPTIONS, warmup=warmup, return_indices=not warmup)
+    dim = 1  # the sequence dim
+    if packed:
+        tensors, out_grad, dim = [t[0] for t in tensors], out_grad[0], 0
+        options["cu_seqlens"] = _packed_offsets()
+    full = [t.clone().requires_grad_() for t in tensors]
+    out, kl, *ids = openmsa.msa_attention(*full, **options)
+    ((out * out_grad).sum() + kl).backward()
+    local = [zigzag_shard(t, dim=dim).requires_grad_() for t in tensors]
+    out_cp, kl_cp, *ids_cp = context_parallel_msa_attention(*local, mode="sequence", **options)
+    ((out_cp * zigzag_shard(out_grad, dim=dim)).sum() + kl_cp).backward()
+    torch.testing.assert_close(out_cp, zigzag_shard(out, dim=dim), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(kl_cp, kl, rtol=1e-6, atol=1e-9)
+    for name, a, b in zip(INPUT_NAMES, local, full):
+        torch.testing.assert_close(a.grad, zigzag_shard(b.grad, dim=dim), rtol=1e-6,
+                                   atol=1e-10, msg=name)
+    if not warmup:  # ids: [B, Hi, S, k] (packed [Hi, T, k]): the sequence is one dim later
+        assert same_block_sets(ids_cp[0], zigzag_shard(ids[0], dim=dim + 1)).all()
+
+
+def _check_sequence_layer(packed):
+    """The layer option: RoPE positions of the zig-zag shard, hidden, kl, and the parameters'
+    gradients summed over the ranks."""
+    torch.manual_seed(0)
+    options = dict(top_k=2, block_size=64, backend="reference")
+    single = MSAAttention(96, 4, 2, 64, **options).double()
+    parallel = MSAAttention(96, 4, 2, 64, **options, context_parallel_group=dist.group.WORLD,
+                            context_parallel_mode="sequence").double()
+    parallel.load_state_dict(single.state_dict())
+    generator = torch.Generator().manual_seed(1)
+    x, hidden_grad = (torch.randn(1, SEQLEN, 96, dtype=torch.float64, generator=generator)
+                      for _ in range(2))
+    call, dim = {}, 1
+    if packed:
+        x, hidden_grad, dim = x[0], hidden_grad[0], 0
+        call["cu_seqlens"] = _packed_offsets()
+    hidden, kl = single(x, **call)
+    ((hidden * hidden_grad).sum() + kl).backward()
+    hidden_cp, kl_cp = parallel(zigzag_shard(x, dim=dim), **call)
+    ((hidden_cp * zigzag_shard(hidden_grad, dim=dim)).sum() + kl_cp).backward()
+    torch.testing.assert_close(hidden_cp, zigzag_shard(hidden, dim=dim), rtol=1e-10,
+                               atol=1e-10)
+    torch.testing.assert_close(kl_cp, kl, rtol=1e-6, atol=1e-9)
+    for (name, got), expected in zip(parallel.named_parameters(), single.parameters()):
+        grad = got.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad, expected.grad, rtol=1e-6, atol=1e-10, msg=name)
+
+
+def _sequence_worker(rank, world, case_names):
+    checks = [(name, _check_sequence_mode, case) for name, *case in SEQUENCE_CASES]
+    checks += [("layer", _check_sequence_layer, (False,)),
+               ("layer, packed", _check_sequence_layer, (True,))]
+    for name, check, args in checks:
+        if name not in case_names:
+            continue
+        try:
+            check(*args)
+        except Exception as error:
+            raise AssertionError(f"{name}: {type(error).__name__}: {error}") from error
+
+
+@pytest.mark.parametrize("world,case_names", [
+    (2, [name for name, *_ in SEQUENCE_CASES] + ["layer", "layer, packed"]),
+    (4, ["shared index key head", "packed"]),  # chunks of 32 tokens: mid-block ranges
+], ids=["2 ranks", "4 ranks"])
+def test_sequence_parallel_matches_single_process(world, case_names):
+    _spawn(_sequence_worker, world, case_names)
+
+
+def _sequence_errors_worker(rank, world):
+    tensors, _ = _inputs((4, 2, 2, 1))
+    shards = [t[:, :SEQLEN // world] for t in tensors]  # the shapes of valid shards
+    bad_calls = [
+        ("^q: expected a shard of an even number of tokens",
+         [t[:, :5] for t in tensors], {}),
+        (r"^k: expected leading dimensions \(1, 128\) \(those of q",
+         [shards[0], tensors[1][:, :64], *shards[2:]], {}),
+        ("^return_indices: expected False in head-parallel mode",
+         shards, dict(mode="head", return_indices=True)),
+        ("^block_indices: expected None",
+         shards, dict(block_indices=torch.zeros(1, 2, 128, 2, dtype=torch.int32))),
+        ("^max_seqlen: expected None unless cu_seqlens is given", shards, dict(max_seqlen=8)),
+        # Packed shards whose offsets do not describe the ranks' tokens: msa_attention's check,
+        # on the gathered keys (every rank fails alike).
+        ("^cu_seqlens: expected last entry equal to the packed token count T=256",
+         [t[0] for t in shards], dict(cu_seqlens=torch.tensor([0, 255], dtype=torch.int32))),
+    ]
+    for match, inputs, options in bad_calls:
+        call = {**OPTIONS, "mode": "sequence", **options}
+        with pytest.raises(ValueError, match=match):
+            context_parallel_msa_attention(*inputs, **call)
+    with pytest.raises(ValueError, match=r"^x: expected a length along dim 1 divisible by "
+                       rf"2 \* world size = {2 * world}"):
+        zigzag_shard(torch.zeros(1, 2 * world + 1))
+    with pytest.raises(ValueError, match="^mode: expected one of"):
+        shard_sequence(torch.zeros(1, 8), mode="ring")
+    layer = MSAAttention(96, 4, 2, 64, context_parallel_group=dist.group.WORLD,
+                         context_parallel_mode="sequence")
+    with pytest.raises(ValueError, match="^hidden_states: expected an even number of tokens"):
+        layer(torch.zeros(1, 5, 96))
+
+
+def test_sequence_parallel_clear_errors():
+    _spawn(_sequence_errors_worker, 2)

@@ -1,15 +1,27 @@
 """Context parallelism: one long sequence split across the ranks of a ``torch.distributed`` group.
 
-Head-parallel mode (``mode="head"``, DeepSpeed-Ulysses style): every rank passes its contiguous
-shard of the sequence, ``[B, S / W, heads, dim]``. An all-to-all turns that into the whole
-sequence for ``1 / W`` of the GQA groups (main heads, KV heads and index heads); the unmodified
-MSA kernels run on it; an all-to-all turns the output back into sequence shards. Index key
-heads shared by several ranks (the paper's single one) are all-gathered along the sequence
-instead, and their gradients summed back. Needs ``Hkv % W == 0``.
+Two modes (docs/CONTEXT_PARALLEL.md compares them):
+
+- ``mode="head"`` (DeepSpeed-Ulysses style): every rank passes its contiguous shard of the
+  sequence, ``[B, S / W, heads, dim]``. An all-to-all turns that into the whole sequence for
+  ``1 / W`` of the GQA groups (main heads, KV heads and index heads); the unmodified MSA kernels
+  run on it; an all-to-all turns the output back into sequence shards. Index key heads shared by
+  several ranks (the paper's single one) are all-gathered along the sequence instead, and their
+  gradients summed back. Needs ``Hkv % W == 0``.
+- ``mode="sequence"``: every rank passes its zig-zag shard (``zigzag_shard``): the sequence cut
+  into ``2W`` equal chunks, rank ``r`` holding chunks ``r`` and ``2W - 1 - r``, so that every
+  rank has the same causal work. k, v and index_k are all-gathered; selection and the sparse
+  attention run for the rank's queries only, against every key (``msa_attention``'s query
+  ranges, one per chunk); the backward reduce-scatters the key-side gradients to their owners.
+  Needs ``S`` divisible by ``2W``; any head counts.
 
 Communication per layer and rank, forward (the backward moves the same again), in elements:
-``(W - 1) / W * S / W * B * (2 * H * D + 2 * Hkv * D + Hi * Di)`` for the all-to-alls of q, out,
-k, v and index_q, plus ``(W - 1) * S / W * B * Hik * Di`` for the all-gather of index_k.
+
+- head: ``(W - 1) / W * S / W * B * (2 * H * D + 2 * Hkv * D + Hi * Di)`` for the all-to-alls
+  of q, out, k, v and index_q, plus ``(W - 1) * S / W * B * Hik * Di`` for the all-gather of
+  index_k when ``Hik % W != 0``;
+- sequence: ``(W - 1) / W * S * B * (2 * Hkv * D + Hik * Di)`` for the all-gathers of k, v and
+  index_k.
 
 The returned ``kl`` has the single-process value on every rank; its gradient on each rank is that
 rank's share, so every rank adds ``kl_weight * kl`` to its loss, as it adds its own tokens' loss.
@@ -19,30 +31,87 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 from ..ops.msa import msa_attention
 
-MODES = ("head",)
+if dist.is_available():  # torch builds without distributed support still import openmsa
+    # Imported with the module, not on first use: imported after init_process_group, it made
+    # gloo processes abort at exit now and then.
+    import torch.distributed.nn.functional as dist_fn
+
+MODES = ("head", "sequence")
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather of sequence shards along dim 1; the backward sums the ranks' gradients of the
-    full tensor (all-reduce, which gloo has) and keeps this rank's shard."""
+def _zigzag_part(x: torch.Tensor, rank: int, world: int, dim: int) -> torch.Tensor:
+    """Chunks ``rank`` and ``2 * world - 1 - rank`` of ``2 * world`` equal chunks along ``dim``."""
+    chunks = x.chunk(2 * world, dim)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim)
+
+
+def _shard_part(x: torch.Tensor, rank: int, world: int, dim: int, zigzag: bool) -> torch.Tensor:
+    return _zigzag_part(x, rank, world, dim) if zigzag else x.chunk(world, dim)[rank]
+
+
+def zigzag_shard(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
+    """This rank's zig-zag shard of ``x`` along ``dim``: of ``2W`` equal chunks (``W`` ranks in
+    ``group``), chunks ``r`` and ``2W - 1 - r``, concatenated. Sequence mode takes its inputs so;
+    shard tokens, labels and position ids the same way (``dim=1`` for ``[B, S, ...]``,
+    ``dim=0`` for packed ``[T, ...]``)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[dim] % (2 * world):
+        raise ValueError(f"x: expected a length along dim {dim} divisible by 2 * world size = "
+                         f"{2 * world} (zig-zag chunks), received {x.shape[dim]}")
+    return _zigzag_part(x, rank, world, dim)
+
+
+def zigzag_unshard(shard: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
+    """The whole tensor from every rank's ``zigzag_shard`` (an all-gather). Differentiable: the
+    backward sums the ranks' gradients of the whole tensor and returns this rank's part."""
+    if shard.shape[dim] % 2:
+        raise ValueError(f"shard: expected an even length along dim {dim} (two zig-zag chunks), "
+                         f"received {shard.shape[dim]}")
+    return _GatherShards.apply(shard, group, dim, True)
+
+
+def shard_sequence(x: torch.Tensor, group=None, mode: str = "head", dim: int = 1) -> torch.Tensor:
+    """The shard of ``x`` (a whole sequence along ``dim``) that this rank passes in ``mode``:
+    contiguous in head mode, zig-zag in sequence mode."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, received {mode!r}")
+    if mode == "sequence":
+        return zigzag_shard(x, group, dim)
+    world = dist.get_world_size(group)
+    if x.shape[dim] % world:
+        raise ValueError(f"x: expected a length along dim {dim} divisible by the world size "
+                         f"{world}, received {x.shape[dim]}")
+    return x.chunk(world, dim)[dist.get_rank(group)]
+
+
+class _GatherShards(torch.autograd.Function):
+    """All-gather of the ranks' shards along ``dim`` into the whole sequence (shards contiguous
+    in rank order, or zig-zag); the backward reduce-scatters: each rank gets the sum over the
+    ranks of the gradient of its own shard."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
+    def forward(ctx, shard, group, dim, zigzag):
+        ctx.group, ctx.dim, ctx.zigzag = group, dim, zigzag
+        shard = shard.contiguous()
+        shards = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, shard, group=group)
+        if not zigzag:
+            return torch.cat(shards, dim)
+        # Chunk c of 2W is rank c's first half for c < W, rank 2W - 1 - c's second half after.
+        halves = [s.chunk(2, dim) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        world, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(world, dim=1)[rank], None
+        world = dist.get_world_size(ctx.group)
+        parts = [_shard_part(grad, rank, world, ctx.dim, ctx.zigzag).contiguous()
+                 for rank in range(world)]
+        own = torch.empty_like(parts[0])
+        dist.reduce_scatter(own, parts, group=ctx.group)
+        return own, None, None, None
 
 
 def _sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
@@ -61,28 +130,59 @@ def _heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(received, dim=2)  # rank order = head order
 
 
+def _global_kl(share: torch.Tensor, group) -> torch.Tensor:
+    """The sum over the ranks of their ``share`` of the KL, as a value; the gradient of this
+    rank's own share (the all-reduce runs without autograd)."""
+    total = share.detach().clone()
+    dist.all_reduce(total, group=group)
+    return share + (total - share.detach())
+
+
 def context_parallel_msa_attention(q, k, v, index_q, index_k, *, group=None, mode: str = "head",
                                    **options):
-    """MSA over a sequence split across ``group``: inputs and ``out`` are this rank's contiguous
-    sequence shard ``[B, S / W, heads, dim]`` (shards in rank order), or of packed input
-    ``[T / W, heads, dim]`` with ``cu_seqlens`` describing the whole packing; ``options`` are
-    those of ``msa_attention`` (not ``return_indices``). Returns ``(out, kl)``."""
+    """MSA over a sequence split across ``group``. ``options`` are those of ``msa_attention``
+    (``cu_seqlens`` describes the whole packing; ``block_indices`` and ``query_start`` are not
+    supported).
+
+    ``mode="head"``: inputs and ``out`` are this rank's contiguous shard ``[B, S / W, heads,
+    dim]`` (packed ``[T / W, heads, dim]``), shards in rank order; needs ``Hkv % W == 0``.
+    ``mode="sequence"``: inputs and ``out`` are this rank's zig-zag shard (``zigzag_shard``),
+    same shapes; needs ``S`` (packed: ``T``) divisible by ``2W``. With ``return_indices=True``
+    (sequence mode only) it also returns the kept block ids of the rank's queries,
+    ``[B, Hi, S / W, top_k]`` (packed ``[Hi, T / W, top_k]``) in the shard's token order.
+
+    Returns ``(out, kl)`` (``(out, kl, indices)`` with ``return_indices``)."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, received {mode!r}")
     if not dist.is_initialized():
         raise ValueError("group: expected an initialized torch.distributed process group, "
                          "received none (call torch.distributed.init_process_group first)")
-    if "return_indices" in options:
-        raise ValueError("return_indices: not supported with context parallelism")
-    world = dist.get_world_size(group)
+    for name in ("block_indices", "query_start", "kl_num_queries"):
+        if options.get(name) is not None:
+            raise ValueError(f"{name}: expected None (not supported with context parallelism), "
+                             f"received {type(options[name]).__name__}")
+    if mode == "head" and options.get("return_indices"):
+        raise ValueError("return_indices: expected False in head-parallel mode (mode='sequence' "
+                         "returns the indices of the rank's queries), received True")
     packed = options.get("cu_seqlens") is not None
     rank_of_inputs = 3 if packed else 4
-    for name, tensor in (("q", q), ("k", k), ("v", v), ("index_q", index_q),
-                         ("index_k", index_k)):
+    layout = "[T / W, heads, dim] (with cu_seqlens)" if packed else "[B, S / W, heads, dim]"
+    inputs = {"q": q, "k": k, "v": v, "index_q": index_q, "index_k": index_k}
+    for name, tensor in inputs.items():
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != rank_of_inputs:
-            layout = "[T / W, heads, dim] (with cu_seqlens)" if packed else "[B, S / W, heads, dim]"
             raise ValueError(f"{name}: expected a {rank_of_inputs}-D {layout} sequence shard, "
                              f"received {getattr(tensor, 'shape', type(tensor).__name__)}")
+        if tensor.shape[:-2] != q.shape[:-2]:
+            raise ValueError(f"{name}: expected leading dimensions {tuple(q.shape[:-2])} (those "
+                             f"of q: every input holds the same tokens), received "
+                             f"{tuple(tensor.shape[:-2])}")
+    if mode == "head":
+        return _head_parallel(q, k, v, index_q, index_k, group, packed, options)
+    return _sequence_parallel(q, k, v, index_q, index_k, group, packed, options)
+
+
+def _head_parallel(q, k, v, index_q, index_k, group, packed, options):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     if packed:  # one packed row: [1, T / W, heads, dim]; cu_seqlens covers the whole packing
         q, k, v, index_q, index_k = (t[None] for t in (q, k, v, index_q, index_k))
     num_kv_heads, num_index_heads = k.shape[2], index_q.shape[2]
@@ -94,13 +194,12 @@ def context_parallel_msa_attention(q, k, v, index_q, index_k, *, group=None, mod
         raise ValueError(f"index_q: expected a multiple of the {num_kv_heads} KV heads, "
                          f"received {num_index_heads}")
 
-    rank = dist.get_rank(group)
     q_heads, k_heads, v_heads, iq_heads = (_sequence_to_heads(t, group)
                                            for t in (q, k, v, index_q))
     if num_index_kv_heads % world == 0:
         ik_heads = _sequence_to_heads(index_k, group)
     else:  # shared index key heads: every rank takes the ones its index heads read
-        full = _GatherSequence.apply(index_k, group)
+        full = _GatherShards.apply(index_k, group, 1, False)
         per_key_head = num_index_heads // num_index_kv_heads
         local = num_index_heads // world
         first, last = rank * local // per_key_head, ((rank + 1) * local - 1) // per_key_head
@@ -111,10 +210,41 @@ def context_parallel_msa_attention(q, k, v, index_q, index_k, *, group=None, mod
     out, kl = msa_attention(q_heads, k_heads, v_heads, iq_heads, ik_heads, **options)
     if packed:
         out = out[None]
-    # The global KL is the mean of the ranks' KLs (equal head counts). The value is all-reduced
-    # without autograd, so each rank's gradient is its own share: d kl / d kl_rank = 1 / W.
-    total = kl.detach().clone()
-    dist.all_reduce(total, group=group)
-    kl = kl / world + (total - kl.detach()) / world
+    # Each rank's KL is a mean over its index heads, a 1 / W share of them.
+    kl = _global_kl(kl / world, group)
     out = _heads_to_sequence(out, group)
     return (out[0] if packed else out), kl
+
+
+def _sequence_parallel(q, k, v, index_q, index_k, group, packed, options):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    dim = 0 if packed else 1  # the sequence dim
+    local = q.shape[dim]
+    if local % 2:
+        raise ValueError(f"q: expected a shard of an even number of tokens (the {world} ranks' "
+                         f"{world * local} tokens cut into 2 * {world} equal zig-zag chunks), "
+                         f"received {local}")
+    options = dict(options)
+    cu_seqlens = options.pop("cu_seqlens", None)
+    keys = [zigzag_unshard(t, group, dim) for t in (k, v, index_k)]
+    chunk, total = local // 2, world * local
+    starts = (rank * chunk, (2 * world - 1 - rank) * chunk)  # the first token of each chunk
+    # Query ranges run on one packing, or on one sequence (a batch of one): row by row.
+    rows = [(q, index_q, *keys)] if packed else [
+        (q[b, None], index_q[b, None], *(t[b, None] for t in keys)) for b in range(q.shape[0])]
+    outs, indices, kl = [], [], 0
+    for row_q, row_iq, row_k, row_v, row_ik in rows:
+        row_outs, row_ids = [], []
+        for half, start in enumerate(starts):
+            tokens = (..., slice(half * chunk, (half + 1) * chunk), slice(None), slice(None))
+            out, kl_part, *ids = msa_attention(
+                row_q[tokens], row_k, row_v, row_iq[tokens], row_ik, cu_seqlens=cu_seqlens,
+                query_start=start, kl_num_queries=len(rows) * total, **options)
+            row_outs.append(out)
+            row_ids += ids  # [Hi, chunk, top_k], or [1, Hi, chunk, top_k] for a batch row
+            kl = kl + kl_part  # this rank's share: its queries' terms over the global count
+        outs.append(torch.cat(row_outs, dim=-3))
+        if row_ids:
+            indices.append(torch.cat(row_ids, dim=-2))
+    out, kl = torch.cat(outs), _global_kl(kl, group)
+    return (out, kl, torch.cat(indices)) if indices else (out, kl)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..integrations.context_parallel import (MODES, context_parallel_msa_attention,
+                                             shard_sequence)
 from ..ops.msa import msa_attention
 from ..ops.validate import query_positions_from_offsets
 
@@ -45,11 +47,17 @@ class MSAAttention(nn.Module):
                  num_index_kv_heads: int = 1, index_head_dim: int | None = None, *,
                  top_k: int = 16, block_size: int = 128, num_local_blocks: int = 1,
                  num_sink_blocks: int = 0, rope_theta: float = 10000.0, qk_norm: bool = False,
-                 bias: bool = False, backend: str = "auto", context_parallel_group=None):
+                 bias: bool = False, backend: str = "auto", context_parallel_group=None,
+                 context_parallel_mode: str = "head"):
         super().__init__()
-        # With a process group, hidden_states is this rank's contiguous sequence shard and the
-        # attention runs head-parallel across the group (openmsa.integrations.context_parallel).
+        # With a process group, hidden_states is this rank's shard of the sequence and the
+        # attention runs across the group (openmsa.integrations.context_parallel): head mode
+        # takes contiguous shards, sequence mode zig-zag ones (shard_sequence cuts either).
+        if context_parallel_mode not in MODES:
+            raise ValueError(f"context_parallel_mode: expected one of {MODES}, received "
+                             f"{context_parallel_mode!r}")
         self.context_parallel_group = context_parallel_group
+        self.context_parallel_mode = context_parallel_mode
         head_dim = head_dim or hidden_size // num_heads
         num_index_heads = num_index_heads or num_kv_heads
         index_head_dim = index_head_dim or head_dim
@@ -95,42 +103,45 @@ class MSAAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
                 return_indices: bool = False):
-        """hidden_states: ``[B, S, hidden]``, or packed ``[T, hidden]`` with ``cu_seqlens``.
+        """hidden_states: ``[B, S, hidden]``, or packed ``[T, hidden]`` with ``cu_seqlens``
+        (with context parallelism: this rank's shard, ``cu_seqlens`` of the whole packing).
         position_ids: optional ``[B, S]`` (packed: ``[T]``); default: positions within each
-        sequence. Returns ``(hidden, kl)``; with ``return_indices``, ``(hidden, kl, indices)``
-        (indices None in warmup)."""
+        sequence (of this rank's tokens). Returns ``(hidden, kl)``; with ``return_indices``,
+        ``(hidden, kl, indices)`` (indices None in warmup)."""
         lead = hidden_states.shape[:-1]
         if position_ids is None:
-            ranks, rank = 1, 0
-            if self.context_parallel_group is not None:  # this rank holds shard `rank`
-                ranks = torch.distributed.get_world_size(self.context_parallel_group)
-                rank = torch.distributed.get_rank(self.context_parallel_group)
-            tokens = lead[-1]
-            if cu_seqlens is None:
-                position_ids = torch.arange(rank * tokens, (rank + 1) * tokens,
-                                            device=hidden_states.device).expand(lead)
-            else:  # cu_seqlens describes the whole packing
-                position_ids = query_positions_from_offsets(cu_seqlens, ranks * tokens)
-                position_ids = position_ids[rank * tokens:(rank + 1) * tokens]
+            position_ids = self._default_positions(lead, cu_seqlens, hidden_states.device)
         q, k, v, index_q, index_k = self.projections(hidden_states, position_ids)
+        options = dict(self.options, warmup=self.warmup, cu_seqlens=cu_seqlens,
+                       max_seqlen=max_seqlen, return_indices=return_indices and not self.warmup)
         if self.context_parallel_group is not None:
-            from ..integrations.context_parallel import context_parallel_msa_attention
-
-            if return_indices:
-                raise ValueError("return_indices: not supported with context parallelism")
-            out, kl = context_parallel_msa_attention(
+            out, kl, *indices = context_parallel_msa_attention(
                 q, k, v, index_q, index_k, group=self.context_parallel_group,
-                warmup=self.warmup, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                **self.options)
-            return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim)), kl
-        out, kl, *indices = msa_attention(
-            q, k, v, index_q, index_k, warmup=self.warmup, cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen, return_indices=return_indices and not self.warmup,
-            **self.options)
+                mode=self.context_parallel_mode, **options)
+        else:
+            out, kl, *indices = msa_attention(q, k, v, index_q, index_k, **options)
         hidden = self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
         if return_indices:  # warmup selects nothing: None
             return hidden, kl, (indices[0] if indices else None)
         return hidden, kl
+
+    def _default_positions(self, lead, cu_seqlens, device) -> torch.Tensor:
+        """Each token's position in its sequence; with context parallelism, those of this
+        rank's shard of the whole sequence (or packing)."""
+        group = self.context_parallel_group
+        ranks = 1 if group is None else torch.distributed.get_world_size(group)
+        tokens = ranks * lead[-1]
+        if cu_seqlens is None:
+            positions = torch.arange(tokens, device=device)
+        else:  # cu_seqlens describes the whole packing
+            positions = query_positions_from_offsets(cu_seqlens, tokens)
+        if group is not None:
+            if self.context_parallel_mode == "sequence" and lead[-1] % 2:
+                raise ValueError(f"hidden_states: expected an even number of tokens per rank "
+                                 f"(sequence mode cuts the sequence into 2 x {ranks} equal "
+                                 f"chunks), received {lead[-1]}")
+            positions = shard_sequence(positions, group, self.context_parallel_mode, dim=0)
+        return positions if cu_seqlens is not None else positions.expand(lead)
 
 
 def set_msa_warmup(model: nn.Module, warmup: bool) -> int:
