@@ -100,3 +100,24 @@ def test_warmup_schedule_switches_every_layer():
     assert set_msa_warmup(model, True) == 2
     with pytest.raises(ValueError, match="^warmup_steps:"):
         MSAWarmupSchedule(-1)
+
+
+def test_mass_recall_is_the_question_attention_mass_of_the_kept_blocks():
+    """openmsa train's mass recall against an explicit dense softmax of the question's row."""
+    from openmsa.train.run import question_mass_recall
+
+    torch.manual_seed(0)
+    layer = MSAAttention(32, num_heads=4, num_kv_heads=2, head_dim=16, top_k=2, block_size=8)
+    hidden = torch.randn(2, 20, 32)  # blocks of 8: 0-7, 8-15, 16-19
+    kept = torch.tensor([[0, 2], [1, -1]])[None, :, None].expand(2, 2, 20, 2)  # [B, Hi, S, k]
+    with torch.no_grad():
+        mass = question_mass_recall(layer, hidden, kept, 8)
+        q, k, *_ = layer.projections(hidden, torch.arange(20).expand(2, 20))
+        scores = torch.einsum("bhd,bshd->bhs", q[:, -1], k.repeat_interleave(2, dim=2)) / 4
+        teacher = scores.softmax(-1).view(2, 2, 2, 20).mean(2)  # index head = 2 main heads
+    expected = torch.stack([teacher[:, 0, :8].sum(-1) + teacher[:, 0, 16:].sum(-1),
+                            teacher[:, 1, 8:16].sum(-1)], dim=1)
+    torch.testing.assert_close(mass, expected)
+    everything = torch.arange(3).expand(2, 2, 20, 3)
+    torch.testing.assert_close(question_mass_recall(layer, hidden, everything, 8),
+                               torch.ones(2, 2))
