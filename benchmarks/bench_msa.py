@@ -43,12 +43,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
     parser.add_argument("--kinds", default="coherent,random")
+    parser.add_argument("--max-seqlen", type=int, default=131072, help="skip longer shapes")
     parser.add_argument("--warmup-max-seqlen", type=int, default=32768,
                         help="also time warmup steps (dense + KL over the prefix) up to this S")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for name, seqlen, heads, kv_heads, index_heads, head_dim in SHAPES:
+        if seqlen > args.max_seqlen:
+            continue
         generator = torch.Generator(device="cuda").manual_seed(seqlen)
         q, k, v = (torch.randn(1, seqlen, h, head_dim, device="cuda", generator=generator)
                    .bfloat16().requires_grad_() for h in (heads, kv_heads, kv_heads))

@@ -3,7 +3,10 @@
 import pytest
 import torch
 
-from openmsa.ops.csr import build_block_work, build_query_tile_work
+from openmsa.ops.csr import (build_block_work, build_causal_query_tile_work,
+                             build_query_tile_work)
+from openmsa.ops.layout import all_causal_block_ids
+from openmsa.ops.validate import query_positions_from_offsets
 
 
 def random_block_ids(seqlens, num_index_heads, top_k, block_size, seed):
@@ -110,3 +113,21 @@ def test_pair_counts_beyond_int32_are_refused():
     ids = torch.zeros(1, 1, 1, dtype=torch.int32).expand(2**21, 32, 32)  # a view, no memory
     with pytest.raises(ValueError, match="block_ids: expected fewer than 2"):
         build_block_work(ids, torch.tensor([0, 2**21], dtype=torch.int32), 64, 2048)
+
+
+@pytest.mark.parametrize("tile_tokens,query_range", [
+    (1, RANGES[0]), (8, RANGES[0]), (16, RANGES[0]), (8, RANGES[1]), (16, RANGES[2])])
+def test_warmup_tile_lists_built_directly_equal_the_sorted_ones(tile_tokens, query_range):
+    first, end = query_range
+    cu = torch.tensor([0] + list(torch.tensor(SEQLENS).cumsum(0)), dtype=torch.int32)
+    positions = query_positions_from_offsets(cu, 400)[first:end]
+    ids = all_causal_block_ids(positions, 3, 16, max(SEQLENS))
+    sorted_work = build_query_tile_work(ids, cu, tile_tokens, query_start=first)
+    direct = build_causal_query_tile_work(cu, end - first, 3, tile_tokens, 16, ids.shape[2],
+                                          query_start=first)
+    assert torch.equal(direct.schedule, sorted_work.schedule)
+    assert torch.equal(direct.union_count, sorted_work.union_count)
+    for name in ("union", "union_members"):
+        got, expected = getattr(direct, name), getattr(sorted_work, name)
+        assert got.shape == expected.shape, name
+        assert torch.equal(got, expected), name

@@ -186,3 +186,37 @@ def build_query_tile_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                          union_members=members[..., :width].contiguous(),
                          union_count=first_of_run.sum(dim=-1).to(torch.int32).contiguous(),
                          tile_tokens=tile_tokens)
+
+
+def build_causal_query_tile_work(cu_seqlens: torch.Tensor, num_queries: int,
+                                 num_index_heads: int, tile_tokens: int, block_size: int,
+                                 slots: int, query_start: int = 0) -> QueryTileWork:
+    """``build_query_tile_work`` of warmup's ids (every block up to each query's own, ``slots``
+    slots), built directly instead of by sorting: a tile never crosses a key block, so its
+    union is blocks 0 to its own block, each kept by every query of the tile (the kernels mask
+    the own block causally). Same lists, same shapes."""
+    if not 1 <= tile_tokens <= MAX_TILE_TOKENS:
+        raise ValueError(f"tile_tokens: expected 1 to {MAX_TILE_TOKENS}, received {tile_tokens}")
+    device = cu_seqlens.device
+    schedule = query_tile_schedule(cu_seqlens, num_queries, tile_tokens, query_start)
+    sequence, tile = schedule[:, 0].long(), schedule[:, 1].long()
+    real = sequence >= 0
+    sequence = sequence.clamp(min=0)
+    start = cu_seqlens[sequence].long()
+    length = cu_seqlens[sequence + 1].long() - start
+    tile_token = torch.arange(tile_tokens, device=device)
+    position = tile[:, None] * tile_tokens + tile_token
+    row = start[:, None] + position - query_start
+    query = real[:, None] & (position < length[:, None]) & (row >= 0) & (row < num_queries)
+    members = (query.long() << tile_token).sum(-1)  # [E]: the tile's queries, bit per token
+    count = torch.where(query.any(-1), tile * tile_tokens // block_size + 1, 0)
+    width = tile_tokens * slots
+    slot = torch.arange(width, device=device)
+    kept = slot[None, :] < count[:, None]  # [E, width]
+    shape = (schedule.shape[0], num_index_heads, width)
+    union = torch.where(kept, slot[None, :], -1).to(torch.int32)[:, None].expand(shape)
+    union_members = torch.where(kept, members[:, None], 0)[:, None].expand(shape)
+    return QueryTileWork(schedule=schedule, union=union.contiguous(),
+                         union_members=union_members.contiguous(),
+                         union_count=count.to(torch.int32)[:, None].expand(shape[:2]).contiguous(),
+                         tile_tokens=tile_tokens)

@@ -20,7 +20,7 @@ import torch
 
 from .attention import (SparseAttentionProblem, attention_backward, kl_key_side,
                         kl_query_side, query_tile_shape, sparse_attention_fwd)
-from .csr import QueryTileWork
+from .csr import QueryTileWork, build_causal_query_tile_work
 from .dense import dense_attention_backward, dense_attention_forward, dense_log_sum_exp
 from .layout import all_causal_block_ids
 from .schedule import query_tile_entries
@@ -48,10 +48,15 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
     warmup's main attention runs on cuDNN over that many equal batch rows (``openmsa.ops.dense``;
     every token a query)."""
     total = q.shape[0]
+    query_work = None
     if warmup:
         positions = query_positions_from_offsets(cu_seqlens, k.shape[0])
         ids = all_causal_block_ids(positions[query_start:query_start + total],
                                    index_q.shape[1], block_size, max_seqlen)
+        tile_tokens = query_tile_shape(q.shape[1] // index_q.shape[1])[0]
+        query_work = build_causal_query_tile_work(cu_seqlens, total, index_q.shape[1],
+                                                  tile_tokens, block_size, ids.shape[2],
+                                                  query_start)
     elif block_ids is not None:
         ids = block_ids.clone()  # outputs may not alias inputs
     else:
@@ -61,7 +66,7 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
                                 num_sink_blocks=num_sink_blocks, query_start=query_start)
     problem = SparseAttentionProblem(q, k, ids, cu_seqlens, block_size, softmax_scale, index_k,
                                      index_scale, query_start=query_start,
-                                     kl_num_queries=kl_num_queries)
+                                     kl_num_queries=kl_num_queries, query_work=query_work)
     if dense_batch:
         out, lse = dense_attention_forward(q, k, v, dense_batch, softmax_scale)
         lse_index = dense_log_sum_exp(index_q, index_k, dense_batch, index_scale)
