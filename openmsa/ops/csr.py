@@ -90,11 +90,14 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
     # Stable: pairs of a bucket stay in token order, so the work list is deterministic. int32
     # keys (a radix sort does half the passes of int64): buckets number fewer than the pairs,
     # which are fewer than 2^31 (checked above).
-    order = torch.argsort(bucket.to(torch.int32), stable=True)
-    counts = torch.zeros(num_buckets + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
-    counts = counts[:num_buckets]
-    starts = torch.cumsum(counts, 0) - counts
+    sorted_bucket, order = torch.sort(bucket.to(torch.int32), stable=True)
+    # Each bucket's run in the sorted keys, found by binary search: a scatter-add of one count
+    # per pair serializes on atomics when few buckets hold many pairs (12 ms for warmup's
+    # 33M pairs at 32k tokens on an H200).
+    bounds = torch.searchsorted(sorted_bucket, torch.arange(num_buckets + 1, device=device,
+                                                             dtype=torch.int32))
+    starts = bounds[:-1]
+    counts = bounds[1:] - starts
 
     segments_per_bucket = (counts + segment_pairs - 1) // segment_pairs
     segments_end = torch.cumsum(segments_per_bucket, 0)
