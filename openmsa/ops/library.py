@@ -162,7 +162,7 @@ def _setup_context(ctx, inputs, output):
     out, _, *saved = output
     ctx.save_for_backward(q, k, v, index_q, index_k, out, cu_seqlens, *saved)
     ctx.options = (block_size, softmax_scale, index_scale)
-    ctx.query_options = (query_start, kl_num_queries, dense_batch)
+    ctx.trailing_options = (query_start, kl_num_queries, dense_batch)  # both operators take them
 
 
 def _backward(ctx, dout, dkl, *_):
@@ -174,7 +174,7 @@ def _backward(ctx, dout, dkl, *_):
         dout = torch.zeros_like(out)
     dq, dk, dv, grad_index_q, grad_index_k = msa_backward(
         dout, dkl, q, k, v, index_q, index_k, out, *saved, cu_seqlens, *ctx.options,
-        index_grads, *ctx.query_options)
+        index_grads, *ctx.trailing_options)
     if not index_grads:
         grad_index_q = grad_index_k = None
     return (dq, dk, dv, grad_index_q, grad_index_k) + (None,) * 15
