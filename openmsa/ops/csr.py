@@ -142,25 +142,34 @@ class QueryTileWork:
 MAX_TILE_TOKENS = 64  # the bits of a union_members entry
 
 
-def build_query_tile_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                          tile_tokens: int, query_start: int = 0) -> QueryTileWork:
-    """block_ids: int32 ``[Tq, Hi, top_k]`` (``-1`` unused), relative to each sequence's start,
-    of the packed tokens ``[query_start, query_start + Tq)``. Bit t of a members mask is the
-    tile's token t, counted from the tile's first position on the sequence's grid."""
+def _tile_queries(cu_seqlens: torch.Tensor, num_queries: int, tile_tokens: int,
+                  query_start: int):
+    """The query tiles' schedule, each entry's tile index (int64 ``[E]``), which of its
+    ``tile_tokens`` tokens are queries (bool ``[E, tile_tokens]``) and their rows in the query
+    tensors (int64, meaningful where they are queries)."""
     if not 1 <= tile_tokens <= MAX_TILE_TOKENS:
         raise ValueError(f"tile_tokens: expected 1 to {MAX_TILE_TOKENS}, received {tile_tokens}")
-    total, num_index_heads, top_k = block_ids.shape
-    device = block_ids.device
-    schedule = query_tile_schedule(cu_seqlens, total, tile_tokens, query_start)
-    entries = schedule.shape[0]
+    schedule = query_tile_schedule(cu_seqlens, num_queries, tile_tokens, query_start)
     sequence, tile = schedule[:, 0].long(), schedule[:, 1].long()
     real = sequence >= 0
     sequence = sequence.clamp(min=0)
     start = cu_seqlens[sequence].long()
     length = cu_seqlens[sequence + 1].long() - start
-    position = tile[:, None] * tile_tokens + torch.arange(tile_tokens, device=device)
-    row = start[:, None] + position - query_start  # [E, tile_tokens] row in block_ids
-    token_valid = real[:, None] & (position < length[:, None]) & (row >= 0) & (row < total)
+    position = tile[:, None] * tile_tokens + torch.arange(tile_tokens, device=cu_seqlens.device)
+    row = start[:, None] + position - query_start
+    query = real[:, None] & (position < length[:, None]) & (row >= 0) & (row < num_queries)
+    return schedule, tile, query, row
+
+
+def build_query_tile_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                          tile_tokens: int, query_start: int = 0) -> QueryTileWork:
+    """block_ids: int32 ``[Tq, Hi, top_k]`` (``-1`` unused), relative to each sequence's start,
+    of the packed tokens ``[query_start, query_start + Tq)``. Bit t of a members mask is the
+    tile's token t, counted from the tile's first position on the sequence's grid."""
+    total, num_index_heads, top_k = block_ids.shape
+    device = block_ids.device
+    schedule, _, token_valid, row = _tile_queries(cu_seqlens, total, tile_tokens, query_start)
+    entries = schedule.shape[0]
     token = torch.where(token_valid, row, 0)
     ids = torch.where(token_valid[..., None, None], block_ids[token], -1)  # [E, tok, Hi, k]
     ids = ids.permute(0, 2, 1, 3).long()  # [E, Hi, tok, k]
@@ -198,19 +207,9 @@ def build_causal_query_tile_work(cu_seqlens: torch.Tensor, num_queries: int,
     slots), built directly instead of by sorting: a tile never crosses a key block, so its
     union is blocks 0 to its own block, each kept by every query of the tile (the kernels mask
     the own block causally). Same lists, same shapes."""
-    if not 1 <= tile_tokens <= MAX_TILE_TOKENS:
-        raise ValueError(f"tile_tokens: expected 1 to {MAX_TILE_TOKENS}, received {tile_tokens}")
     device = cu_seqlens.device
-    schedule = query_tile_schedule(cu_seqlens, num_queries, tile_tokens, query_start)
-    sequence, tile = schedule[:, 0].long(), schedule[:, 1].long()
-    real = sequence >= 0
-    sequence = sequence.clamp(min=0)
-    start = cu_seqlens[sequence].long()
-    length = cu_seqlens[sequence + 1].long() - start
+    schedule, tile, query, _ = _tile_queries(cu_seqlens, num_queries, tile_tokens, query_start)
     tile_token = torch.arange(tile_tokens, device=device)
-    position = tile[:, None] * tile_tokens + tile_token
-    row = start[:, None] + position - query_start
-    query = real[:, None] & (position < length[:, None]) & (row >= 0) & (row < num_queries)
     members = (query.long() << tile_token).sum(-1)  # [E]: the tile's queries, bit per token
     count = torch.where(query.any(-1), tile * tile_tokens // block_size + 1, 0)
     width = tile_tokens * slots

@@ -15,16 +15,18 @@ the Triton kernels with every causal block kept.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-LOG2_E = math.log2(math.e)
+from .attention import LOG2_E
+from .validate import MSAProblem
 
 
-def use_cudnn_dense(q: torch.Tensor, packed: bool, deterministic: bool) -> bool:
-    """Whether warmup's main attention runs on cuDNN for these inputs (see the module doc)."""
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not packed
+def use_cudnn_dense(q: torch.Tensor, problem: MSAProblem, deterministic: bool) -> bool:
+    """Whether warmup's main attention runs on cuDNN for these inputs (see the module doc):
+    whole batch rows (not packed, every token a query)."""
+    whole_rows = (not problem.packed and problem.query_start == 0
+                  and problem.seqlen == problem.num_keys)
+    return (whole_rows and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
             and not deterministic and torch.backends.cudnn.is_available())
 
 

@@ -141,9 +141,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
     longest = max_seqlen or problem.num_keys
     # The forward computes index_q's KL gradient along with the KL's value when it is needed.
     index_grad = torch.is_grad_enabled() and index_q.requires_grad
-    whole_rows = problem.query_start == 0 and problem.seqlen == problem.num_keys
-    dense_batch = (problem.batch if warmup and whole_rows
-                   and use_cudnn_dense(q, problem.packed, deterministic) else 0)
+    dense_batch = problem.batch if warmup and use_cudnn_dense(q, problem, deterministic) else 0
     out, kl, _, _, token_major_ids, *_ = msa_forward(
         packed_tokens(q), packed_tokens(k), packed_tokens(v), packed_tokens(index_q),
         packed_tokens(index_k), cu, ids, top_k, block_size, problem.softmax_scale,
