@@ -27,7 +27,7 @@ import triton.testing
 from openmsa.bench.flops import kept_triples
 from openmsa.bench.run import index_inputs
 from openmsa.ops.attention import (SparseAttentionProblem, attention_backward, attention_delta,
-                                   attention_dkdv, attention_dq, kl_key_side, kl_query_side,
+                                   attention_dkdv, attention_dq, kl_key_walk, kl_query_side,
                                    sparse_attention_fwd)
 from openmsa.ops.schedule import batch_cu_seqlens
 from openmsa.ops.select import select_blocks_fwd
@@ -84,9 +84,8 @@ def tune(args, seqlen=32768, heads=64, kv_heads=4, index_heads=4, head_dim=128):
     with_index = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale, index_k,
                                         index_scale)
     _, _, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, with_index)
-    factor = torch.ones((), device="cuda")
     for rows in (64, 128):
-        tiles = dict(query_rows=rows, key_rows=rows, kl_key_rows=rows)
+        tiles = dict(query_rows=rows, key_rows=rows)
         main_only = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale, **tiles)
         problem = SparseAttentionProblem(q, k, ids, cu, args.block_size, scale, index_k,
                                          index_scale, **tiles)
@@ -98,8 +97,8 @@ def tune(args, seqlen=32768, heads=64, kv_heads=4, index_heads=4, head_dim=128):
                     q, k, v, index_q, index_k, problem, **launch))
                 record("kl_query", config, lambda: kl_query_side(
                     q, k, index_q, index_k, lse, lse_index, problem, True, True, **launch))
-                record("kl_key", config, lambda: kl_key_side(
-                    q, k, index_q, index_k, lse, lse_index, factor, problem, **launch))
+                record("kl_one_pass", config, lambda: kl_key_walk(
+                    q, k, index_q, index_k, lse, lse_index, problem, True, True, **launch))
                 record("fwd", config, lambda: sparse_attention_fwd(q, k, v, None, None,
                                                                    main_only, **launch))
                 record("dq", config, lambda: attention_dq(q, k, v, dout, lse, delta, main_only,

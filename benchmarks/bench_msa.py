@@ -6,9 +6,10 @@ Times ``msa_attention`` forward and forward+backward (autograd, upstream gradien
 kl) with the exact KL value and with ``kl_value=False``, and PyTorch SDPA (cuDNN on an H200)
 dense causal attention forward+backward on the same q, k, v in the same run. Index inputs are
 "coherent" (neighbouring tokens keep similar blocks, like a trained index branch) or "random"
-(see bench_attention.py). Up to --warmup-max-seqlen it also times a warmup step (dense main
-attention on cuDNN, the KL kernels with every causal block kept) against dense, and the same
-step with the main attention on the Triton kernels (``deterministic=True``).
+(see bench_attention.py), and the step with ``deterministic=True`` (the KL in two ordered walks
+instead of one pass with atomic adds). Up to --warmup-max-seqlen it also times a warmup step
+(dense main attention on cuDNN, the KL kernel with every causal block kept) against dense, and
+the same step with ``deterministic=True`` (main attention and KL on the ordered Triton path).
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def main() -> None:
             inputs = (q, k, v, index_q, index_k)
             one = torch.ones((), device="cuda")
 
-            def step(kl_value):
-                out, kl = msa_attention(*inputs, top_k=16, block_size=128, kl_value=kl_value)
+            def step(kl_value, deterministic=False):
+                out, kl = msa_attention(*inputs, top_k=16, block_size=128, kl_value=kl_value,
+                                        deterministic=deterministic)
                 torch.autograd.grad((out, kl), inputs, (dout, one))
 
             def forward():
@@ -88,6 +90,7 @@ def main() -> None:
             row = dict(shape=name, seqlen=seqlen, selection=kind, dense_step_ms=dense_ms,
                        forward_ms=bench(forward), step_ms=bench(lambda: step(True)),
                        step_no_kl_value_ms=bench(lambda: step(False)),
+                       step_deterministic_ms=bench(lambda: step(True, deterministic=True)),
                        step_extra_memory_gib=extra_gib)
             if seqlen <= args.warmup_max_seqlen and kind == args.kinds.split(",")[0]:
                 def warmup_step(deterministic):
@@ -116,14 +119,15 @@ def main() -> None:
     print(f"\nMSA layer training step (fwd+bwd, selection + attention + KL), {result['gpu']}, bf16, "
           "top_k=16 block=128; dense = SDPA causal fwd+bwd, same run")
     print(f"{'shape':>13} {'S':>7} {'select':>8} {'fwd ms':>8} {'step ms':>8} {'no-value':>8} "
-          f"{'dense ms':>9} {'x':>6} {'x no-value':>10} {'extra GiB':>9}")
+          f"{'determ.':>8} {'dense ms':>9} {'x':>6} {'x no-value':>10} {'extra GiB':>9}")
     for r in rows:
         print(f"{r['shape']:>13} {r['seqlen']:>7} {r['selection']:>8} {r['forward_ms']:>8.2f} "
-              f"{r['step_ms']:>8.2f} {r['step_no_kl_value_ms']:>8.2f} {r['dense_step_ms']:>9.2f} "
+              f"{r['step_ms']:>8.2f} {r['step_no_kl_value_ms']:>8.2f} "
+              f"{r['step_deterministic_ms']:>8.2f} {r['dense_step_ms']:>9.2f} "
               f"{r['speedup']:>6.2f} {r['speedup_no_kl_value']:>10.2f} "
               f"{r['step_extra_memory_gib']:>9.2f}"
               + (f"  warmup {r['warmup_step_ms']:.1f} ms = {r['warmup_vs_dense']:.2f}x dense"
-                 f" (Triton main: {r['warmup_triton_step_ms']:.1f} ms)"
+                 f" (deterministic: {r['warmup_triton_step_ms']:.1f} ms)"
                  if "warmup_step_ms" in r else ""))
 
 

@@ -96,16 +96,22 @@ def main() -> None:
          dict(shared, TOK=4, TOKP=16, ROWS=64, SEGMENT_PAIRS=2048)),
         ("KL query side", attention._kl_query_kernel,
          dict(query, WITH_VALUE=True, WITH_GRAD=True)),
-        ("KL key side", attention._kl_key_kernel,
-         dict(shared, TOK=8, TOKP=16, ROWS=128, SEGMENT_PAIRS=2048)),
     ]
-    print(f"{'kernel':<22} {'warps':>5} {'stages':>6} {'shared KiB':>10} {'registers':>9} "
+    kl = {name: shared[name] for name in ("HI", "GQ", "KV_GROUP", "INDEX_GROUP", "BLOCK",
+                                           "HEAD_DIM", "INDEX_DIM", "PRECISION")}
+    for pairs in (32, 64, 128):
+        kernels.append((f"KL one pass, {pairs} pairs", attention._kl_kernel,
+                        dict(kl, PAIRS=pairs, SEGMENT_PAIRS=2048, QUERY_SIDE=True,
+                             WITH_VALUE=True)))
+    kernels.append(("KL key side (ordered)", attention._kl_kernel,
+                    dict(kl, PAIRS=64, SEGMENT_PAIRS=2048, QUERY_SIDE=False, WITH_VALUE=False)))
+    print(f"{'kernel':<26} {'warps':>5} {'stages':>6} {'shared KiB':>10} {'registers':>9} "
           f"{'spill B':>7}  fits  wgmma")
     for label, fn, constants in kernels:
         for num_stages in args.stages:
             found = inspect(fn, constants, 8, num_stages, args.keep)
             fits = "yes" if found["shared"] <= SHARED_MEMORY_LIMIT else "NO"
-            print(f"{label:<22} {8:>5} {num_stages:>6} {found['shared'] / 1024:>10.1f} "
+            print(f"{label:<26} {8:>5} {num_stages:>6} {found['shared'] / 1024:>10.1f} "
                   f"{found['registers']:>9} {found['spill_bytes']:>7}  {fits:<4}  "
                   f"{'serialized' if found['serialized'] else 'async'}", flush=True)
 

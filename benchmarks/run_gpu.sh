@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run: GPU tests, bf16 check against the reference, benchmarks. Prints short tables last.
 #   bash benchmarks/run_gpu.sh OUTDIR [PARTS]   PARTS: all (default) or a comma-separated list
-#   of select, attention, msa (the benchmark scripts), train, bench (the user-facing commands
+#   of select, attention, kl, msa (the benchmark scripts), train, bench (the user-facing commands
 #   `openmsa train --preset gpu` and `openmsa bench`), cli (= train,bench)
 # Where only a few result files can be copied back, write to a scratch folder and tar it:
 #   bash benchmarks/run_gpu.sh /tmp/run cli; tar czf "$OUT/run.tgz" -C /tmp/run .
@@ -29,6 +29,9 @@ if wants select; then
 fi
 if wants attention; then
   python3 benchmarks/bench_attention.py --out "$out" 2>&1 | tee "$out/bench_attention.log" | tail -12
+fi
+if wants kl; then
+  python3 benchmarks/bench_kl.py --out "$out" 2>&1 | tee "$out/bench_kl.log" | tail -8
 fi
 if wants msa; then
   python3 benchmarks/bench_msa.py --out "$out" 2>&1 | tee "$out/bench_msa.log" | tail -9

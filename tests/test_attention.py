@@ -32,10 +32,10 @@ CASES = [
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
-def _kernel_and_reference(case, dtype, seed=0):
+def _kernel_and_reference(case, dtype, seed=0, **extra_options):
     inputs, cu_seqlens = random_inputs(case, dtype, "cpu", seed=seed)
     out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(seed + 1))
-    options = dict(case.options, return_indices=True)
+    options = dict(case.options, return_indices=True, **extra_options)
     got, ids = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 1.0,
                               backend="triton", **options)
     high = [t.double() for t in inputs]
@@ -56,6 +56,16 @@ def test_msa_attention_kernels_match_reference(case, dtype):
     for name in QUANTITY_NAMES:
         error = rel_rms_error(got[name], expected[name])
         assert error < TOLERANCE[dtype], (name, error)
+
+
+@pytest.mark.parametrize("case", CASES[1:3], ids=lambda c: c.name)
+def test_deterministic_kl_path_matches_reference(case):
+    """deterministic=True takes the KL's value and index_q gradient from the query-side walk
+    instead of the key-outer kernel's atomic adds."""
+    got, expected, _ = _kernel_and_reference(case, torch.float32, deterministic=True)
+    for name in QUANTITY_NAMES:
+        error = rel_rms_error(got[name], expected[name])
+        assert error < TOLERANCE[torch.float32], (name, error)
 
 
 def test_sparse_attention_decomposed_api_matches_reference():
@@ -116,6 +126,26 @@ def test_kl_value_false_gives_a_zero_carrier_with_the_same_gradient():
         assert torch.equal(exact[name], carrier[name]), name
 
 
+def test_kl_value_and_index_k_gradient_need_no_index_q_gradient():
+    """Without gradients the value comes from the query-side walk alone; with only index_k
+    requiring one, the forward still computes the KL's gradients."""
+    case = CASES[1]
+    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=13)
+    options = dict(case.options, backend="triton", cu_seqlens=cu_seqlens)
+    q, k, v, index_q, index_k = (t.detach() for t in inputs)
+    full_index_k = index_k.clone().requires_grad_()
+    _, full_kl = openmsa.msa_attention(q, k, v, index_q.clone().requires_grad_(), full_index_k,
+                                       **options)
+    expected = torch.autograd.grad(full_kl, full_index_k)[0]
+    with torch.no_grad():
+        _, value_only = openmsa.msa_attention(q, k, v, index_q, index_k, **options)
+    torch.testing.assert_close(value_only, full_kl.detach(), rtol=1e-5, atol=0)
+    index_k_only = index_k.clone().requires_grad_()
+    _, kl = openmsa.msa_attention(q, k, v, index_q, index_k_only, **options)
+    torch.testing.assert_close(torch.autograd.grad(kl, index_k_only)[0], expected, rtol=1e-5,
+                               atol=1e-7)
+
+
 def test_kl_gradient_scales_with_the_weight_on_kl():
     """Loss scaling composes: the index gradients are exactly linear in the KL weight."""
     case = CASES[0]
@@ -155,8 +185,8 @@ def test_every_output_element_is_written(monkeypatch):
 
 def test_backward_is_bitwise_deterministic():
     case = CASES[1]
-    first, _, _ = _kernel_and_reference(case, torch.float32, seed=5)
-    second, _, _ = _kernel_and_reference(case, torch.float32, seed=5)
+    first, _, _ = _kernel_and_reference(case, torch.float32, seed=5, deterministic=True)
+    second, _, _ = _kernel_and_reference(case, torch.float32, seed=5, deterministic=True)
     for name in QUANTITY_NAMES:
         assert torch.equal(first[name], second[name]), name
 

@@ -450,21 +450,26 @@ def _sparse_attn_dkdv_kernel(
 
 
 @triton.jit
-def _kl_key_kernel(
-    Q, K, IQ, IK, LSE, LSE_INDEX, DIK_PART,
+def _kl_kernel(
+    Q, K, IQ, IK, LSE, LSE_INDEX, DIK_PART, KL_ROWS, DIQ,
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_iq_t, stride_iq_h,
     stride_ik_t, stride_ik_h, scale_log2, index_scale,
-    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
-    INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
-    SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr,
+    HI: tl.constexpr, GQ: tl.constexpr, KV_GROUP: tl.constexpr, INDEX_GROUP: tl.constexpr,
+    PAIRS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    INDEX_DIM: tl.constexpr, SEGMENT_PAIRS: tl.constexpr, QUERY_SIDE: tl.constexpr,
+    WITH_VALUE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """The KL gradient of index_k before its scalar factor, for one segment of the key-block ->
-    queries list: sum over the segment's pairs of (s - t)^T index_q, with the teacher rebuilt
-    from the main probabilities (one QK^T per step) and the student from the index scores.
-    A kernel of its own, apart from dK/dV, whose two accumulators already fill the registers."""
+    """The KL of one segment of the key-block -> queries list (up to SEGMENT_PAIRS (token,
+    index head) pairs that kept one key block), PAIRS pairs per step. Per step the teacher
+    [BLOCK, PAIRS] is the mean over the index head's GQ main heads of their probabilities, one
+    QK^T and its exponentials per head added up in registers, and the student comes from the
+    index scores. Always: sum over the pairs of (s - t)^T index_q, the KL gradient of index_k
+    before its scalar factor, as fp32 partials per segment (summed in order afterwards).
+    QUERY_SIDE: also each pair's (s - t) index_k into the unscaled gradient of index_q and, with
+    WITH_VALUE, its terms of KL(t || s) into the (token, index head) rows, by atomic adds, so
+    one pass gives the whole KL (not bitwise reproducible: the adds land in any order)."""
     segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
         CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
@@ -476,37 +481,47 @@ def _kl_key_kernel(
     ik = _load_rows(IK, key_token, key_valid, index_head // INDEX_GROUP, stride_ik_t,
                     stride_ik_h, INDEX_DIM)
     dims = tl.arange(0, HEAD_DIM)
+    index_dims = tl.arange(0, INDEX_DIM)
     d_index_k = tl.zeros((BLOCK, INDEX_DIM), tl.float32)
-    rows = tl.arange(0, ROWS)
-    row_head = index_head * GQ + rows // TOK
-    padded = tl.arange(0, TOKP)
-    token_rows_t = _token_rows_t(TOK, TOKP, ROWS, Q.dtype.element_ty)
-    for first_pair in range(first, last, TOK):
-        row_token, row_valid = _pair_rows(PAIR_TOKEN, first_pair, last, GQ, GQ_PAD, TOK)
-        q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
-                    + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
-        # +inf for padding rows: their probabilities come out 0, as the teacher needs.
-        lse = tl.load(LSE + row_token * (HI * GQ) + row_head, mask=row_valid,
-                      other=float("inf"))
-        probs_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
-                          - lse[None, :])  # [BLOCK, ROWS]
+    for first_pair in range(first, last, PAIRS):
+        pair_valid = first_pair + tl.arange(0, PAIRS) < last
+        token = tl.load(PAIR_TOKEN + first_pair + tl.arange(0, PAIRS), mask=pair_valid,
+                        other=0).to(tl.int64)
+        teacher_t = tl.zeros((BLOCK, PAIRS), tl.float32)
+        for g in range(GQ):
+            head = index_head * GQ + g
+            q = tl.load(Q + token[:, None] * stride_q_t + head * stride_q_h + dims[None, :],
+                        mask=pair_valid[:, None], other=0.0)  # [PAIRS, D]
+            # +inf for padding pairs: their probabilities come out 0, as the teacher needs.
+            lse = tl.load(LSE + token * (HI * GQ) + head, mask=pair_valid, other=float("inf"))
+            teacher_t += tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
+                                 - lse[None, :])
+        visible_t = pair_valid[None, :] & (key_pos[:, None] <= (token - query_base)[None, :])
+        # Only pairs inside the block (the first ones: token order) need the causal mask.
         if tl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
-            query_pos = row_token - query_base
-            probs_t = tl.where(key_pos[:, None] <= query_pos[None, :], probs_t, 0.0)
-        teacher_t = _teacher_t(probs_t, token_rows_t, GQ, PRECISION)
-        pair_valid = (padded < TOK) & (first_pair + padded < last)
-        pair_token = tl.load(PAIR_TOKEN + first_pair + padded, mask=pair_valid,
-                             other=0).to(tl.int64)
-        index_q = _load_rows(IQ, pair_token, pair_valid, index_head, stride_iq_t, stride_iq_h,
-                             INDEX_DIM)  # [TOKP, Di], rows TOK.. zero
-        lse_index = tl.load(LSE_INDEX + pair_token * HI + index_head, mask=pair_valid,
-                            other=0.0)
-        z_t = tl.dot(ik, tl.trans(index_q), input_precision=PRECISION) * index_scale
-        visible_t = pair_valid[None, :] & (key_pos[:, None] <= (pair_token - query_base)[None, :])
-        dz_t = tl.where(visible_t, tl.exp(z_t - lse_index[None, :]), 0.0) - teacher_t
-        d_index_k = tl.dot(dz_t.to(index_q.dtype), index_q, d_index_k, input_precision=PRECISION)
+            teacher_t = tl.where(visible_t, teacher_t, 0.0)
+        teacher_t = teacher_t / GQ
+        index_q = _load_rows(IQ, token, pair_valid, index_head, stride_iq_t, stride_iq_h,
+                             INDEX_DIM)  # [PAIRS, Di]
+        lse_index = tl.load(LSE_INDEX + token * HI + index_head, mask=pair_valid, other=0.0)
+        log_student_t = (tl.dot(ik, tl.trans(index_q), input_precision=PRECISION) * index_scale
+                         - lse_index[None, :])  # [BLOCK, PAIRS]
+        # (s - t) lies in [-1, 1]; its tiny factor is applied in the backward, so the 16-bit
+        # MMA operand keeps its precision.
+        dz_t = tl.where(visible_t, tl.exp(log_student_t), 0.0) - teacher_t
+        d_index_k = tl.dot(dz_t.to(index_q.dtype), index_q, d_index_k,
+                           input_precision=PRECISION)
+        if QUERY_SIDE:
+            row = token * HI + index_head
+            d_index_q = tl.dot(tl.trans(dz_t).to(ik.dtype), ik, input_precision=PRECISION)
+            tl.atomic_add(DIQ + row[:, None] * INDEX_DIM + index_dims[None, :], d_index_q,
+                          mask=pair_valid[:, None], sem="relaxed")
+            if WITH_VALUE:
+                terms = teacher_t * (tl.log(tl.maximum(teacher_t, 1e-30)) - log_student_t)
+                tl.atomic_add(KL_ROWS + row, tl.sum(tl.where(teacher_t > 0, terms, 0.0), axis=0),
+                              mask=pair_valid, sem="relaxed")
     tl.store(DIK_PART + (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * INDEX_DIM
-             + tl.arange(0, INDEX_DIM)[None, :], d_index_k)
+             + index_dims[None, :], d_index_k)
 
 
 @triton.jit
@@ -567,7 +582,8 @@ FWD_CONFIG = dict(num_warps=8, num_stages=2)
 DQ_CONFIG = dict(num_warps=8, num_stages=2)
 DKDV_CONFIG = dict(num_warps=8, num_stages=2)
 KL_QUERY_CONFIG = dict(num_warps=8, num_stages=2)
-KL_KEY_CONFIG = dict(num_warps=8, num_stages=2)
+KL_CONFIG = dict(num_warps=8, num_stages=2)
+KL_PAIRS = 64  # pairs per step of the key-outer KL kernel (the teacher is [block, KL_PAIRS])
 # Pairs per dK/dV program: bounds a program's work when many queries keep the same block.
 SEGMENT_PAIRS = 2048
 QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
@@ -583,9 +599,9 @@ class SparseAttentionProblem:
     """
 
     def __init__(self, q, k, block_ids, cu_seqlens, block_size, softmax_scale, index_k=None,
-                 index_scale=None, query_rows=QUERY_ROWS, key_rows=64, kl_key_rows=128,
-                 query_work: QueryTileWork | None = None, query_start: int = 0,
-                 kl_num_queries: int | None = None):
+                 index_scale=None, query_rows=QUERY_ROWS, key_rows=64,
+                 query_work: QueryTileWork | None = None, block_work: BlockWork | None = None,
+                 query_start: int = 0, kl_num_queries: int | None = None):
         self.total, self.num_heads, self.head_dim = q.shape
         self.num_keys, self.num_kv_heads = k.shape[0], k.shape[1]
         self.query_start = query_start
@@ -602,8 +618,6 @@ class SparseAttentionProblem:
         self.cu_seqlens = cu_seqlens
         self.query_tokens, gq_pad, self.query_rows = _tile_shape(self.gq, query_rows)
         self.key_tokens, _, self.key_rows = _tile_shape(self.gq, key_rows)
-        # The KL's key-side kernel holds one accumulator, so it can afford more rows.
-        self.kl_key_tokens, _, self.kl_key_rows = _tile_shape(self.gq, kl_key_rows)
         # Given when the forward built it already (the custom operator's backward).
         self.query_work: QueryTileWork = query_work or build_query_tile_work(
             block_ids, cu_seqlens, self.query_tokens, query_start)
@@ -612,10 +626,12 @@ class SparseAttentionProblem:
                            INDEX_GROUP=self.index_group, BLOCK=block_size,
                            HEAD_DIM=self.head_dim, INDEX_DIM=self.index_dim,
                            PRECISION=_precision(q))
+        if block_work is not None:  # given when the forward built it already
+            self.block_work = block_work
 
     @functools.cached_property
     def block_work(self) -> BlockWork:
-        """The key-block -> queries list, needed by the backward only: built on first use."""
+        """The key-block -> queries list (dK/dV and the KL): built on first use."""
         return build_block_work(self.block_ids, self.cu_seqlens, self.block_size, SEGMENT_PAIRS,
                                 self.query_start, self.num_keys)
 
@@ -626,6 +642,12 @@ class SparseAttentionProblem:
     def key_constants(self, tokens, rows):
         return dict(self.shared, TOK=tokens, TOKP=max(16, tokens), ROWS=rows,
                     SEGMENT_PAIRS=self.block_work.segment_pairs)
+
+    def kl_constants(self, pairs):
+        shared = {name: self.shared[name] for name in ("HI", "GQ", "KV_GROUP", "INDEX_GROUP",
+                                                       "BLOCK", "HEAD_DIM", "INDEX_DIM",
+                                                       "PRECISION")}
+        return dict(shared, PAIRS=pairs, SEGMENT_PAIRS=self.block_work.segment_pairs)
 
     def query_grid(self):
         return (self.query_work.schedule.shape[0], self.num_index_heads)
@@ -766,22 +788,57 @@ def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
             _reduce_segments(dv_part, torch.empty_like(v), 1.0, group, p))
 
 
-def kl_key_side(q, k, index_q, index_k, lse, lse_index, factor, p: SparseAttentionProblem,
-                num_warps=KL_KEY_CONFIG["num_warps"], num_stages=KL_KEY_CONFIG["num_stages"]):
-    """The KL gradient of index_k (``factor`` = ``p.kl_gradient_factor(kl_grad)``, a 1-element
-    fp32 tensor), key-outer like dK/dV."""
+def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProblem,
+                query_side: bool, with_value: bool, pairs=KL_PAIRS,
+                num_warps=KL_CONFIG["num_warps"], num_stages=KL_CONFIG["num_stages"]):
+    """The key-outer KL kernel over the key-block -> queries list. Returns the unscaled KL
+    gradient of index_k (fp32, index_k's shape) and, with ``query_side``, the KL of every
+    (token, index head) (fp32 [T, Hi], None unless ``with_value``) and the unscaled gradient
+    of index_q (fp32 [T, Hi, Di]), both summed by atomic adds. The gradients are
+    ``p.kl_gradient_factor(kl_grad)`` times the unscaled ones."""
     segments = p.block_work.segments.shape[0]
     part = torch.empty(segments * p.block_size, p.index_dim, dtype=torch.float32,
                        device=q.device)
-    _launch(_kl_key_kernel, (segments,),
-        q, k, index_q, index_k, lse, lse_index, part, *p.key_work_args(),
+    rows = d_index_q = part  # placeholders unless query_side
+    if query_side:
+        rows = torch.zeros(p.total, p.num_index_heads, dtype=torch.float32, device=q.device)
+        d_index_q = torch.zeros(p.total, p.num_index_heads, p.index_dim, dtype=torch.float32,
+                                device=q.device)
+    _launch(_kl_kernel, (segments,),
+        q, k, index_q, index_k, lse, lse_index, part, rows, d_index_q, *p.key_work_args(),
         *_strides(q, k, index_q, index_k), p.scale * LOG2_E, p.index_scale,
-        **p.key_constants(p.kl_key_tokens, p.kl_key_rows), num_warps=num_warps,
-        num_stages=num_stages)
-    # The factor is a device scalar (no host sync): scale the partials' sum afterwards.
+        **p.kl_constants(pairs), QUERY_SIDE=query_side, WITH_VALUE=with_value,
+        num_warps=num_warps, num_stages=num_stages)
     d_index_k = _reduce_segments(part, torch.empty(index_k.shape, dtype=torch.float32,
                                                    device=q.device), 1.0, p.index_group, p)
-    return (d_index_k * factor).to(index_k.dtype)
+    if not query_side:
+        return d_index_k, None, None
+    return d_index_k, (rows if with_value else None), d_index_q
+
+
+def index_branch_kl(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProblem,
+                    with_value: bool, with_grad: bool, deterministic: bool):
+    """The KL from the final log-sum-exps: (its rows per (token, index head) or None unless
+    ``with_value``, the unscaled gradients of index_q and index_k or None unless
+    ``with_grad``).
+
+    The gradients come from one key-outer pass (``kl_key_walk``) that sums d index_q and the
+    value by atomic adds; ``deterministic`` instead takes them from the query-side walk, a
+    second pass over the same pairs that writes each (token, index head) once. The value alone
+    is the query-side walk, which needs no key-block list."""
+    if not with_grad:
+        rows, _ = kl_query_side(q, k, index_q, index_k, lse, lse_index, p, with_value=True,
+                                with_grad=False)
+        return rows, None, None
+    if deterministic:
+        rows, d_index_q = kl_query_side(q, k, index_q, index_k, lse, lse_index, p,
+                                        with_value=with_value, with_grad=True)
+        d_index_k, _, _ = kl_key_walk(q, k, index_q, index_k, lse, lse_index, p,
+                                      query_side=False, with_value=False)
+        return rows, d_index_q, d_index_k
+    d_index_k, rows, d_index_q = kl_key_walk(q, k, index_q, index_k, lse, lse_index, p,
+                                             query_side=True, with_value=with_value)
+    return rows, d_index_q, d_index_k
 
 
 class SparseAttentionFunction(torch.autograd.Function):

@@ -46,12 +46,39 @@ class BlockWork:
     num_global_blocks: int  # NB, an upper bound (padding blocks have sequence -1)
     segment_pairs: int
 
+    def packed(self) -> torch.Tensor:
+        """The lists as one flat int32 tensor (a custom operator's output)."""
+        return torch.cat([self.pair_token, self.bucket_start, self.bucket_count,
+                          self.bucket_segments_end, self.block_sequence, self.block_local,
+                          self.segments.flatten(), self.segment_order])
+
+    @staticmethod
+    def unpacked(flat: torch.Tensor, num_pairs: int, num_global_blocks: int, num_segments: int,
+                 num_index_heads: int, segment_pairs: int) -> "BlockWork":
+        """``packed``'s inverse; the sizes are ``block_work_sizes``'."""
+        buckets = num_global_blocks * num_index_heads
+        parts = flat.split([num_pairs, buckets, buckets, buckets, num_global_blocks,
+                            num_global_blocks, 2 * num_segments, num_segments])
+        return BlockWork(*parts[:6], segments=parts[6].view(num_segments, 2),
+                         segment_order=parts[7], num_global_blocks=num_global_blocks,
+                         segment_pairs=segment_pairs)
+
 
 def sequence_of_tokens(cu_seqlens: torch.Tensor, num_tokens: int,
                        first_token: int = 0) -> torch.Tensor:
     """int64 [num_tokens]: the sequence of each packed token from ``first_token`` on."""
     tokens = torch.arange(first_token, first_token + num_tokens, device=cu_seqlens.device)
     return torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
+
+
+def block_work_sizes(num_queries: int, num_index_heads: int, slots: int, num_keys: int,
+                     num_sequences: int, block_size: int, segment_pairs: int):
+    """(pairs, global blocks, segments) of ``build_block_work``'s lists, from shapes alone: the
+    number of pair entries and upper bounds on the blocks and segments."""
+    num_pairs = num_queries * num_index_heads * slots
+    num_global_blocks = num_keys // block_size + num_sequences
+    num_segments = num_pairs // segment_pairs + num_global_blocks * num_index_heads
+    return num_pairs, num_global_blocks, num_segments
 
 
 def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
@@ -70,7 +97,8 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
     blocks_per_sequence = (lengths + block_size - 1) // block_size
     first_block = torch.cumsum(blocks_per_sequence, 0) - blocks_per_sequence
     num_keys = total if num_keys is None else num_keys
-    num_global_blocks = num_keys // block_size + num_sequences  # >= sum of blocks_per_sequence
+    _, num_global_blocks, num_segments = block_work_sizes(
+        total, num_index_heads, top_k, num_keys, num_sequences, block_size, segment_pairs)
 
     global_block = torch.arange(num_global_blocks, device=device)
     block_sequence = torch.searchsorted(torch.cumsum(blocks_per_sequence, 0), global_block,
@@ -101,7 +129,6 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
 
     segments_per_bucket = (counts + segment_pairs - 1) // segment_pairs
     segments_end = torch.cumsum(segments_per_bucket, 0)
-    num_segments = total * num_index_heads * top_k // segment_pairs + num_buckets  # upper bound
     entry = torch.arange(num_segments, device=device)
     segment_bucket = torch.searchsorted(segments_end, entry, right=True)
     valid = segment_bucket < num_buckets

@@ -12,15 +12,21 @@ Inputs are packed: q ``[Tq, H, D]``, k and v ``[T, Hkv, D]``, index_q ``[Tq, Hi,
 The queries are the packed tokens ``[query_start, query_start + Tq)`` of the keys' packing (all
 of them by default: ``query_start = 0``, ``Tq = T``), and the KL is a mean over
 ``kl_num_queries`` query tokens (None: Tq); context parallelism runs each rank's queries so.
+
+The KL's gradients do not depend on ``dout`` (only on the scalar gradient reaching ``kl``), so
+the forward computes them unscaled, along with the value, and the backward only scales them.
+The key-block -> queries list the KL kernel walks is an output too (one flat int32 tensor), for
+the backward's dK/dV.
 """
 
 from typing import Optional
 
 import torch
 
-from .attention import (SparseAttentionProblem, attention_backward, kl_key_side,
-                        kl_query_side, query_tile_shape, sparse_attention_fwd)
-from .csr import QueryTileWork, build_causal_query_tile_work
+from . import attention
+from .attention import (SparseAttentionProblem, attention_backward, index_branch_kl,
+                        query_tile_shape, sparse_attention_fwd)
+from .csr import BlockWork, QueryTileWork, block_work_sizes, build_causal_query_tile_work
 from .dense import dense_attention_backward, dense_attention_forward, dense_log_sum_exp
 from .layout import all_causal_block_ids
 from .schedule import query_tile_entries
@@ -30,6 +36,11 @@ from .validate import query_positions_from_offsets
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+def _block_work_sizes(q, k, index_q, cu_seqlens, slots: int, block_size: int):
+    return block_work_sizes(q.shape[0], index_q.shape[1], slots, k.shape[0],
+                            cu_seqlens.shape[0] - 1, block_size, attention.SEGMENT_PAIRS)
+
+
 @torch.library.custom_op("openmsa::msa_forward", mutates_args=())
 def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor,
                 index_k: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -37,16 +48,19 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
                 softmax_scale: float, index_scale: float, num_local_blocks: int,
                 num_sink_blocks: int, warmup: bool, max_seqlen: int, kl_value: bool,
                 index_grad: bool, query_start: int = 0, kl_num_queries: Optional[int] = None,
-                dense_batch: int = 0,
+                dense_batch: int = 0, deterministic: bool = False,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                           torch.Tensor, torch.Tensor]:
     """Returns out, kl (fp32 0-dim: the exact KL, or 0 with ``kl_value=False``), the main lse2
     ``[Tq, H]``, the index log-sum-exp ``[Tq, Hi]``, the kept block ids, the unscaled KL
-    gradient of index_q (``[Tq, Hi, Di]`` when ``kl_value and index_grad``, else empty) and the
-    query-tile work lists. ``block_ids``: given kept blocks, or None to select (or, in warmup,
-    keep every causal block of sequences up to ``max_seqlen`` tokens). ``dense_batch`` > 0:
-    warmup's main attention runs on cuDNN over that many equal batch rows (``openmsa.ops.dense``;
-    every token a query)."""
+    gradients of index_q (fp32 ``[Tq, Hi, Di]``) and index_k (fp32, index_k's shape) and the
+    packed key-block -> queries list (all three empty unless ``index_grad``), and the query-tile
+    work lists. ``block_ids``: given kept blocks, or None to select (or, in warmup, keep every
+    causal block of sequences up to ``max_seqlen`` tokens). ``dense_batch`` > 0: warmup's main
+    attention runs on cuDNN over that many equal batch rows (``openmsa.ops.dense``; every token
+    a query). ``deterministic``: the KL's gradients and value are summed in a fixed order
+    (``attention.index_branch_kl``)."""
     total = q.shape[0]
     query_work = None
     if warmup:
@@ -72,23 +86,26 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
         lse_index = dense_log_sum_exp(index_q, index_k, dense_batch, index_scale)
     else:
         out, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem)
-    d_index_q = q.new_empty(0, dtype=torch.float32)
-    if kl_value:
-        rows, grad = kl_query_side(q, k, index_q, index_k, lse, lse_index, problem,
-                                   with_value=True, with_grad=index_grad)
-        kl = problem.kl_mean(rows)
-        d_index_q = grad if grad is not None else d_index_q
-    else:
-        kl = torch.zeros((), dtype=torch.float32, device=q.device)
+    kl = torch.zeros((), dtype=torch.float32, device=q.device)
+    d_index_q, d_index_k = (q.new_empty(0, dtype=torch.float32) for _ in range(2))
+    block_work = q.new_empty(0, dtype=torch.int32)
+    if kl_value or index_grad:
+        rows, grad_q, grad_k = index_branch_kl(q, k, index_q, index_k, lse, lse_index, problem,
+                                               kl_value, index_grad, deterministic)
+        if kl_value:
+            kl = problem.kl_mean(rows)
+        if index_grad:
+            d_index_q, d_index_k = grad_q, grad_k
+            block_work = problem.block_work.packed()
     work = problem.query_work
-    return (out, kl, lse, lse_index, ids, d_index_q, work.schedule, work.union,
-            work.union_members, work.union_count)
+    return (out, kl, lse, lse_index, ids, d_index_q, d_index_k, block_work, work.schedule,
+            work.union, work.union_members, work.union_count)
 
 
 @msa_forward.register_fake
 def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softmax_scale,
       index_scale, num_local_blocks, num_sink_blocks, warmup, max_seqlen, kl_value, index_grad,
-      query_start=0, kl_num_queries=None, dense_batch=0):
+      query_start=0, kl_num_queries=None, dense_batch=0, deterministic=False):
     total, num_heads, _ = q.shape
     num_index_heads, index_dim = index_q.shape[1], index_q.shape[2]
     if warmup:
@@ -101,11 +118,16 @@ def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softm
     entries = query_tile_entries(total, cu_seqlens.shape[0] - 1, tokens, query_start)
     f32 = dict(dtype=torch.float32, device=q.device)
     i32 = dict(dtype=torch.int32, device=q.device)
-    grad_shape = (total, num_index_heads, index_dim) if kl_value and index_grad else (0,)
+    grad_q_shape = (total, num_index_heads, index_dim) if index_grad else (0,)
+    grad_k_shape = index_k.shape if index_grad else (0,)
+    pairs, blocks, segments = _block_work_sizes(q, k, index_q, cu_seqlens, slots, block_size)
+    work_size = pairs + 3 * blocks * num_index_heads + 2 * blocks + 3 * segments
     width = tokens * slots
     return (torch.empty_like(q), q.new_empty((), **f32), q.new_empty(total, num_heads, **f32),
             q.new_empty(total, num_index_heads, **f32),
-            q.new_empty(total, num_index_heads, slots, **i32), q.new_empty(grad_shape, **f32),
+            q.new_empty(total, num_index_heads, slots, **i32), q.new_empty(grad_q_shape, **f32),
+            q.new_empty(grad_k_shape, **f32),
+            q.new_empty(work_size if index_grad else 0, **i32),
             q.new_empty(entries, 2, **i32), q.new_empty(entries, num_index_heads, width, **i32),
             q.new_empty(entries, num_index_heads, width, dtype=torch.int64, device=q.device),
             q.new_empty(entries, num_index_heads, **i32))
@@ -115,18 +137,27 @@ def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softm
 def msa_backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, lse_index: torch.Tensor,
-                 block_ids: torch.Tensor, d_index_q: torch.Tensor, schedule: torch.Tensor,
-                 union: torch.Tensor, union_members: torch.Tensor, union_count: torch.Tensor,
+                 block_ids: torch.Tensor, d_index_q: torch.Tensor, d_index_k: torch.Tensor,
+                 block_work: torch.Tensor, schedule: torch.Tensor, union: torch.Tensor,
+                 union_members: torch.Tensor, union_count: torch.Tensor,
                  cu_seqlens: torch.Tensor, block_size: int, softmax_scale: float,
                  index_scale: float, index_grads: bool, query_start: int = 0,
-                 kl_num_queries: Optional[int] = None, dense_batch: int = 0) -> Tensors:
+                 kl_num_queries: Optional[int] = None, dense_batch: int = 0,
+                 deterministic: bool = False) -> Tensors:
     """dq, dk, dv and, with ``index_grads``, the KL gradients of index_q and index_k (empty
-    tensors otherwise). ``dkl``: the fp32 0-dim gradient reaching kl. ``d_index_q``: the
-    forward's unscaled KL gradient of index_q, or empty to compute it here."""
+    tensors otherwise). ``dkl``: the fp32 0-dim gradient reaching kl. ``d_index_q``,
+    ``d_index_k``, ``block_work``: the forward's unscaled KL gradients and packed key-block
+    list, or empty to compute them here."""
     work = QueryTileWork(schedule, union, union_members, union_count,
                          tile_tokens=query_tile_shape(q.shape[1] // block_ids.shape[1])[0])
+    blocks = None
+    if block_work.numel():
+        blocks = BlockWork.unpacked(
+            block_work, *_block_work_sizes(q, k, index_q, cu_seqlens, block_ids.shape[2],
+                                           block_size),
+            num_index_heads=block_ids.shape[1], segment_pairs=attention.SEGMENT_PAIRS)
     problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
-                                     index_k, index_scale, query_work=work,
+                                     index_k, index_scale, query_work=work, block_work=blocks,
                                      query_start=query_start, kl_num_queries=kl_num_queries)
     if dense_batch:
         dq, dk, dv = dense_attention_backward(dout, q, k, v, out, lse, dense_batch,
@@ -136,19 +167,20 @@ def msa_backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torc
     if not index_grads:
         empty = q.new_empty(0)
         return dq, dk, dv, empty, empty
+    if d_index_q.numel() == 0:  # the forward ran without index gradients
+        _, d_index_q, d_index_k = index_branch_kl(q, k, index_q, index_k, lse, lse_index,
+                                                  problem, False, True, deterministic)
+    # A device scalar (no host synchronization).
     factor = problem.kl_gradient_factor(dkl.float())
-    if d_index_q.numel() == 0:
-        _, d_index_q = kl_query_side(q, k, index_q, index_k, lse, lse_index, problem,
-                                     with_value=False, with_grad=True)
-    grad_index_q = (d_index_q * factor).to(index_q.dtype)
-    grad_index_k = kl_key_side(q, k, index_q, index_k, lse, lse_index, factor, problem)
-    return dq, dk, dv, grad_index_q, grad_index_k
+    return (dq, dk, dv, (d_index_q * factor).to(index_q.dtype),
+            (d_index_k * factor).to(index_k.dtype))
 
 
 @msa_backward.register_fake
-def _(dout, dkl, q, k, v, index_q, index_k, out, lse, lse_index, block_ids, d_index_q, schedule,
-      union, union_members, union_count, cu_seqlens, block_size, softmax_scale, index_scale,
-      index_grads, query_start=0, kl_num_queries=None, dense_batch=0):
+def _(dout, dkl, q, k, v, index_q, index_k, out, lse, lse_index, block_ids, d_index_q,
+      d_index_k, block_work, schedule, union, union_members, union_count, cu_seqlens,
+      block_size, softmax_scale, index_scale, index_grads, query_start=0, kl_num_queries=None,
+      dense_batch=0, deterministic=False):
     if not index_grads:
         return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(0),
                 q.new_empty(0))
@@ -158,11 +190,12 @@ def _(dout, dkl, q, k, v, index_q, index_k, out, lse, lse_index, block_ids, d_in
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, index_q, index_k, cu_seqlens, _, _, block_size, softmax_scale, index_scale, *_,
-     query_start, kl_num_queries, dense_batch) = inputs
+     query_start, kl_num_queries, dense_batch, deterministic) = inputs
     out, _, *saved = output
     ctx.save_for_backward(q, k, v, index_q, index_k, out, cu_seqlens, *saved)
     ctx.options = (block_size, softmax_scale, index_scale)
-    ctx.trailing_options = (query_start, kl_num_queries, dense_batch)  # both operators take them
+    # Both operators take them.
+    ctx.trailing_options = (query_start, kl_num_queries, dense_batch, deterministic)
 
 
 def _backward(ctx, dout, dkl, *_):
@@ -177,7 +210,7 @@ def _backward(ctx, dout, dkl, *_):
         index_grads, *ctx.trailing_options)
     if not index_grads:
         grad_index_q = grad_index_k = None
-    return (dq, dk, dv, grad_index_q, grad_index_k) + (None,) * 15
+    return (dq, dk, dv, grad_index_q, grad_index_k) + (None,) * 16
 
 
 msa_forward.register_autograd(_backward, setup_context=_setup_context)

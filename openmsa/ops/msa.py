@@ -139,14 +139,15 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
     cu = packed_offsets(cu_seqlens, problem.batch, problem.num_keys, q.device)
     ids = None if block_indices is None else ids_to_token_major(block_indices, problem.packed)
     longest = max_seqlen or problem.num_keys
-    # The forward computes index_q's KL gradient along with the KL's value when it is needed.
-    index_grad = torch.is_grad_enabled() and index_q.requires_grad
+    # The forward computes the KL's gradients (they do not depend on dout) when they are needed.
+    index_grad = torch.is_grad_enabled() and (index_q.requires_grad or index_k.requires_grad)
     dense_batch = problem.batch if warmup and use_cudnn_dense(q, problem, deterministic) else 0
     out, kl, _, _, token_major_ids, *_ = msa_forward(
         packed_tokens(q), packed_tokens(k), packed_tokens(v), packed_tokens(index_q),
         packed_tokens(index_k), cu, ids, top_k, block_size, problem.softmax_scale,
         problem.index_softmax_scale, num_local_blocks, num_sink_blocks, warmup, longest,
-        kl_value, index_grad, problem.query_start, problem.kl_num_queries, dense_batch)
+        kl_value, index_grad, problem.query_start, problem.kl_num_queries, dense_batch,
+        deterministic)
     if block_indices is None and not warmup:
         block_indices = ids_from_token_major(token_major_ids, problem.packed, problem.batch,
                                              problem.seqlen)

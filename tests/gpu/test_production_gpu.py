@@ -55,15 +55,18 @@ def test_model_compiles_with_fullgraph_on_inductor():
         assert (got.float() - expected.float()).norm() <= 2e-2 * expected.float().norm() + 1e-6
 
 
-def test_forward_backward_replays_under_a_cuda_graph():
-    """Captured once, replayed on new data in the same buffers: bitwise equal to eager (the
-    kernels are deterministic, and nothing synchronizes with the host)."""
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_forward_backward_replays_under_a_cuda_graph(deterministic):
+    """Captured once, replayed on new data in the same buffers: equal to eager (nothing
+    synchronizes with the host). Bitwise with ``deterministic=True``; by default the KL's value
+    and index gradients are sums of atomic adds in any order, so they agree to fp32 rounding,
+    and the main branch's outputs stay bitwise equal."""
     static = inputs()
     dout = torch.randn_like(static[0])
     one = torch.ones((), device="cuda")
 
     def step(tensors):
-        out, kl = msa_attention(*tensors, top_k=8, block_size=128)
+        out, kl = msa_attention(*tensors, top_k=8, block_size=128, deterministic=deterministic)
         return (out, kl) + torch.autograd.grad((out, kl), tensors, (dout, one))
 
     side = torch.cuda.Stream()
@@ -84,7 +87,10 @@ def test_forward_backward_replays_under_a_cuda_graph():
         expected = step(fresh)
         for name, got, want in zip(("out", "kl", "dq", "dk", "dv", "dindex_q", "dindex_k"),
                                    captured, expected):
-            assert torch.equal(got, want), name
+            if deterministic or name in ("out", "dq", "dk", "dv"):
+                assert torch.equal(got, want), name
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-5, msg=name)
 
 
 def test_repeated_training_steps_do_not_grow_memory():

@@ -1,0 +1,126 @@
+"""The KL's kernels alone (GPU only): the default one-pass key-outer kernel (atomic adds for
+d index_q and the value) against ``deterministic=True``'s two walks, for sparse selections and
+for warmup (every causal block kept).
+
+    python benchmarks/bench_kl.py --out DIR [--sweep]
+
+Per shape: the query-side walk (value + d index_q), the key-outer kernel without its query side
+(d index_k), their sum (the deterministic path), the one-pass kernel (all three), and how far the
+one-pass results lie from the deterministic ones (relative RMS; they differ by summation order).
+``--sweep`` also times the one-pass kernel at 32/64/128 pairs per step and 1/2 pipeline stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import triton
+import triton.testing
+
+from openmsa.bench.run import index_inputs
+from openmsa.ops.attention import (SparseAttentionProblem, kl_key_walk, kl_query_side,
+                                   query_tile_shape, sparse_attention_fwd)
+from openmsa.ops.csr import build_causal_query_tile_work
+from openmsa.ops.layout import all_causal_block_ids
+from openmsa.ops.schedule import batch_cu_seqlens
+from openmsa.ops.select import select_blocks_fwd
+from openmsa.testing import rel_rms_error
+
+SHAPES = [
+    # (name, S, H, Hkv, Hi, D, warmup)
+    ("H16/Hkv2/Hi4", 16384, 16, 2, 4, 128, False),
+    ("H64/Hkv4/Hi4", 32768, 64, 4, 4, 128, False),
+    ("H64/Hkv4/Hi4", 131072, 64, 4, 4, 128, False),
+    ("H16/Hkv2/Hi4", 16384, 16, 2, 4, 128, True),
+    ("H64/Hkv4/Hi4", 32768, 64, 4, 4, 128, True),
+]
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def problem_for(seqlen, heads, kv_heads, index_heads, head_dim, warmup, generator):
+    q, k = (torch.randn(seqlen, h, head_dim, device="cuda", generator=generator).bfloat16()
+            for h in (heads, kv_heads))
+    v = torch.randn_like(k)
+    index_q, index_k = index_inputs("coherent", seqlen, index_heads, head_dim, generator)
+    cu = batch_cu_seqlens(1, seqlen, "cuda")
+    scale = head_dim ** -0.5
+    query_work = None
+    if warmup:
+        ids = all_causal_block_ids(torch.arange(seqlen, device="cuda"), index_heads, 128, seqlen)
+        query_work = build_causal_query_tile_work(
+            cu, seqlen, index_heads, query_tile_shape(heads // index_heads)[0], 128,
+            ids.shape[2])
+    else:
+        ids = select_blocks_fwd(index_q, index_k, cu, top_k=16, block_size=128,
+                                index_softmax_scale=scale, num_local_blocks=1,
+                                num_sink_blocks=0)
+    problem = SparseAttentionProblem(q, k, ids, cu, 128, scale, index_k, scale,
+                                     query_work=query_work)
+    _, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem)
+    problem.block_work  # built once, outside the timings
+    return (q, k, index_q, index_k, lse, lse_index), problem
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--max-seqlen", type=int, default=131072)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for name, seqlen, heads, kv_heads, index_heads, head_dim, warmup in SHAPES:
+        if seqlen > args.max_seqlen:
+            continue
+        generator = torch.Generator(device="cuda").manual_seed(seqlen)
+        tensors, p = problem_for(seqlen, heads, kv_heads, index_heads, head_dim, warmup,
+                                 generator)
+        row = dict(shape=name, seqlen=seqlen, warmup=warmup)
+        row["query_side_ms"] = bench(lambda: kl_query_side(*tensors, p, True, True))
+        row["key_side_ms"] = bench(lambda: kl_key_walk(*tensors, p, False, False))
+        row["deterministic_ms"] = row["query_side_ms"] + row["key_side_ms"]
+        row["one_pass_ms"] = bench(lambda: kl_key_walk(*tensors, p, True, True))
+        row["speedup"] = row["deterministic_ms"] / row["one_pass_ms"]
+        rows_kl, d_index_q = kl_query_side(*tensors, p, True, True)
+        d_index_k, _, _ = kl_key_walk(*tensors, p, False, False)
+        fast_k, fast_rows, fast_q = kl_key_walk(*tensors, p, True, True)
+        row["one_pass_vs_deterministic_rel_rms"] = dict(
+            kl_rows=rel_rms_error(fast_rows, rows_kl), d_index_q=rel_rms_error(fast_q, d_index_q),
+            d_index_k=rel_rms_error(fast_k, d_index_k))
+        if args.sweep:
+            row["sweep"] = {}
+            for pairs in (32, 64, 128):
+                for stages in (1, 2):
+                    try:
+                        ms = bench(lambda: kl_key_walk(*tensors, p, True, True, pairs=pairs,
+                                                       num_stages=stages))
+                    except Exception as error:  # out of shared memory or registers
+                        ms = f"failed: {type(error).__name__}"
+                    row["sweep"][f"pairs{pairs}_stages{stages}"] = ms
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del tensors, p
+        torch.cuda.empty_cache()
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=triton.__version__, date=time.strftime("%Y-%m-%d"), rows=rows)
+    with open(os.path.join(args.out, "bench_kl.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"\nKL kernels, {result['gpu']}, bf16, coherent selection top_k=16 block=128 "
+          "(warmup: every causal block)")
+    print(f"{'shape':>13} {'S':>7} {'warmup':>6} {'query ms':>9} {'key ms':>8} "
+          f"{'determ. ms':>10} {'one-pass ms':>11} {'x':>5}")
+    for r in rows:
+        print(f"{r['shape']:>13} {r['seqlen']:>7} {str(r['warmup']):>6} "
+              f"{r['query_side_ms']:>9.2f} {r['key_side_ms']:>8.2f} {r['deterministic_ms']:>10.2f} "
+              f"{r['one_pass_ms']:>11.2f} {r['speedup']:>5.2f}")
+
+
+if __name__ == "__main__":
+    main()
