@@ -65,6 +65,7 @@ def main() -> None:
             torch.autograd.grad(out, (qd, kd, vd), doutd)
 
         dense_ms = bench(dense_step)
+        dense_kernels = kernel_times(dense_step)
         for kind in args.kinds.split(","):
             index_q, index_k = index_inputs(kind, seqlen, index_heads, head_dim, generator)
             index_q = index_q[None].requires_grad_()
@@ -88,6 +89,7 @@ def main() -> None:
             torch.cuda.synchronize()
             extra_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
             row = dict(shape=name, seqlen=seqlen, selection=kind, dense_step_ms=dense_ms,
+                       dense_kernels_ms=dense_kernels,
                        forward_ms=bench(forward), step_ms=bench(lambda: step(True)),
                        step_no_kl_value_ms=bench(lambda: step(False)),
                        step_deterministic_ms=bench(lambda: step(True, deterministic=True)),

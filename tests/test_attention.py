@@ -220,6 +220,17 @@ def test_blocks_split_into_many_segments_give_the_same_gradients(monkeypatch):
         assert rel_rms_error(split[name], expected[name]) < 1e-5
 
 
+@pytest.mark.parametrize("pairs,heads", [(8, 1), (16, 2)])
+def test_kl_kernel_tiles_give_the_same_results(pairs, heads, monkeypatch):
+    """The KL kernel with other step shapes (pairs x heads per QK^T, several steps per
+    segment) against the reference."""
+    monkeypatch.setattr(attention_module, "KL_PAIRS", pairs)
+    monkeypatch.setattr(attention_module, "KL_HEADS", heads)
+    got, expected, _ = _kernel_and_reference(CASES[1], torch.float32, seed=14)
+    for name in ("kl", "dindex_q", "dindex_k"):
+        assert rel_rms_error(got[name], expected[name]) < 1e-5, name
+
+
 @pytest.mark.parametrize("case", [
     MSACase("warmup_batch2", batch=2, seqlen=200, num_heads=4, num_kv_heads=2,
             num_index_heads=2, options=dict(block_size=64, warmup=True)),
