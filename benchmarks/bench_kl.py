@@ -63,7 +63,7 @@ def problem_for(seqlen, heads, kv_heads, index_heads, head_dim, warmup, generato
                                 index_softmax_scale=scale, num_local_blocks=1,
                                 num_sink_blocks=0)
     problem = SparseAttentionProblem(q, k, ids, cu, 128, scale, index_k, scale,
-                                     query_work=query_work)
+                                     query_work=query_work, all_causal=warmup)
     _, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem)
     problem.block_work  # built once, outside the timings
     return (q, k, index_q, index_k, lse, lse_index), problem

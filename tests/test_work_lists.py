@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from openmsa.ops.csr import (build_block_work, build_causal_query_tile_work,
+from openmsa.ops.csr import (build_block_work, build_causal_block_work,
+                             build_causal_query_tile_work,
                              build_query_tile_work)
 from openmsa.ops.layout import all_causal_block_ids
 from openmsa.ops.validate import query_positions_from_offsets
@@ -131,3 +132,23 @@ def test_warmup_tile_lists_built_directly_equal_the_sorted_ones(tile_tokens, que
         got, expected = getattr(direct, name), getattr(sorted_work, name)
         assert got.shape == expected.shape, name
         assert torch.equal(got, expected), name
+
+
+@pytest.mark.parametrize("segment_pairs,query_range", [
+    (3, RANGES[0]), (2048, RANGES[0]), (5, RANGES[1]), (7, RANGES[2])])
+def test_warmup_key_block_lists_built_directly_equal_the_sorted_ones(segment_pairs,
+                                                                     query_range):
+    first, end = query_range
+    cu = torch.tensor([0] + list(torch.tensor(SEQLENS).cumsum(0)), dtype=torch.int32)
+    positions = query_positions_from_offsets(cu, 400)[first:end]
+    ids = all_causal_block_ids(positions, 3, 16, max(SEQLENS))
+    sorted_work = build_block_work(ids, cu, 16, segment_pairs, query_start=first, num_keys=400)
+    direct = build_causal_block_work(cu, end - first, 3, 16, ids.shape[2], segment_pairs,
+                                     query_start=first, num_keys=400)
+    pairs = sorted_work.bucket_count.sum().item()
+    assert direct.pair_token.shape == sorted_work.pair_token.shape
+    assert torch.equal(direct.pair_token[:pairs], sorted_work.pair_token[:pairs])
+    for name in ("bucket_start", "bucket_count", "bucket_segments_end", "block_sequence",
+                 "block_local", "segments", "segment_order"):
+        assert torch.equal(getattr(direct, name), getattr(sorted_work, name)), name
+    assert direct.num_global_blocks == sorted_work.num_global_blocks

@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from .csr import (MAX_TILE_TOKENS, BlockWork, QueryTileWork, build_block_work,
-                  build_query_tile_work)
+                  build_causal_block_work, build_query_tile_work)
 
 LOG2_E = math.log2(math.e)
 
@@ -609,12 +609,15 @@ class SparseAttentionProblem:
     The queries (q and the query-side tensors, ``[Tq, ...]``) are the packed tokens
     ``[query_start, query_start + Tq)`` of the packing of k (``[T, ...]``) and ``cu_seqlens``;
     by default all of them. The KL is a mean over ``kl_num_queries`` query tokens (default Tq).
+    ``all_causal``: ``block_ids`` keep every causal block (warmup), so the key-block list is
+    built directly, without sorting them.
     """
 
     def __init__(self, q, k, block_ids, cu_seqlens, block_size, softmax_scale, index_k=None,
                  index_scale=None, query_rows=QUERY_ROWS, key_rows=64,
                  query_work: QueryTileWork | None = None, block_work: BlockWork | None = None,
-                 query_start: int = 0, kl_num_queries: int | None = None):
+                 query_start: int = 0, kl_num_queries: int | None = None,
+                 all_causal: bool = False):
         self.total, self.num_heads, self.head_dim = q.shape
         self.num_keys, self.num_kv_heads = k.shape[0], k.shape[1]
         self.query_start = query_start
@@ -639,12 +642,17 @@ class SparseAttentionProblem:
                            INDEX_GROUP=self.index_group, BLOCK=block_size,
                            HEAD_DIM=self.head_dim, INDEX_DIM=self.index_dim,
                            PRECISION=_precision(q))
+        self.all_causal = all_causal
         if block_work is not None:  # given when the forward built it already
             self.block_work = block_work
 
     @functools.cached_property
     def block_work(self) -> BlockWork:
         """The key-block -> queries list (dK/dV and the KL): built on first use."""
+        if self.all_causal:
+            return build_causal_block_work(self.cu_seqlens, self.total, self.num_index_heads,
+                                           self.block_size, self.top_k, SEGMENT_PAIRS,
+                                           self.query_start, self.num_keys)
         return build_block_work(self.block_ids, self.cu_seqlens, self.block_size, SEGMENT_PAIRS,
                                 self.query_start, self.num_keys)
 

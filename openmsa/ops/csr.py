@@ -81,6 +81,60 @@ def block_work_sizes(num_queries: int, num_index_heads: int, slots: int, num_key
     return num_pairs, num_global_blocks, num_segments
 
 
+def _global_blocks(cu_seqlens: torch.Tensor, block_size: int, num_global_blocks: int):
+    """Each sequence's first global block, and each global block's sequence (-1: padding) and
+    block index within it (int64)."""
+    num_sequences = cu_seqlens.numel() - 1
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    blocks_per_sequence = (lengths + block_size - 1) // block_size
+    first_block = torch.cumsum(blocks_per_sequence, 0) - blocks_per_sequence
+    global_block = torch.arange(num_global_blocks, device=cu_seqlens.device)
+    block_sequence = torch.searchsorted(torch.cumsum(blocks_per_sequence, 0), global_block,
+                                        right=True)
+    padding_block = block_sequence >= num_sequences
+    block_sequence = torch.where(padding_block, 0, block_sequence)
+    block_local = global_block - first_block[block_sequence]
+    return first_block, torch.where(padding_block, -1, block_sequence), block_local
+
+
+def _check_pair_count(total: int, num_index_heads: int, slots: int, name: str) -> None:
+    if total * num_index_heads * slots >= 2**31:  # pair numbers are int32 in the kernels
+        raise ValueError(f"{name}: expected fewer than 2^31 (token, index head, slot) "
+                         f"entries, received {total} x {num_index_heads} x {slots}")
+
+
+def _block_work(pair_token, starts, counts, block_sequence, block_local, num_segments: int,
+                segment_pairs: int) -> BlockWork:
+    """The lists from the pairs in bucket order and each bucket's run: the buckets cut into
+    segments."""
+    device = pair_token.device
+    num_buckets = starts.numel()
+    segments_per_bucket = (counts + segment_pairs - 1) // segment_pairs
+    segments_end = torch.cumsum(segments_per_bucket, 0)
+    entry = torch.arange(num_segments, device=device)
+    segment_bucket = torch.searchsorted(segments_end, entry, right=True)
+    valid = segment_bucket < num_buckets
+    segment_bucket = torch.where(valid, segment_bucket, 0)
+    segment_in_bucket = entry - (segments_end[segment_bucket] - segments_per_bucket[segment_bucket])
+    first_pair = starts[segment_bucket] + segment_in_bucket * segment_pairs
+    pairs = torch.where(valid, torch.clamp(starts[segment_bucket] + counts[segment_bucket]
+                                           - first_pair, max=segment_pairs), 0)
+    segments = torch.stack([torch.where(valid, segment_bucket, -1),
+                            torch.where(valid, first_pair, 0)], dim=1)
+    return BlockWork(
+        pair_token=pair_token.to(torch.int32),
+        bucket_start=starts.to(torch.int32),
+        bucket_count=counts.to(torch.int32),
+        bucket_segments_end=segments_end.to(torch.int32),
+        block_sequence=block_sequence.to(torch.int32),
+        block_local=block_local.to(torch.int32),
+        segments=segments.to(torch.int32).contiguous(),
+        segment_order=torch.argsort(pairs, descending=True, stable=True).to(torch.int32),
+        num_global_blocks=block_sequence.numel(),
+        segment_pairs=segment_pairs,
+    )
+
+
 def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
                      segment_pairs: int, query_start: int = 0,
                      num_keys: int | None = None) -> BlockWork:
@@ -88,26 +142,14 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
     of the packed tokens ``[query_start, query_start + Tq)``; ``num_keys``: the packing's token
     count T (default Tq)."""
     total, num_index_heads, top_k = block_ids.shape
-    if total * num_index_heads * top_k >= 2**31:  # pair numbers are int32 in the kernels
-        raise ValueError(f"block_ids: expected fewer than 2^31 (token, index head, slot) "
-                         f"entries, received {total} x {num_index_heads} x {top_k}")
+    _check_pair_count(total, num_index_heads, top_k, "block_ids")
     device = block_ids.device
-    num_sequences = cu_seqlens.numel() - 1
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    blocks_per_sequence = (lengths + block_size - 1) // block_size
-    first_block = torch.cumsum(blocks_per_sequence, 0) - blocks_per_sequence
     num_keys = total if num_keys is None else num_keys
     _, num_global_blocks, num_segments = block_work_sizes(
-        total, num_index_heads, top_k, num_keys, num_sequences, block_size, segment_pairs)
-
-    global_block = torch.arange(num_global_blocks, device=device)
-    block_sequence = torch.searchsorted(torch.cumsum(blocks_per_sequence, 0), global_block,
-                                        right=True)
-    padding_block = block_sequence >= num_sequences
-    block_sequence = torch.where(padding_block, 0, block_sequence)
-    block_local = global_block - first_block[block_sequence]
-    block_sequence = torch.where(padding_block, -1, block_sequence)
-
+        total, num_index_heads, top_k, num_keys, cu_seqlens.numel() - 1, block_size,
+        segment_pairs)
+    first_block, block_sequence, block_local = _global_blocks(cu_seqlens, block_size,
+                                                              num_global_blocks)
     # Bucket of every pair; unused slots go to an extra bucket past the end.
     num_buckets = num_global_blocks * num_index_heads
     token_block = first_block[sequence_of_tokens(cu_seqlens, total, query_start)]  # [Tq]
@@ -125,32 +167,40 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
     bounds = torch.searchsorted(sorted_bucket, torch.arange(num_buckets + 1, device=device,
                                                              dtype=torch.int32))
     starts = bounds[:-1]
-    counts = bounds[1:] - starts
+    return _block_work(order // (num_index_heads * top_k), starts, bounds[1:] - starts,
+                       block_sequence, block_local, num_segments, segment_pairs)
 
-    segments_per_bucket = (counts + segment_pairs - 1) // segment_pairs
-    segments_end = torch.cumsum(segments_per_bucket, 0)
-    entry = torch.arange(num_segments, device=device)
-    segment_bucket = torch.searchsorted(segments_end, entry, right=True)
-    valid = segment_bucket < num_buckets
-    segment_bucket = torch.where(valid, segment_bucket, 0)
-    segment_in_bucket = entry - (segments_end[segment_bucket] - segments_per_bucket[segment_bucket])
-    first_pair = starts[segment_bucket] + segment_in_bucket * segment_pairs
-    pairs = torch.where(valid, torch.clamp(starts[segment_bucket] + counts[segment_bucket]
-                                           - first_pair, max=segment_pairs), 0)
-    segments = torch.stack([torch.where(valid, segment_bucket, -1),
-                            torch.where(valid, first_pair, 0)], dim=1)
-    return BlockWork(
-        pair_token=(order // (num_index_heads * top_k)).to(torch.int32),
-        bucket_start=starts.to(torch.int32),
-        bucket_count=counts.to(torch.int32),
-        bucket_segments_end=segments_end.to(torch.int32),
-        block_sequence=block_sequence.to(torch.int32),
-        block_local=block_local.to(torch.int32),
-        segments=segments.to(torch.int32).contiguous(),
-        segment_order=torch.argsort(pairs, descending=True, stable=True).to(torch.int32),
-        num_global_blocks=num_global_blocks,
-        segment_pairs=segment_pairs,
-    )
+
+def build_causal_block_work(cu_seqlens: torch.Tensor, num_queries: int, num_index_heads: int,
+                            block_size: int, slots: int, segment_pairs: int,
+                            query_start: int = 0, num_keys: int | None = None) -> BlockWork:
+    """``build_block_work`` of warmup's ids (every block up to each query's own, ``slots``
+    slots), built directly instead of by sorting: the queries that kept block b of a sequence
+    are its queries at positions >= b * block_size, a run of consecutive rows. Same lists, same
+    shapes (past the pairs, ``pair_token`` holds zeros where the sort left unused slots)."""
+    _check_pair_count(num_queries, num_index_heads, slots, "max_seqlen")
+    device = cu_seqlens.device
+    num_keys = num_queries if num_keys is None else num_keys
+    num_pairs, num_global_blocks, num_segments = block_work_sizes(
+        num_queries, num_index_heads, slots, num_keys, cu_seqlens.numel() - 1, block_size,
+        segment_pairs)
+    _, block_sequence, block_local = _global_blocks(cu_seqlens, block_size, num_global_blocks)
+    sequence = block_sequence.clamp(min=0)
+    # The query rows [first_row, end_row) of each global block's bucket (the same for every
+    # index head): its sequence's queries from the block's first position on.
+    first_row = (cu_seqlens[sequence].long() + block_local * block_size - query_start)
+    end_row = cu_seqlens[sequence + 1].long() - query_start
+    first_row, end_row = first_row.clamp(0, num_queries), end_row.clamp(0, num_queries)
+    counts = torch.where(block_sequence >= 0, (end_row - first_row).clamp(min=0), 0)
+    counts = counts.repeat_interleave(num_index_heads)  # buckets: global block * Hi + head
+    first_row = first_row.repeat_interleave(num_index_heads)
+    ends = torch.cumsum(counts, 0)
+    starts = ends - counts
+    pair = torch.arange(num_pairs, device=device)
+    bucket = torch.searchsorted(ends, pair, right=True).clamp(max=counts.numel() - 1)
+    pair_token = torch.where(pair < ends[-1], first_row[bucket] + pair - starts[bucket], 0)
+    return _block_work(pair_token, starts, counts, block_sequence, block_local, num_segments,
+                       segment_pairs)
 
 
 @dataclass

@@ -80,7 +80,8 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
                                 num_sink_blocks=num_sink_blocks, query_start=query_start)
     problem = SparseAttentionProblem(q, k, ids, cu_seqlens, block_size, softmax_scale, index_k,
                                      index_scale, query_start=query_start,
-                                     kl_num_queries=kl_num_queries, query_work=query_work)
+                                     kl_num_queries=kl_num_queries, query_work=query_work,
+                                     all_causal=warmup)
     if dense_batch:
         out, lse = dense_attention_forward(q, k, v, dense_batch, softmax_scale)
         lse_index = dense_log_sum_exp(index_q, index_k, dense_batch, index_scale)
