@@ -457,16 +457,15 @@ def _kl_kernel(
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_iq_t, stride_iq_h,
     stride_ik_t, stride_ik_h, scale_log2, index_scale,
     HI: tl.constexpr, GQ: tl.constexpr, KV_GROUP: tl.constexpr, INDEX_GROUP: tl.constexpr,
-    PAIRS: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr, SEGMENT_PAIRS: tl.constexpr,
-    QUERY_SIDE: tl.constexpr,
+    PAIRS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    INDEX_DIM: tl.constexpr, SEGMENT_PAIRS: tl.constexpr, QUERY_SIDE: tl.constexpr,
     WITH_VALUE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The KL of one segment of the key-block -> queries list (up to SEGMENT_PAIRS (token,
     index head) pairs that kept one key block), PAIRS pairs per step. Per step the teacher
-    [BLOCK, PAIRS] is the mean over the index head's GQ main heads of their probabilities,
-    summed in registers from one QK^T and its exponentials per HEADS heads, and the student
-    comes from the index scores. Always: sum over the pairs of (s - t)^T index_q, the KL gradient of index_k
+    [BLOCK, PAIRS] is the mean over the index head's GQ main heads of their probabilities, one
+    QK^T and its exponentials per head added up in registers, and the student comes from the
+    index scores. Always: sum over the pairs of (s - t)^T index_q, the KL gradient of index_k
     before its scalar factor, as fp32 partials per segment (summed in order afterwards).
     QUERY_SIDE: also each pair's (s - t) index_k into the unscaled gradient of index_q and, with
     WITH_VALUE, its terms of KL(t || s) into the (token, index head) rows, by atomic adds, so
@@ -484,30 +483,19 @@ def _kl_kernel(
     dims = tl.arange(0, HEAD_DIM)
     index_dims = tl.arange(0, INDEX_DIM)
     d_index_k = tl.zeros((BLOCK, INDEX_DIM), tl.float32)
-    pair_of_row_t = _token_rows_t(PAIRS, PAIRS, ROWS, Q.dtype.element_ty)
     for first_pair in range(first, last, PAIRS):
         pair_valid = first_pair + tl.arange(0, PAIRS) < last
         token = tl.load(PAIR_TOKEN + first_pair + tl.arange(0, PAIRS), mask=pair_valid,
                         other=0).to(tl.int64)
-        # HEADS heads x PAIRS pairs per QK^T (head-major rows); the teacher sums each pair's
-        # head rows by one MMA against a 0/1 matrix (a bigger QK^T, half the loop trips).
-        row_token = tl.reshape(tl.broadcast_to(token[None, :], (HEADS, PAIRS)), (ROWS,))
-        row_valid = tl.reshape(tl.broadcast_to(pair_valid[None, :], (HEADS, PAIRS)), (ROWS,))
         teacher_t = tl.zeros((BLOCK, PAIRS), tl.float32)
-        for g in range(0, GQ, HEADS):
-            row_head = index_head * GQ + g + tl.arange(0, ROWS) // PAIRS
-            q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
-                        + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
+        for g in range(GQ):
+            head = index_head * GQ + g
+            q = tl.load(Q + token[:, None] * stride_q_t + head * stride_q_h + dims[None, :],
+                        mask=pair_valid[:, None], other=0.0)  # [PAIRS, D]
             # +inf for padding pairs: their probabilities come out 0, as the teacher needs.
-            lse = tl.load(LSE + row_token * (HI * GQ) + row_head, mask=row_valid,
-                          other=float("inf"))
-            probs_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
-                              - lse[None, :])  # [BLOCK, ROWS]
-            if HEADS == 1:
-                teacher_t += probs_t
-            else:
-                teacher_t = tl.dot(probs_t.to(pair_of_row_t.dtype), pair_of_row_t, teacher_t,
-                                   input_precision=PRECISION)
+            lse = tl.load(LSE + token * (HI * GQ) + head, mask=pair_valid, other=float("inf"))
+            teacher_t += tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
+                                 - lse[None, :])
         visible_t = pair_valid[None, :] & (key_pos[:, None] <= (token - query_base)[None, :])
         # Only pairs inside the block (the first ones: token order) need the causal mask.
         if tl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
@@ -596,7 +584,6 @@ DKDV_CONFIG = dict(num_warps=8, num_stages=2)
 KL_QUERY_CONFIG = dict(num_warps=8, num_stages=2)
 KL_CONFIG = dict(num_warps=8, num_stages=2)
 KL_PAIRS = 64  # pairs per step of the key-outer KL kernel (the teacher is [block, KL_PAIRS])
-KL_HEADS = 2  # main heads per QK^T in it (at most; a divisor of H / Hi)
 # Pairs per dK/dV program: bounds a program's work when many queries keep the same block.
 SEGMENT_PAIRS = 2048
 QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
@@ -664,13 +651,11 @@ class SparseAttentionProblem:
         return dict(self.shared, TOK=tokens, TOKP=max(16, tokens), ROWS=rows,
                     SEGMENT_PAIRS=self.block_work.segment_pairs)
 
-    def kl_constants(self, pairs, heads):
+    def kl_constants(self, pairs):
         shared = {name: self.shared[name] for name in ("HI", "GQ", "KV_GROUP", "INDEX_GROUP",
                                                        "BLOCK", "HEAD_DIM", "INDEX_DIM",
                                                        "PRECISION")}
-        heads = math.gcd(heads, self.gq)  # heads per QK^T divide the index head's heads
-        return dict(shared, PAIRS=pairs, HEADS=heads, ROWS=heads * pairs,
-                    SEGMENT_PAIRS=self.block_work.segment_pairs)
+        return dict(shared, PAIRS=pairs, SEGMENT_PAIRS=self.block_work.segment_pairs)
 
     def query_grid(self):
         return (self.query_work.schedule.shape[0], self.num_index_heads)
@@ -812,7 +797,7 @@ def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
 
 
 def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProblem,
-                query_side: bool, with_value: bool, pairs=None, heads=None,
+                query_side: bool, with_value: bool, pairs=None,
                 num_warps=KL_CONFIG["num_warps"], num_stages=KL_CONFIG["num_stages"]):
     """The key-outer KL kernel over the key-block -> queries list. Returns the unscaled KL
     gradient of index_k (fp32, index_k's shape) and, with ``query_side``, the KL of every
@@ -830,8 +815,7 @@ def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProble
     _launch(_kl_kernel, (segments,),
         q, k, index_q, index_k, lse, lse_index, part, rows, d_index_q, *p.key_work_args(),
         *_strides(q, k, index_q, index_k), p.scale * LOG2_E, p.index_scale,
-        **p.kl_constants(pairs or KL_PAIRS, heads or KL_HEADS), QUERY_SIDE=query_side,
-        WITH_VALUE=with_value,
+        **p.kl_constants(pairs or KL_PAIRS), QUERY_SIDE=query_side, WITH_VALUE=with_value,
         num_warps=num_warps, num_stages=num_stages)
     d_index_k = _reduce_segments(part, torch.empty(index_k.shape, dtype=torch.float32,
                                                    device=q.device), 1.0, p.index_group, p)
