@@ -485,28 +485,31 @@ def _kl_kernel(
     d_index_k = tl.zeros((BLOCK, INDEX_DIM), tl.float32)
     for first_pair in range(first, last, PAIRS):
         pair_valid = first_pair + tl.arange(0, PAIRS) < last
-        token = tl.load(PAIR_TOKEN + first_pair + tl.arange(0, PAIRS), mask=pair_valid,
-                        other=0).to(tl.int64)
+        # int32 rows (fewer live registers; tokens x Hi < 2^31 is checked on the host), int64
+        # only inside the addresses.
+        token = tl.load(PAIR_TOKEN + first_pair + tl.arange(0, PAIRS), mask=pair_valid, other=0)
         teacher_t = tl.zeros((BLOCK, PAIRS), tl.float32)
         for g in range(GQ):
             head = index_head * GQ + g
-            q = tl.load(Q + token[:, None] * stride_q_t + head * stride_q_h + dims[None, :],
-                        mask=pair_valid[:, None], other=0.0)  # [PAIRS, D]
+            q = tl.load(Q + token[:, None].to(tl.int64) * stride_q_t + head * stride_q_h
+                        + dims[None, :], mask=pair_valid[:, None], other=0.0)  # [PAIRS, D]
             # +inf for padding pairs: their probabilities come out 0, as the teacher needs.
-            lse = tl.load(LSE + token * (HI * GQ) + head, mask=pair_valid, other=float("inf"))
+            lse = tl.load(LSE + token.to(tl.int64) * (HI * GQ) + head, mask=pair_valid,
+                          other=float("inf"))
             teacher_t += tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
                                  - lse[None, :])
-        visible_t = pair_valid[None, :] & (key_pos[:, None] <= (token - query_base)[None, :])
+        query_pos = token - query_base.to(tl.int32)
         # Only pairs inside the block (the first ones: token order) need the causal mask.
         if tl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
-            teacher_t = tl.where(visible_t, teacher_t, 0.0)
+            teacher_t = tl.where(key_pos[:, None] <= query_pos[None, :], teacher_t, 0.0)
         teacher_t = teacher_t / GQ
-        index_q = _load_rows(IQ, token, pair_valid, index_head, stride_iq_t, stride_iq_h,
-                             INDEX_DIM)  # [PAIRS, Di]
-        lse_index = tl.load(LSE_INDEX + token * HI + index_head, mask=pair_valid, other=0.0)
+        row = token * HI + index_head.to(tl.int32)  # of the query-side tensors
+        index_q = tl.load(IQ + token[:, None].to(tl.int64) * stride_iq_t
+                          + index_head * stride_iq_h + index_dims[None, :],
+                          mask=pair_valid[:, None], other=0.0)  # [PAIRS, Di]
+        lse_index = tl.load(LSE_INDEX + row, mask=pair_valid, other=0.0)
         log_student_t = (tl.dot(ik, tl.trans(index_q), input_precision=PRECISION) * index_scale
                          - lse_index[None, :])  # [BLOCK, PAIRS]
-        row = token * HI + index_head
         if QUERY_SIDE and WITH_VALUE:
             terms = teacher_t * (tl.log(tl.maximum(teacher_t, 1e-30)) - log_student_t)
             tl.atomic_add(KL_ROWS + row, tl.sum(tl.where(teacher_t > 0, terms, 0.0), axis=0),
@@ -514,12 +517,13 @@ def _kl_kernel(
         # (s - t) lies in [-1, 1]; its tiny factor is applied in the backward, so the 16-bit
         # MMA operand keeps its precision. Made last, so the teacher and the student's scores
         # are dead before the gradient products (fewer live registers).
+        visible_t = pair_valid[None, :] & (key_pos[:, None] <= query_pos[None, :])
         dz_t = (tl.where(visible_t, tl.exp(log_student_t), 0.0) - teacher_t).to(index_q.dtype)
-        d_index_k = tl.dot(dz_t, index_q, d_index_k, input_precision=PRECISION)
         if QUERY_SIDE:
             d_index_q = tl.dot(tl.trans(dz_t), ik, input_precision=PRECISION)
-            tl.atomic_add(DIQ + row[:, None] * INDEX_DIM + index_dims[None, :], d_index_q,
-                          mask=pair_valid[:, None], sem="relaxed")
+            tl.atomic_add(DIQ + row[:, None].to(tl.int64) * INDEX_DIM + index_dims[None, :],
+                          d_index_q, mask=pair_valid[:, None], sem="relaxed")
+        d_index_k = tl.dot(dz_t, index_q, d_index_k, input_precision=PRECISION)
     tl.store(DIK_PART + (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * INDEX_DIM
              + index_dims[None, :], d_index_k)
 
