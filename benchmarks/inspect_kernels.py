@@ -89,8 +89,12 @@ def main() -> None:
                   INDEX_DIM=128, PRECISION="tf32")
     query = dict(shared, TOK=8, TOKP=16, ROWS=128, UNION_SLOTS=128)
     kernels = [
-        ("forward", attention._sparse_attn_fwd_kernel, dict(query, WITH_INDEX=False)),
-        ("forward + index lse", attention._sparse_attn_fwd_kernel, dict(query, WITH_INDEX=True)),
+        ("forward", attention._sparse_attn_fwd_kernel,
+         dict(query, WITH_INDEX=False, INDEX_MAX_GIVEN=False)),
+        ("forward + index lse", attention._sparse_attn_fwd_kernel,
+         dict(query, WITH_INDEX=True, INDEX_MAX_GIVEN=False)),
+        ("forward + index, max given", attention._sparse_attn_fwd_kernel,
+         dict(query, WITH_INDEX=True, INDEX_MAX_GIVEN=True)),
         ("dQ", attention._sparse_attn_dq_kernel, query),
         ("dK/dV", attention._sparse_attn_dkdv_kernel,
          dict(shared, TOK=4, TOKP=16, ROWS=64, SEGMENT_PAIRS=2048)),

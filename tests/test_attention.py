@@ -9,6 +9,7 @@ import torch
 import openmsa
 from openmsa.ops import attention as attention_module
 from openmsa.ops import msa as msa_module
+from openmsa.ops import select as select_module
 from openmsa.ops.layout import ids_to_token_major, packed_offsets, packed_tokens
 from openmsa.testing import (INPUT_NAMES, QUANTITY_NAMES, MSACase, random_inputs, rel_rms_error,
                              run_query_ranges, run_with_grads, same_block_sets)
@@ -100,6 +101,13 @@ def test_log_sum_exps_match_the_kept_logits():
     problem = attention_module.SparseAttentionProblem(
         flat[0], flat[1], ids_to_token_major(ids, False), cu, 64, scale, flat[4], index_scale)
     _, lse2, lse_index = attention_module.sparse_attention_fwd(*flat, problem)
+    # With each row's largest kept score given (selection's), the index sum needs no running
+    # maximum: the same log-sum-exp.
+    _, row_max = select_module.select_blocks_fwd(
+        flat[3], flat[4], cu, top_k=3, block_size=64, index_softmax_scale=index_scale,
+        num_local_blocks=1, num_sink_blocks=0, return_max=True)
+    _, _, lse_index_given = attention_module.sparse_attention_fwd(*flat, problem, row_max)
+    torch.testing.assert_close(lse_index_given, lse_index, rtol=1e-6, atol=1e-6)
     pos = torch.arange(200)
     kept = (ids[..., None] == (pos // 64)).any(-2) & (pos[None, :] <= pos[:, None])  # [B,Hi,S,S]
     logits = scale * torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(2, dim=2))

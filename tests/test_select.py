@@ -77,6 +77,27 @@ def test_packed_selection_equals_reference_and_each_sequence_alone(seqlens):
                            alone[0].sort(dim=-1).values)
 
 
+@pytest.mark.parametrize("scale", [0.3, -0.5])
+def test_row_max_is_the_largest_visible_score(scale):
+    """return_max: each (token, index head)'s largest scaled score over its visible keys (a
+    negative scale makes it the scaled smallest raw score), in packed input with a range of
+    queries starting inside a sequence."""
+    seqlens = (70, 1, 200, 129)
+    index_q, index_k = integer_index_inputs((sum(seqlens),), 4, 2, seed=2)
+    cu = torch.tensor([0, *seqlens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    first = 37
+    _, row_max = select_module.select_blocks_fwd(
+        index_q[first:], index_k, cu, top_k=2, block_size=64, index_softmax_scale=scale,
+        num_local_blocks=1, num_sink_blocks=0, query_start=first, return_max=True)
+    expected = torch.empty(sum(seqlens), 4)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        scores = scale * torch.einsum("ihd,jhd->hij", index_q[start:end],
+                                      index_k[start:end].repeat_interleave(2, dim=1))
+        causal = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+        expected[start:end] = scores.masked_fill(~causal, float("-inf")).amax(-1).T
+    torch.testing.assert_close(row_max, expected[first:], rtol=1e-6, atol=1e-6)
+
+
 def test_ties_go_to_the_lower_block_id():
     index_q, index_k = integer_index_inputs((1, 64 * 6), 2, 1)
     index_k[:] = 1.0  # every key scores the same: all blocks tie

@@ -142,20 +142,23 @@ def _block_keys(seq_start, seq_len, block, BLOCK: tl.constexpr):
 
 @triton.jit
 def _sparse_attn_fwd_kernel(
-    Q, K, V, IQ, IK, OUT, LSE, LSE_INDEX, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT, CU_SEQLENS,
-    query_start, query_end,
+    Q, K, V, IQ, IK, OUT, LSE, LSE_INDEX, INDEX_MAX, SCHEDULE, UNION, UNION_MEMBERS,
+    UNION_COUNT, CU_SEQLENS, query_start, query_end,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_o_t, stride_o_h, stride_iq_t, stride_iq_h, stride_ik_t, stride_ik_h,
     scale_log2, index_scale,
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
     INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
-    UNION_SLOTS: tl.constexpr, WITH_INDEX: tl.constexpr, PRECISION: tl.constexpr,
+    UNION_SLOTS: tl.constexpr, WITH_INDEX: tl.constexpr, INDEX_MAX_GIVEN: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Query-outer forward: one program per (query tile, index head) walks the distinct blocks
     its tokens kept (flash-attention online softmax); a row sees a block only if its own token
     kept it. Writes out and lse2 directly (no partials); WITH_INDEX, also the index branch's
-    log-sum-exp over the kept tokens (natural log), which the KL needs."""
+    log-sum-exp over the kept tokens (natural log), which the KL needs. INDEX_MAX_GIVEN: each
+    token's largest kept index score is INDEX_MAX (selection's), so the index sum needs no
+    running maximum: its terms add up elementwise and are reduced once, after the walk."""
     entry = tl.program_id(0).to(tl.int64)
     index_head = tl.program_id(1).to(tl.int64)
     if tl.load(SCHEDULE + 2 * entry) < 0:  # padding entry
@@ -175,6 +178,9 @@ def _sparse_attn_fwd_kernel(
     acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
     index_max = tl.full((TOKP,), float("-inf"), tl.float32)
     index_sum = tl.zeros((TOKP,), tl.float32)
+    if INDEX_MAX_GIVEN:
+        index_max = tl.load(INDEX_MAX + tok_token * HI + index_head, mask=tok_valid, other=0.0)
+        index_terms = tl.zeros((TOKP, BLOCK), tl.float32)
     blocks, members_of, walk_length = _walk_list(UNION, UNION_MEMBERS, UNION_COUNT, entry,
                                                  index_head, HI, UNION_SLOTS)
     for u in range(0, walk_length):
@@ -202,12 +208,19 @@ def _sparse_attn_fwd_kernel(
             z = tl.dot(index_q, tl.trans(ik), input_precision=PRECISION) * index_scale
             tok_visible = (tok_member[:, None] & key_valid[None, :]
                            & (key_pos[None, :] <= tok_position[:, None]))
-            z = tl.where(tok_visible, z, float("-inf"))
-            new_index_max = tl.maximum(index_max, tl.max(z, axis=1))
-            safe_index_max = tl.where(new_index_max == float("-inf"), 0.0, new_index_max)
-            index_sum = (index_sum * tl.exp(index_max - safe_index_max)
-                         + tl.sum(tl.exp(z - safe_index_max[:, None]), axis=1))
-            index_max = new_index_max
+            if INDEX_MAX_GIVEN:
+                # Padding rows (tokens TOK.., or not queries) add garbage that is never stored.
+                terms = tl.exp(z - index_max[:, None])
+                if needs_mask:
+                    terms = tl.where(tok_visible, terms, 0.0)
+                index_terms += terms
+            else:
+                z = tl.where(tok_visible, z, float("-inf"))
+                new_index_max = tl.maximum(index_max, tl.max(z, axis=1))
+                safe_index_max = tl.where(new_index_max == float("-inf"), 0.0, new_index_max)
+                index_sum = (index_sum * tl.exp(index_max - safe_index_max)
+                             + tl.sum(tl.exp(z - safe_index_max[:, None]), axis=1))
+                index_max = new_index_max
     running_sum = tl.where(row_valid, running_sum, 1.0)
     tl.store(OUT + row_token[:, None] * stride_o_t + row_head[:, None] * stride_o_h
              + dims[None, :], (acc / running_sum[:, None]).to(OUT.dtype.element_ty),
@@ -215,6 +228,8 @@ def _sparse_attn_fwd_kernel(
     tl.store(LSE + row_token * (HI * GQ) + row_head, running_max + tl.log2(running_sum),
              mask=row_valid)
     if WITH_INDEX:
+        if INDEX_MAX_GIVEN:
+            index_sum = tl.sum(index_terms, axis=1)
         index_sum = tl.where(tok_valid, index_sum, 1.0)
         tl.store(LSE_INDEX + tok_token * HI + index_head, index_max + tl.log(index_sum),
                  mask=tok_valid)
@@ -709,21 +724,24 @@ def _launch(kernel, grid, *args, num_warps, num_stages, **constants):
 
 
 def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
-                         num_warps=FWD_CONFIG["num_warps"],
+                         index_max=None, num_warps=FWD_CONFIG["num_warps"],
                          num_stages=FWD_CONFIG["num_stages"]):
     """q [T, H, D], k, v [T, Hkv, D] (index_q [T, Hi, Di], index_k [T, Hik, Di] or None).
     Returns out [T, H, D] (q's dtype), lse2 [T, H] and the index log-sum-exp [T, Hi] (natural
-    log over the kept tokens; None without the index branch), both fp32."""
+    log over the kept tokens; None without the index branch), both fp32. ``index_max``: fp32
+    [T, Hi], each row's largest index score over its kept tokens when known (selection's
+    largest block score, when selection keeps the best block), or None."""
     out = torch.empty_like(q)
     lse = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
     lse_index = (torch.empty(p.total, p.num_index_heads, dtype=torch.float32, device=q.device)
                  if p.with_index else lse)
     iq, ik = (index_q, index_k) if p.with_index else (q, k)  # unused placeholders otherwise
+    given = p.with_index and index_max is not None
     _launch(_sparse_attn_fwd_kernel, p.query_grid(),
-        q, k, v, iq, ik, out, lse, lse_index, *p.query_work_args(),
-        *_strides(q, k, v, out, iq, ik), p.scale * LOG2_E, p.index_scale,
-        **p.query_constants(), WITH_INDEX=p.with_index, num_warps=num_warps,
-        num_stages=num_stages)
+        q, k, v, iq, ik, out, lse, lse_index, index_max if given else lse,
+        *p.query_work_args(), *_strides(q, k, v, out, iq, ik), p.scale * LOG2_E, p.index_scale,
+        **p.query_constants(), WITH_INDEX=p.with_index, INDEX_MAX_GIVEN=given,
+        num_warps=num_warps, num_stages=num_stages)
     return out, lse, (lse_index if p.with_index else None)
 
 

@@ -62,7 +62,7 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
     a query). ``deterministic``: the KL's gradients and value are summed in a fixed order
     (``attention.index_branch_kl``)."""
     total = q.shape[0]
-    query_work = None
+    query_work = index_max = None
     if warmup:
         positions = query_positions_from_offsets(cu_seqlens, k.shape[0])
         ids = all_causal_block_ids(positions[query_start:query_start + total],
@@ -74,10 +74,15 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
     elif block_ids is not None:
         ids = block_ids.clone()  # outputs may not alias inputs
     else:
-        ids = select_blocks_fwd(index_q, index_k, cu_seqlens, top_k=top_k, block_size=block_size,
-                                index_softmax_scale=index_scale,
-                                num_local_blocks=num_local_blocks,
-                                num_sink_blocks=num_sink_blocks, query_start=query_start)
+        # Selection's largest block score is each row's largest kept index score when a slot
+        # is left for the best block beside the forced ones; the forward then needs no running
+        # maximum for the index log-sum-exp.
+        keeps_best = top_k > num_local_blocks + num_sink_blocks
+        selected = select_blocks_fwd(
+            index_q, index_k, cu_seqlens, top_k=top_k, block_size=block_size,
+            index_softmax_scale=index_scale, num_local_blocks=num_local_blocks,
+            num_sink_blocks=num_sink_blocks, query_start=query_start, return_max=keeps_best)
+        ids, index_max = selected if keeps_best else (selected, None)
     problem = SparseAttentionProblem(q, k, ids, cu_seqlens, block_size, softmax_scale, index_k,
                                      index_scale, query_start=query_start,
                                      kl_num_queries=kl_num_queries, query_work=query_work,
@@ -86,7 +91,8 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
         out, lse = dense_attention_forward(q, k, v, dense_batch, softmax_scale)
         lse_index = dense_log_sum_exp(index_q, index_k, dense_batch, index_scale)
     else:
-        out, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem)
+        out, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem,
+                                                   index_max)
     kl = torch.zeros((), dtype=torch.float32, device=q.device)
     d_index_q, d_index_k = (q.new_empty(0, dtype=torch.float32) for _ in range(2))
     block_work = q.new_empty(0, dtype=torch.int32)

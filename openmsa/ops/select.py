@@ -42,13 +42,16 @@ def _merge_block(keys, block_score, block_id, forced):
 
 @triton.jit
 def _select_fwd_kernel(
-    IQ, IK, IDS, CU_SEQLENS, SCHEDULE, query_start, query_end,
+    IQ, IK, IDS, ROW_MAX, CU_SEQLENS, SCHEDULE, query_start, query_end,
     stride_iq_t, stride_iq_h, stride_ik_t, stride_ik_h, stride_ids_t, stride_ids_h,
     scale,
     G: tl.constexpr, TILE_TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     TOP_K: tl.constexpr, TOPK_SLOTS: tl.constexpr, NUM_LOCAL: tl.constexpr,
-    NUM_SINK: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SINK: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, WITH_MAX: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
+    """WITH_MAX: also each row's largest scaled score over its visible keys (the largest block
+    score), into ROW_MAX."""
     entry = tl.program_id(0).to(tl.int64)
     key_head = tl.program_id(1).to(tl.int64)
     sequence = tl.load(SCHEDULE + 2 * entry).to(tl.int64)
@@ -82,6 +85,7 @@ def _select_fwd_kernel(
                     0x7FFFFFFFFFFFFFFF)
     keys = tl.broadcast_to(keys, (ROWS, TOPK_SLOTS))
 
+    row_max = tl.full((ROWS,), float("-inf"), tl.float32)
     key_offsets = tl.arange(0, BLOCK).to(tl.int64)  # int64: positions x strides can pass 2^31
     ik_base = IK + seq_start * stride_ik_t + key_head * stride_ik_h
     for block in range(0, own_block):  # blocks before the own block are fully visible
@@ -95,6 +99,8 @@ def _select_fwd_kernel(
         behind = own_block - block
         forced = (behind < NUM_LOCAL) | (block < NUM_SINK)
         keys = _merge_block(keys, pooled, block, forced)
+        if WITH_MAX:
+            row_max = tl.maximum(row_max, pooled)
 
     # The own block: causal mask, always forced.
     key_pos = own_block * BLOCK + key_offsets
@@ -107,6 +113,10 @@ def _select_fwd_kernel(
     else:
         pooled = tl.max(tl.where(visible, scores, float("-inf")), axis=1) * scale
     keys = _merge_block(keys, pooled, own_block, rows >= 0)
+    if WITH_MAX:
+        # ROW_MAX is [Tq, Hi], Hi = G x the grid's key heads.
+        tl.store(ROW_MAX + query_row * (G * tl.num_programs(1)) + head,
+                 tl.maximum(row_max, pooled), mask=row_valid)
 
     block_ids = 0x7FFFFFFF - keys.to(tl.int32)  # the low 32 bits
     block_ids = tl.where(keys < -(1 << 62), -1, block_ids)
@@ -126,13 +136,15 @@ def _tile_tokens(index_heads_per_key_head: int, block_size: int, tile_rows: int)
 def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: torch.Tensor,
                       *, top_k: int, block_size: int, index_softmax_scale: float,
                       num_local_blocks: int, num_sink_blocks: int, query_start: int = 0,
-                      tile_rows: int = 128, num_warps: int = 8,
-                      num_stages: int = 2) -> torch.Tensor:
+                      tile_rows: int = 128, num_warps: int = 8, num_stages: int = 2,
+                      return_max: bool = False):
     """Kept block ids for packed inputs.
 
     index_q: [Tq, Hi, Di], the packed tokens [query_start, query_start + Tq) of the packing
     that index_k [T, Hik, Di] and cu_seqlens (int32 [N + 1]) describe (by default all of them).
-    Returns int32 [Tq, Hi, top_k], block ids relative to each sequence's start, -1 unused.
+    Returns int32 [Tq, Hi, top_k], block ids relative to each sequence's start, -1 unused, and
+    with ``return_max`` also fp32 [Tq, Hi], each row's largest scaled index score over its
+    visible keys.
     ``tile_rows``, ``num_warps`` and ``num_stages`` tune the kernel; the defaults won the sweep
     of benchmarks/bench_select.py on an H200 (see docs/KERNELS.md).
     """
@@ -144,13 +156,15 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
     if index_k.stride(-1) != 1:
         index_k = index_k.contiguous()
     ids = torch.empty(total, num_index_heads, top_k, dtype=torch.int32, device=index_q.device)
+    row_max = (torch.empty(total, num_index_heads, dtype=torch.float32, device=index_q.device)
+               if return_max else ids)  # a placeholder without
     tile_tokens = _tile_tokens(heads_per_key_head, block_size, tile_rows)
     schedule = query_tile_schedule(cu_seqlens, total, tile_tokens, query_start)
     interpreting = index_q.device.type == "cpu"  # the Triton interpreter
     precision = "ieee" if index_q.dtype == torch.float32 else "tf32"
     grid = (schedule.shape[0], num_key_heads)
     _select_fwd_kernel[grid](
-        index_q, index_k, ids, cu_seqlens, schedule, query_start, query_start + total,
+        index_q, index_k, ids, row_max, cu_seqlens, schedule, query_start, query_start + total,
         index_q.stride(0), index_q.stride(1), index_k.stride(0), index_k.stride(1),
         ids.stride(0), ids.stride(1),
         index_softmax_scale,
@@ -158,7 +172,7 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
         ROWS=max(16, triton.next_power_of_2(heads_per_key_head * tile_tokens)), BLOCK=block_size, HEAD_DIM=head_dim,
         TOP_K=top_k, TOPK_SLOTS=max(2, triton.next_power_of_2(top_k)),
         NUM_LOCAL=num_local_blocks, NUM_SINK=num_sink_blocks,
-        NEGATIVE_SCALE=index_softmax_scale < 0, PRECISION=precision,
+        NEGATIVE_SCALE=index_softmax_scale < 0, WITH_MAX=return_max, PRECISION=precision,
         num_warps=num_warps, num_stages=1 if interpreting else num_stages,
     )
-    return ids
+    return (ids, row_max) if return_max else ids
