@@ -77,18 +77,20 @@ def test_packed_selection_equals_reference_and_each_sequence_alone(seqlens):
                            alone[0].sort(dim=-1).values)
 
 
-@pytest.mark.parametrize("scale", [0.3, -0.5])
-def test_row_max_is_the_largest_visible_score(scale):
+@pytest.mark.parametrize("scale,top_k,local,sinks", [(0.3, 2, 1, 0), (-0.5, 2, 1, 0),
+                                                     (0.3, 4, 2, 1), (0.3, 4, 1, 2)])
+def test_row_max_is_the_largest_visible_score(scale, top_k, local, sinks):
     """return_max: each (token, index head)'s largest scaled score over its visible keys (a
     negative scale makes it the scaled smallest raw score), in packed input with a range of
-    queries starting inside a sequence."""
+    queries starting inside a sequence; forced local and sink blocks included (top_k leaves a
+    slot for the best unforced block, as msa_attention requires before using it)."""
     seqlens = (70, 1, 200, 129)
     index_q, index_k = integer_index_inputs((sum(seqlens),), 4, 2, seed=2)
     cu = torch.tensor([0, *seqlens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     first = 37
     _, row_max = select_module.select_blocks_fwd(
-        index_q[first:], index_k, cu, top_k=2, block_size=64, index_softmax_scale=scale,
-        num_local_blocks=1, num_sink_blocks=0, query_start=first, return_max=True)
+        index_q[first:], index_k, cu, top_k=top_k, block_size=32, index_softmax_scale=scale,
+        num_local_blocks=local, num_sink_blocks=sinks, query_start=first, return_max=True)
     expected = torch.empty(sum(seqlens), 4)
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         scores = scale * torch.einsum("ihd,jhd->hij", index_q[start:end],

@@ -21,6 +21,8 @@ import triton.language as tl
 
 from .schedule import query_tile_schedule
 
+# Two 8-warp programs per SM (65536 registers) need at most 128 registers per thread.
+SELECT_MAX_REGISTERS = 128
 
 
 @triton.jit
@@ -38,6 +40,18 @@ def _merge_block(keys, block_score, block_id, forced):
     smallest = tl.min(keys, axis=1)
     replace = (keys == smallest[:, None]) & (candidate > smallest)[:, None]
     return tl.where(replace, candidate[:, None], keys)
+
+
+@triton.jit
+def _block_score(iq, ik_base, block, key_offsets, dims, stride_ik_t, scale, BLOCK: tl.constexpr,
+                 NEGATIVE_SCALE: tl.constexpr, PRECISION: tl.constexpr):
+    """The rows' scaled max-pooled scores of a block before their own (every key visible)."""
+    ik = tl.load(ik_base + (block * BLOCK + key_offsets)[:, None] * stride_ik_t
+                 + dims[None, :])  # [BLOCK, D]
+    scores = tl.dot(iq, tl.trans(ik), input_precision=PRECISION)  # [ROWS, BLOCK]
+    if NEGATIVE_SCALE:
+        return tl.min(scores, axis=1) * scale
+    return tl.max(scores, axis=1) * scale
 
 
 @triton.jit
@@ -85,22 +99,14 @@ def _select_fwd_kernel(
                     0x7FFFFFFFFFFFFFFF)
     keys = tl.broadcast_to(keys, (ROWS, TOPK_SLOTS))
 
-    row_max = tl.full((ROWS,), float("-inf"), tl.float32)
     key_offsets = tl.arange(0, BLOCK).to(tl.int64)  # int64: positions x strides can pass 2^31
     ik_base = IK + seq_start * stride_ik_t + key_head * stride_ik_h
     for block in range(0, own_block):  # blocks before the own block are fully visible
-        ik = tl.load(ik_base + (block * BLOCK + key_offsets)[:, None] * stride_ik_t
-                     + dims[None, :])  # [BLOCK, D]
-        scores = tl.dot(iq, tl.trans(ik), input_precision=PRECISION)  # [ROWS, BLOCK]
-        if NEGATIVE_SCALE:
-            pooled = tl.min(scores, axis=1) * scale
-        else:
-            pooled = tl.max(scores, axis=1) * scale
+        pooled = _block_score(iq, ik_base, block, key_offsets, dims, stride_ik_t, scale, BLOCK,
+                              NEGATIVE_SCALE, PRECISION)
         behind = own_block - block
         forced = (behind < NUM_LOCAL) | (block < NUM_SINK)
         keys = _merge_block(keys, pooled, block, forced)
-        if WITH_MAX:
-            row_max = tl.maximum(row_max, pooled)
 
     # The own block: causal mask, always forced.
     key_pos = own_block * BLOCK + key_offsets
@@ -114,9 +120,27 @@ def _select_fwd_kernel(
         pooled = tl.max(tl.where(visible, scores, float("-inf")), axis=1) * scale
     keys = _merge_block(keys, pooled, own_block, rows >= 0)
     if WITH_MAX:
+        # The best unforced block, when a slot is left for it, is among the kept keys: its
+        # score comes back from the key's bits (the bit map is its own inverse). Forced blocks'
+        # keys hold +inf instead of their scores, so those (the own block's is at hand) are
+        # scored again; tracking a running maximum in the loop instead cost 72 registers.
+        score_bits = (keys >> 32).to(tl.int32)
+        unforced = (keys >= -(1 << 62)) & (score_bits != 0x7F800000)
+        kept_score = _order_preserving_bits(score_bits).to(tl.float32, bitcast=True)
+        row_max = tl.maximum(tl.max(tl.where(unforced, kept_score, float("-inf")), axis=1),
+                             pooled)
+        forced_before = tl.maximum(own_block - (NUM_LOCAL - 1), 0)
+        for block in range(forced_before, own_block):  # local blocks before the own one
+            row_max = tl.maximum(row_max, _block_score(iq, ik_base, block, key_offsets, dims,
+                                                       stride_ik_t, scale, BLOCK,
+                                                       NEGATIVE_SCALE, PRECISION))
+        for block in range(0, tl.minimum(NUM_SINK, forced_before)):  # sinks not local
+            row_max = tl.maximum(row_max, _block_score(iq, ik_base, block, key_offsets, dims,
+                                                       stride_ik_t, scale, BLOCK,
+                                                       NEGATIVE_SCALE, PRECISION))
         # ROW_MAX is [Tq, Hi], Hi = G x the grid's key heads.
-        tl.store(ROW_MAX + query_row * (G * tl.num_programs(1)) + head,
-                 tl.maximum(row_max, pooled), mask=row_valid)
+        tl.store(ROW_MAX + query_row * (G * tl.num_programs(1)) + head, row_max,
+                 mask=row_valid)
 
     block_ids = 0x7FFFFFFF - keys.to(tl.int32)  # the low 32 bits
     block_ids = tl.where(keys < -(1 << 62), -1, block_ids)
@@ -174,5 +198,8 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
         NUM_LOCAL=num_local_blocks, NUM_SINK=num_sink_blocks,
         NEGATIVE_SCALE=index_softmax_scale < 0, WITH_MAX=return_max, PRECISION=precision,
         num_warps=num_warps, num_stages=1 if interpreting else num_stages,
+        # The row maximum's epilogue raised ptxas's allocation from 124 to 191 registers per
+        # thread, halving the programs per SM; capped, it spills 24 bytes (sm_90a).
+        **(dict(maxnreg=SELECT_MAX_REGISTERS) if return_max and not interpreting else {}),
     )
     return (ids, row_max) if return_max else ids
