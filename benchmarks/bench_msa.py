@@ -6,8 +6,9 @@ Times ``msa_attention`` forward and forward+backward (autograd, upstream gradien
 kl) with the exact KL value and with ``kl_value=False``, and PyTorch SDPA (cuDNN on an H200)
 dense causal attention forward+backward on the same q, k, v in the same run. Index inputs are
 "coherent" (neighbouring tokens keep similar blocks, like a trained index branch) or "random"
-(see bench_attention.py), and the step with ``deterministic=True`` (the KL in two ordered walks
-instead of one pass with atomic adds). Up to --warmup-max-seqlen it also times a warmup step
+(see bench_attention.py), the step with ``deterministic=True`` (the KL in two ordered walks
+instead of one pass with atomic adds), and the step replayed from a CUDA graph (its GPU time
+without the host's launch costs). Up to --warmup-max-seqlen it also times a warmup step
 (dense main attention on cuDNN, the KL kernel with every causal block kept) against dense, and
 the same step with ``deterministic=True`` (main attention and KL on the ordered Triton path).
 """
@@ -38,6 +39,21 @@ SHAPES = [
 
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def graphed(fn):
+    """``fn`` captured once in a CUDA graph; returns its replay (the step without the host's
+    launch and Python costs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def main() -> None:
@@ -107,6 +123,7 @@ def main() -> None:
                 row["warmup_triton_step_ms"] = bench(lambda: warmup_step(True))
                 row["warmup_kernels_ms"] = kernel_times(lambda: warmup_step(False))
             row["step_kernels_ms"] = kernel_times(lambda: step(True))
+            row["step_cuda_graph_ms"] = bench(graphed(lambda: step(True)))
             row["speedup"] = dense_ms / row["step_ms"]
             row["speedup_no_kl_value"] = dense_ms / row["step_no_kl_value_ms"]
             rows.append(row)
@@ -121,11 +138,13 @@ def main() -> None:
     print(f"\nMSA layer training step (fwd+bwd, selection + attention + KL), {result['gpu']}, bf16, "
           "top_k=16 block=128; dense = SDPA causal fwd+bwd, same run")
     print(f"{'shape':>13} {'S':>7} {'select':>8} {'fwd ms':>8} {'step ms':>8} {'no-value':>8} "
-          f"{'determ.':>8} {'dense ms':>9} {'x':>6} {'x no-value':>10} {'extra GiB':>9}")
+          f"{'determ.':>8} {'graph':>8} {'dense ms':>9} {'x':>6} {'x no-value':>10} "
+          f"{'extra GiB':>9}")
     for r in rows:
         print(f"{r['shape']:>13} {r['seqlen']:>7} {r['selection']:>8} {r['forward_ms']:>8.2f} "
               f"{r['step_ms']:>8.2f} {r['step_no_kl_value_ms']:>8.2f} "
-              f"{r['step_deterministic_ms']:>8.2f} {r['dense_step_ms']:>9.2f} "
+              f"{r['step_deterministic_ms']:>8.2f} {r['step_cuda_graph_ms']:>8.2f} "
+              f"{r['dense_step_ms']:>9.2f} "
               f"{r['speedup']:>6.2f} {r['speedup_no_kl_value']:>10.2f} "
               f"{r['step_extra_memory_gib']:>9.2f}"
               + (f"  warmup {r['warmup_step_ms']:.1f} ms = {r['warmup_vs_dense']:.2f}x dense"

@@ -121,3 +121,20 @@ def test_mass_recall_is_the_question_attention_mass_of_the_kept_blocks():
     everything = torch.arange(3).expand(2, 2, 20, 3)
     torch.testing.assert_close(question_mass_recall(layer, hidden, everything, 8),
                                torch.ones(2, 2))
+
+
+def test_layer_passes_its_attention_options_through(monkeypatch):
+    from openmsa.layers import msa_attention as layer_module
+    seen = {}
+
+    def recording(*tensors, **options):
+        seen.update(options)
+        return openmsa.naive_msa_attention(*tensors, **options)
+
+    monkeypatch.setattr(layer_module, "msa_attention", recording)
+    layer = MSAAttention(64, num_heads=4, num_kv_heads=2, head_dim=64, top_k=2, block_size=64,
+                         num_sink_blocks=1, deterministic=True)
+    layer(torch.randn(1, 130, 64))
+    assert {key: seen[key] for key in ("top_k", "block_size", "num_sink_blocks",
+                                       "deterministic")} == dict(
+        top_k=2, block_size=64, num_sink_blocks=1, deterministic=True)

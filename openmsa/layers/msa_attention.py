@@ -37,7 +37,9 @@ class MSAAttention(nn.Module):
     ``forward(hidden_states)`` returns ``(hidden, kl)``: add ``kl_weight * kl`` to the loss. The
     index branch reads a detached copy of the hidden states, so the KL trains only the index
     projections. ``warmup = True`` runs dense causal attention (the KL then covers the whole
-    prefix); ``MSAWarmupSchedule`` switches every layer of a model by step.
+    prefix); ``MSAWarmupSchedule`` switches every layer of a model by step. ``top_k``,
+    ``block_size``, ``num_local_blocks``, ``num_sink_blocks``, ``backend`` and
+    ``deterministic`` are passed to ``msa_attention``.
     """
 
     is_msa_layer = True  # set_msa_warmup switches every module that says so
@@ -47,8 +49,8 @@ class MSAAttention(nn.Module):
                  num_index_kv_heads: int = 1, index_head_dim: int | None = None, *,
                  top_k: int = 16, block_size: int = 128, num_local_blocks: int = 1,
                  num_sink_blocks: int = 0, rope_theta: float = 10000.0, qk_norm: bool = False,
-                 bias: bool = False, backend: str = "auto", context_parallel_group=None,
-                 context_parallel_mode: str = "head"):
+                 bias: bool = False, backend: str = "auto", deterministic: bool = False,
+                 context_parallel_group=None, context_parallel_mode: str = "head"):
         super().__init__()
         # With a process group, hidden_states is this rank's shard of the sequence and the
         # attention runs across the group (openmsa.integrations.context_parallel): head mode
@@ -66,7 +68,7 @@ class MSAAttention(nn.Module):
         self.index_head_dim = index_head_dim
         self.options = dict(top_k=top_k, block_size=block_size,
                             num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
-                            backend=backend)
+                            backend=backend, deterministic=deterministic)
         self.rope_theta = rope_theta
         self.warmup = False
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)

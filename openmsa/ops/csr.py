@@ -97,10 +97,17 @@ def _global_blocks(cu_seqlens: torch.Tensor, block_size: int, num_global_blocks:
     return first_block, torch.where(padding_block, -1, block_sequence), block_local
 
 
-def _check_pair_count(total: int, num_index_heads: int, slots: int, name: str) -> None:
-    if total * num_index_heads * slots >= 2**31:  # pair numbers are int32 in the kernels
+def _layout(cu_seqlens: torch.Tensor, num_queries: int, num_index_heads: int, slots: int,
+            block_size: int, segment_pairs: int, num_keys: int | None, name: str):
+    """Both builders' shared start: ``block_work_sizes`` (pair numbers are int32 in the
+    kernels, so their count is checked, naming ``name``) and ``_global_blocks``."""
+    if num_queries * num_index_heads * slots >= 2**31:
         raise ValueError(f"{name}: expected fewer than 2^31 (token, index head, slot) "
-                         f"entries, received {total} x {num_index_heads} x {slots}")
+                         f"entries, received {num_queries} x {num_index_heads} x {slots}")
+    sizes = block_work_sizes(num_queries, num_index_heads, slots,
+                             num_queries if num_keys is None else num_keys,
+                             cu_seqlens.numel() - 1, block_size, segment_pairs)
+    return sizes, _global_blocks(cu_seqlens, block_size, sizes[1])
 
 
 def _block_work(pair_token, starts, counts, block_sequence, block_local, num_segments: int,
@@ -142,14 +149,10 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
     of the packed tokens ``[query_start, query_start + Tq)``; ``num_keys``: the packing's token
     count T (default Tq)."""
     total, num_index_heads, top_k = block_ids.shape
-    _check_pair_count(total, num_index_heads, top_k, "block_ids")
     device = block_ids.device
-    num_keys = total if num_keys is None else num_keys
-    _, num_global_blocks, num_segments = block_work_sizes(
-        total, num_index_heads, top_k, num_keys, cu_seqlens.numel() - 1, block_size,
-        segment_pairs)
-    first_block, block_sequence, block_local = _global_blocks(cu_seqlens, block_size,
-                                                              num_global_blocks)
+    (_, num_global_blocks, num_segments), (first_block, block_sequence, block_local) = _layout(
+        cu_seqlens, total, num_index_heads, top_k, block_size, segment_pairs, num_keys,
+        "block_ids")
     # Bucket of every pair; unused slots go to an extra bucket past the end.
     num_buckets = num_global_blocks * num_index_heads
     token_block = first_block[sequence_of_tokens(cu_seqlens, total, query_start)]  # [Tq]
@@ -178,13 +181,10 @@ def build_causal_block_work(cu_seqlens: torch.Tensor, num_queries: int, num_inde
     slots), built directly instead of by sorting: the queries that kept block b of a sequence
     are its queries at positions >= b * block_size, a run of consecutive rows. Same lists, same
     shapes (past the pairs, ``pair_token`` holds zeros where the sort left unused slots)."""
-    _check_pair_count(num_queries, num_index_heads, slots, "max_seqlen")
     device = cu_seqlens.device
-    num_keys = num_queries if num_keys is None else num_keys
-    num_pairs, num_global_blocks, num_segments = block_work_sizes(
-        num_queries, num_index_heads, slots, num_keys, cu_seqlens.numel() - 1, block_size,
-        segment_pairs)
-    _, block_sequence, block_local = _global_blocks(cu_seqlens, block_size, num_global_blocks)
+    (num_pairs, _, num_segments), (_, block_sequence, block_local) = _layout(
+        cu_seqlens, num_queries, num_index_heads, slots, block_size, segment_pairs, num_keys,
+        "max_seqlen")
     sequence = block_sequence.clamp(min=0)
     # The query rows [first_row, end_row) of each global block's bucket (the same for every
     # index head): its sequence's queries from the block's first position on.

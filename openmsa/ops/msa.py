@@ -80,7 +80,9 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         warmup: dense causal main attention; the KL covers the whole causal prefix.
         cu_seqlens: int32 ``[N + 1]`` offsets of packed sequences (``flash_attn_varlen_func``).
         max_seqlen: optional upper bound on the packed sequences' lengths.
-        deterministic: bitwise reproducible gradients.
+        deterministic: bitwise reproducible gradients and KL value. By default the KL's value
+            and index gradients are sums of atomic adds, in any order (one pass over the kept
+            pairs); with True they come from two ordered passes (~15% of a step at 32k-128k).
         return_indices: also return the kept block ids, int32 ``[B, Hi, S, top_k]`` (packed
             ``[Hi, T, top_k]``), relative to each sequence's start, unused slots ``-1``.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (the eager reference, any device;
@@ -111,14 +113,14 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
     tensors; ``"triton"`` forces the kernels (CPU tensors need ``TRITON_INTERPRET=1``, for
     tests); ``"reference"`` forces the eager reference. Selection, sparse attention and the KL
     (value and gradient) are Triton kernels, run through the custom operators of
-    ``openmsa.ops.library`` (so ``torch.compile`` traces them); warmup runs the KL kernels
+    ``openmsa.ops.library`` (so ``torch.compile`` traces them); warmup runs the KL kernel
     with every causal block kept, and its dense main attention on cuDNN (PyTorch's ATen
     operator, which returns the log-sum-exps the KL needs) for 16-bit CUDA batch input without
-    ``deterministic=True``, else the same sparse kernels with every causal block kept. The
-    Triton kernels' gradients are deterministic whatever ``deterministic`` says (every sum runs
-    in a fixed order); only warmup's cuDNN path may not be, so ``deterministic=True`` keeps
-    warmup on the Triton kernels. On a GPU the kernels take head dims 64 and 128; 256 needs
-    ``backend="reference"``.
+    ``deterministic=True``, else the same sparse kernels with every causal block kept. The main
+    attention's gradients (q, k, v) are deterministic on the Triton kernels whatever
+    ``deterministic`` says (every sum runs in a fixed order); the KL's value and index
+    gradients, and warmup's cuDNN backward, need ``deterministic=True`` for that. On a GPU the
+    kernels take head dims 64 and 128; 256 needs ``backend="reference"``.
     """
     problem = validate_msa_args(
         q, k, v, index_q, index_k, top_k=top_k, block_size=block_size,
