@@ -65,7 +65,8 @@ def _select_fwd_kernel(
     PRECISION: tl.constexpr,
 ):
     """WITH_MAX: also each row's largest scaled score over its visible keys (the largest block
-    score), into ROW_MAX."""
+    score), into ROW_MAX; exact when TOP_K leaves a slot beside the forced blocks (else the
+    largest over the kept and forced blocks)."""
     entry = tl.program_id(0).to(tl.int64)
     key_head = tl.program_id(1).to(tl.int64)
     sequence = tl.load(SCHEDULE + 2 * entry).to(tl.int64)
@@ -168,7 +169,8 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
     that index_k [T, Hik, Di] and cu_seqlens (int32 [N + 1]) describe (by default all of them).
     Returns int32 [Tq, Hi, top_k], block ids relative to each sequence's start, -1 unused, and
     with ``return_max`` also fp32 [Tq, Hi], each row's largest scaled index score over its
-    visible keys.
+    visible keys (when ``top_k > num_local_blocks + num_sink_blocks``; else over the kept
+    blocks only), which is then also its largest kept score.
     ``tile_rows``, ``num_warps`` and ``num_stages`` tune the kernel; the defaults won the sweep
     of benchmarks/bench_select.py on an H200 (see docs/KERNELS.md).
     """
