@@ -13,12 +13,13 @@ the tensor cores, so rows are stacked from several tokens:
   ``openmsa.ops.csr``), ``TOK x GQ`` rows at a time, and writes fp32 partials that a small kernel
   sums per block in a fixed order (no atomics: deterministic).
 
-The KL: the forward walk also computes the index log-sum-exp over the kept tokens. Two more
-kernels rebuild the teacher (the mean of the GQ heads' probabilities, from the final main
-log-sum-exps) and the student: a query-outer walk gives the KL's value and d index_q, a key-outer
-one d index_k. Both gradients are (s - t) times the index keys or queries, scaled by the
-upstream gradient of kl, a scalar: they do not depend on dout, so d index_q is computed in the
-forward along with the value.
+The KL: the forward walk also computes the index log-sum-exp over the kept tokens (without a
+running maximum when selection gives each row's largest score). A key-outer kernel over the
+dK/dV segments then rebuilds the teacher (the mean of the GQ heads' probabilities, from the final
+main log-sum-exps) and the student, and gives d index_k (ordered partials) and, by atomic adds,
+d index_q and the KL's value; with ``deterministic`` a query-outer walk gives those two instead.
+Both gradients are (s - t) times the index keys or queries, scaled by the upstream gradient of
+kl, a scalar: they do not depend on dout, so the forward computes them along with the value.
 
 Log-sum-exps are kept in base 2 of the scaled scores (``lse2 = log2 sum 2^(c * log2(e) * q.k)``),
 so ``P = 2^(c * log2(e) * q.k - lse2)``; the natural-log LSE is ``lse2 * ln 2``.
