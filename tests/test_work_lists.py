@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from openmsa.ops.csr import (build_block_work, build_causal_block_work,
-                             build_causal_query_tile_work,
+from openmsa.ops.csr import (BlockWork, block_work_sizes, build_block_work,
+                             build_causal_block_work, build_causal_query_tile_work,
                              build_query_tile_work)
 from openmsa.ops.layout import all_causal_block_ids
 from openmsa.ops.validate import query_positions_from_offsets
@@ -152,3 +152,20 @@ def test_warmup_key_block_lists_built_directly_equal_the_sorted_ones(segment_pai
                  "block_local", "segments", "segment_order"):
         assert torch.equal(getattr(direct, name), getattr(sorted_work, name)), name
     assert direct.num_global_blocks == sorted_work.num_global_blocks
+
+
+def test_key_block_lists_survive_packing_into_one_tensor():
+    """The custom operators carry the key-block lists as one int32 tensor; its size comes from
+    the shapes alone (the fake implementation's), and unpacking gives the lists back."""
+    ids, cu = random_block_ids(SEQLENS, 2, 4, 16, seed=3)
+    work = build_block_work(ids, cu, 16, 5)
+    sizes = block_work_sizes(400, 2, 4, 400, len(SEQLENS), 16, 5)
+    flat = work.packed()
+    pairs, blocks, segments = sizes
+    assert flat.dtype == torch.int32
+    assert flat.numel() == pairs + 3 * blocks * 2 + 2 * blocks + 3 * segments
+    back = BlockWork.unpacked(flat, *sizes, num_index_heads=2, segment_pairs=5)
+    for name in ("pair_token", "bucket_start", "bucket_count", "bucket_segments_end",
+                 "block_sequence", "block_local", "segments", "segment_order"):
+        assert torch.equal(getattr(back, name), getattr(work, name)), name
+    assert (back.num_global_blocks, back.segment_pairs) == (work.num_global_blocks, 5)
