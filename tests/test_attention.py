@@ -228,6 +228,20 @@ def test_blocks_split_into_many_segments_give_the_same_gradients(monkeypatch):
         assert rel_rms_error(split[name], expected[name]) < 1e-5
 
 
+def test_segment_orders_give_bitwise_equal_gradients(monkeypatch):
+    """The key-outer programs' order (most pairs first, or by query row) changes nothing but
+    timing: each segment writes its own partials, summed in a fixed order."""
+    monkeypatch.setattr(attention_module, "SEGMENT_PAIRS", 8)
+    results = []
+    for min_segments_per_sm in (0, 10**9):  # by query row always / never
+        monkeypatch.setattr(attention_module, "ROWS_ORDER_MIN_SEGMENTS_PER_SM",
+                            min_segments_per_sm)
+        got, _, _ = _kernel_and_reference(CASES[1], torch.float32, seed=15, deterministic=True)
+        results.append(got)
+    for name in QUANTITY_NAMES:
+        assert torch.equal(results[0][name], results[1][name]), name
+
+
 def test_kl_kernel_with_several_steps_per_segment(monkeypatch):
     """8 pairs per step of the KL kernel: every segment takes several steps."""
     monkeypatch.setattr(attention_module, "KL_PAIRS", 8)

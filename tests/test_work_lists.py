@@ -109,6 +109,37 @@ def test_key_block_lists_hold_every_pair_in_token_order(segment_pairs, query_ran
     assert sizes == sorted(sizes, reverse=True)
 
 
+@pytest.mark.parametrize("segment_order", ["rows", "head_rows"])
+def test_segments_run_in_query_row_order(segment_order):
+    """The L2-friendly orders: every segment once, padding last, sorted by (first query row,
+    index head) or (index head, first query row); the lists themselves do not change."""
+    first, end = RANGES[1]
+    num_index_heads = 3
+    ids, cu = random_block_ids(SEQLENS, num_index_heads, 4, 16, seed=4)
+    by_pairs = build_block_work(ids[first:end], cu, 16, 3, query_start=first, num_keys=400)
+    work = build_block_work(ids[first:end], cu, 16, 3, query_start=first, num_keys=400,
+                            segment_order=segment_order)
+    for name in ("pair_token", "bucket_start", "bucket_count", "segments"):
+        assert torch.equal(getattr(work, name), getattr(by_pairs, name)), name
+    order = work.segment_order.long().tolist()
+    assert sorted(order) == list(range(work.segments.shape[0]))
+    keys = []
+    for bucket, first_pair in work.segments[order].tolist():
+        if bucket < 0:
+            keys.append((1, 0, 0))  # padding
+            continue
+        row, head = work.pair_token[first_pair].item(), bucket % num_index_heads
+        keys.append((0, row, head) if segment_order == "rows" else (0, head, row))
+    assert keys == sorted(keys)
+    assert keys[0][0] == 0 and keys[-1][0] == 1
+
+
+def test_unknown_segment_orders_are_refused():
+    ids, cu = random_block_ids((40,), 1, 2, 16, seed=0)
+    with pytest.raises(ValueError, match="segment_order"):
+        build_block_work(ids, cu, 16, 4, segment_order="blocks")
+
+
 def test_pair_counts_beyond_int32_are_refused():
     """Pair numbers are int32 in the kernels: 2^31 (token, index head, slot) entries refuse."""
     ids = torch.zeros(1, 1, 1, dtype=torch.int32).expand(2**21, 32, 32)  # a view, no memory
@@ -134,17 +165,21 @@ def test_warmup_tile_lists_built_directly_equal_the_sorted_ones(tile_tokens, que
         assert torch.equal(got, expected), name
 
 
-@pytest.mark.parametrize("segment_pairs,query_range", [
-    (3, RANGES[0]), (2048, RANGES[0]), (5, RANGES[1]), (7, RANGES[2])])
+@pytest.mark.parametrize("segment_pairs,query_range,segment_order", [
+    (3, RANGES[0], "pairs"), (2048, RANGES[0], "pairs"), (5, RANGES[1], "head_rows"),
+    (7, RANGES[2], "pairs"), (7, RANGES[2], "head_rows")])
 def test_warmup_key_block_lists_built_directly_equal_the_sorted_ones(segment_pairs,
-                                                                     query_range):
+                                                                     query_range,
+                                                                     segment_order):
     first, end = query_range
     cu = torch.tensor([0] + list(torch.tensor(SEQLENS).cumsum(0)), dtype=torch.int32)
     positions = query_positions_from_offsets(cu, 400)[first:end]
     ids = all_causal_block_ids(positions, 3, 16, max(SEQLENS))
-    sorted_work = build_block_work(ids, cu, 16, segment_pairs, query_start=first, num_keys=400)
+    sorted_work = build_block_work(ids, cu, 16, segment_pairs, query_start=first, num_keys=400,
+                                   segment_order=segment_order)
     direct = build_causal_block_work(cu, end - first, 3, 16, ids.shape[2], segment_pairs,
-                                     query_start=first, num_keys=400)
+                                     query_start=first, num_keys=400,
+                                     segment_order=segment_order)
     pairs = sorted_work.bucket_count.sum().item()
     assert direct.pair_token.shape == sorted_work.pair_token.shape
     assert torch.equal(direct.pair_token[:pairs], sorted_work.pair_token[:pairs])

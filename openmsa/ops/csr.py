@@ -42,7 +42,7 @@ class BlockWork:
     block_sequence: torch.Tensor  # int32 [NB]: sequence of each global block (-1: padding)
     block_local: torch.Tensor  # int32 [NB]: block index within its sequence
     segments: torch.Tensor  # int32 [num_segments, 2]: (bucket, first pair); bucket -1 = padding
-    segment_order: torch.Tensor  # int32 [num_segments]: segments, most pairs first
+    segment_order: torch.Tensor  # int32 [num_segments]: the order programs take the segments
     num_global_blocks: int  # NB, an upper bound (padding blocks have sequence -1)
     segment_pairs: int
 
@@ -110,10 +110,37 @@ def _layout(cu_seqlens: torch.Tensor, num_queries: int, num_index_heads: int, sl
     return sizes, _global_blocks(cu_seqlens, block_size, sizes[1])
 
 
+# The orders the key-outer programs can take the segments in (``segment_order``):
+# - "pairs": most pairs first, so that the longest segments do not start last (few segments
+#   per SM);
+# - "rows": by first query row, then index head: programs running together read neighbouring
+#   queries, which then come from L2 (many segments of top-k selections);
+# - "head_rows": by index head, then first query row (warmup's every causal pair: one index
+#   head's queries at a time fit in L2 better).
+# docs/KERNELS.md has the measurements.
+SEGMENT_ORDERS = ("pairs", "rows", "head_rows")
+
+
+def _segment_order(order: str, pairs, segment_bucket, first_pair, valid, pair_token,
+                   num_index_heads: int, num_queries: int) -> torch.Tensor:
+    """int32: the segments in ``order`` (one of SEGMENT_ORDERS); padding segments last."""
+    if order == "pairs":
+        return torch.argsort(pairs, descending=True, stable=True).to(torch.int32)
+    if order not in SEGMENT_ORDERS:
+        raise ValueError(f"segment_order: expected one of {SEGMENT_ORDERS}, received {order!r}")
+    row = pair_token[first_pair.clamp(0, max(pair_token.numel() - 1, 0))].long()
+    head = segment_bucket % num_index_heads
+    key = (row * num_index_heads + head if order == "rows"
+           else head * num_queries + row)
+    key = torch.where(valid, key, num_index_heads * num_queries)
+    return torch.argsort(key, stable=True).to(torch.int32)
+
+
 def _block_work(pair_token, starts, counts, block_sequence, block_local, num_segments: int,
-                segment_pairs: int) -> BlockWork:
+                segment_pairs: int, order: str, num_index_heads: int,
+                num_queries: int) -> BlockWork:
     """The lists from the pairs in bucket order and each bucket's run: the buckets cut into
-    segments."""
+    segments, taken in ``order``."""
     device = pair_token.device
     num_buckets = starts.numel()
     segments_per_bucket = (counts + segment_pairs - 1) // segment_pairs
@@ -128,6 +155,8 @@ def _block_work(pair_token, starts, counts, block_sequence, block_local, num_seg
                                            - first_pair, max=segment_pairs), 0)
     segments = torch.stack([torch.where(valid, segment_bucket, -1),
                             torch.where(valid, first_pair, 0)], dim=1)
+    segment_order = _segment_order(order, pairs, segment_bucket, first_pair, valid, pair_token,
+                                   num_index_heads, num_queries)
     return BlockWork(
         pair_token=pair_token.to(torch.int32),
         bucket_start=starts.to(torch.int32),
@@ -136,7 +165,7 @@ def _block_work(pair_token, starts, counts, block_sequence, block_local, num_seg
         block_sequence=block_sequence.to(torch.int32),
         block_local=block_local.to(torch.int32),
         segments=segments.to(torch.int32).contiguous(),
-        segment_order=torch.argsort(pairs, descending=True, stable=True).to(torch.int32),
+        segment_order=segment_order,
         num_global_blocks=block_sequence.numel(),
         segment_pairs=segment_pairs,
     )
@@ -144,10 +173,10 @@ def _block_work(pair_token, starts, counts, block_sequence, block_local, num_seg
 
 def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
                      segment_pairs: int, query_start: int = 0,
-                     num_keys: int | None = None) -> BlockWork:
+                     num_keys: int | None = None, segment_order: str = "pairs") -> BlockWork:
     """block_ids: int32 ``[Tq, Hi, top_k]`` (``-1`` unused), relative to each sequence's start,
     of the packed tokens ``[query_start, query_start + Tq)``; ``num_keys``: the packing's token
-    count T (default Tq)."""
+    count T (default Tq); ``segment_order``: one of SEGMENT_ORDERS."""
     total, num_index_heads, top_k = block_ids.shape
     device = block_ids.device
     (_, num_global_blocks, num_segments), (first_block, block_sequence, block_local) = _layout(
@@ -171,12 +200,14 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
                                                              dtype=torch.int32))
     starts = bounds[:-1]
     return _block_work(order // (num_index_heads * top_k), starts, bounds[1:] - starts,
-                       block_sequence, block_local, num_segments, segment_pairs)
+                       block_sequence, block_local, num_segments, segment_pairs, segment_order,
+                       num_index_heads, total)
 
 
 def build_causal_block_work(cu_seqlens: torch.Tensor, num_queries: int, num_index_heads: int,
                             block_size: int, slots: int, segment_pairs: int,
-                            query_start: int = 0, num_keys: int | None = None) -> BlockWork:
+                            query_start: int = 0, num_keys: int | None = None,
+                            segment_order: str = "pairs") -> BlockWork:
     """``build_block_work`` of warmup's ids (every block up to each query's own, ``slots``
     slots), built directly instead of by sorting: the queries that kept block b of a sequence
     are its queries at positions >= b * block_size, a run of consecutive rows. Same lists, same
@@ -200,7 +231,7 @@ def build_causal_block_work(cu_seqlens: torch.Tensor, num_queries: int, num_inde
     bucket = torch.searchsorted(ends, pair, right=True).clamp(max=counts.numel() - 1)
     pair_token = torch.where(pair < ends[-1], first_row[bucket] + pair - starts[bucket], 0)
     return _block_work(pair_token, starts, counts, block_sequence, block_local, num_segments,
-                       segment_pairs)
+                       segment_pairs, segment_order, num_index_heads, num_queries)
 
 
 @dataclass
