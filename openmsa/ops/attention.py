@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from . import hopper
 from .csr import (MAX_TILE_TOKENS, BlockWork, QueryTileWork, build_block_work,
                   build_causal_block_work, build_query_tile_work)
 
@@ -740,12 +741,18 @@ def _launch(kernel, grid, *args, num_warps, num_stages, **constants):
 
 def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
                          index_max=None, num_warps=FWD_CONFIG["num_warps"],
-                         num_stages=FWD_CONFIG["num_stages"]):
+                         num_stages=FWD_CONFIG["num_stages"], use_hopper: bool | None = None):
     """q [T, H, D], k, v [T, Hkv, D] (index_q [T, Hi, Di], index_k [T, Hik, Di] or None).
     Returns out [T, H, D] (q's dtype), lse2 [T, H] and the index log-sum-exp [T, Hi] (natural
     log over the kept tokens; None without the index branch), both fp32. ``index_max``: fp32
     [T, Hi], each row's largest index score over its kept tokens when known (selection's
-    largest block score, when selection keeps the best block), or None."""
+    largest block score, when selection keeps the best block), or None.
+    Without the index branch, a Hopper GPU runs the Gluon kernel (``openmsa.ops.hopper``) where
+    it supports the inputs, else the Triton kernel; ``use_hopper=False`` forces the Triton
+    kernel (benchmarks compare the two)."""
+    if use_hopper is not False and not p.with_index and hopper.supported(q, k, v, p):
+        out, lse = hopper.sparse_attention_fwd(q, k, v, p, p.scale * LOG2_E)
+        return out, lse, None
     out = torch.empty_like(q)
     lse = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
     lse_index = (torch.empty(p.total, p.num_index_heads, dtype=torch.float32, device=q.device)

@@ -7,8 +7,11 @@ import os
 import pytest
 import torch
 
-from openmsa import msa_attention
+from openmsa import msa_attention, select_blocks, sparse_attention
 from openmsa.cli import TOLERANCE
+from openmsa.ops import hopper
+from openmsa.ops.attention import SparseAttentionProblem, sparse_attention_fwd
+from openmsa.ops.layout import ids_to_token_major
 from openmsa.testing import (MSACase, compare_with_reference, random_inputs, rel_rms_error,
                              run_with_grads)
 
@@ -85,3 +88,67 @@ def test_bf16_gradients_are_bitwise_deterministic():
                                **case.options)
     for name, value in first.items():
         assert torch.equal(value, second[name]), name
+
+
+def _sparse_inputs(case, seed):
+    """bf16 q, k, v of ``case``, the kept blocks selection gives for its index inputs, and
+    cu_seqlens."""
+    inputs, cu_seqlens = random_inputs(case, torch.bfloat16, "cuda", seed=seed)
+    q, k, v, index_q, index_k = (t.detach() for t in inputs)
+    options = {name: case.options[name] for name in ("top_k", "block_size", "num_sink_blocks",
+                                                      "num_local_blocks") if name in case.options}
+    ids = select_blocks(index_q, index_k, cu_seqlens=cu_seqlens, **options)
+    return q, k, v, ids, cu_seqlens
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
+def test_sparse_attention_bf16_within_twice_the_reference_error(case):
+    """The decomposed API (its forward on the Hopper kernel where supported) against the fp32
+    reference on the same kept blocks: out, dq, dk, dv."""
+    q, k, v, ids, cu_seqlens = _sparse_inputs(case, seed=11)
+    block_size = case.options["block_size"]
+    out_grad = torch.randn_like(q)
+
+    def run(dtype, backend):
+        tensors = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = sparse_attention(*tensors, ids, block_size=block_size, cu_seqlens=cu_seqlens,
+                               backend=backend)
+        (out.float() * out_grad.float()).sum().backward()
+        return [out] + [t.grad for t in tensors]
+
+    got = run(torch.bfloat16, "triton")
+    expected = run(torch.float32, "reference")
+    low = run(torch.bfloat16, "reference")
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, expected, low):
+        error, baseline = rel_rms_error(a, b), rel_rms_error(c, b)
+        assert error <= max(TOLERANCE[torch.bfloat16], 2 * baseline), (name, error, baseline)
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
+@pytest.mark.parametrize("query_range", [False, True])
+def test_hopper_forward_equals_the_triton_forward(case, query_range):
+    """Same products in the same order: bitwise equal out and log-sum-exp (also for a range of
+    the queries, as context parallelism runs it)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward is for Hopper GPUs")
+    q, k, v, ids, cu_seqlens = _sparse_inputs(case, seed=12)
+    block_size = case.options["block_size"]
+    packed = lambda t: t.reshape(-1, *t.shape[-2:])
+    q, k, v = packed(q), packed(k), packed(v)
+    total = q.shape[0]
+    cu = cu_seqlens if cu_seqlens is not None else torch.arange(
+        0, total + 1, case.seqlen, device="cuda", dtype=torch.int32)
+    token_ids = ids_to_token_major(ids, cu_seqlens is not None)
+    start = 0
+    if query_range:  # a middle range of the packing, starting inside a sequence
+        start = total // 3 + 5
+        end = 2 * total // 3
+        q, token_ids = q[start:end], token_ids[start:end]
+    problem = SparseAttentionProblem(q, k, token_ids, cu, block_size, q.shape[-1] ** -0.5,
+                                     query_start=start)
+    assert hopper.supported(q, k, v, problem)
+    out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
+    triton_out, triton_lse, _ = sparse_attention_fwd(q, k, v, None, None, problem,
+                                                     use_hopper=False)
+    assert torch.equal(out, triton_out)
+    assert torch.equal(lse, triton_lse)

@@ -1,0 +1,281 @@
+"""The sparse forward for Hopper GPUs (sm_90), written in Gluon, Triton's lower-level language.
+
+Same work as ``attention._sparse_attn_fwd_kernel`` without the index branch (one program per
+(query tile, index head) walks the distinct blocks its tokens kept; a row sees a block only if
+its own token kept it), with what the Triton kernel cannot express:
+
+- K and V blocks arrive by TMA into a two-stage ring of shared memory, block u + 1 while block
+  u is computed;
+- the tensor-core products are issued asynchronously and waited for explicitly, so that the
+  exponentials of block u run while the tensor cores compute ``P V`` of block u - 1 (Triton
+  waits for every product before the exponentials). This is the intra-warpgroup overlap of
+  FlashAttention-3.
+
+Results are bitwise equal to the Triton kernel's (same products, same order of the online
+softmax; tested on the GPU). ``supported`` says which inputs it takes; the others, the CPU
+interpreter and the index branch's log-sum-exp run the Triton kernel. See docs/KERNELS.md.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+NUM_WARPS = 8  # two warpgroups: the MMA rows (128) split 64 / 64
+ROWS = 128
+HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (64, 128)
+
+
+@gluon.jit
+def _issue_block_load(desc, barrier, smem, row, col, pred):
+    """TMA of one key block's [BLOCK, D] rows into ``smem``, completing on ``barrier``."""
+    mbarrier.expect(barrier, desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [row, col], barrier, smem, pred=pred)
+
+
+@gluon.jit
+def _block_row(blocks, u, walk_length, seq_start, BLOCK: gl.constexpr):
+    """Packed row of the first key of walk entry ``u`` (clamped into the walk, so that a
+    predicated-off load still has a valid address)."""
+    block = gl.load(blocks + gl.minimum(u, walk_length - 1))
+    return (seq_start + block * BLOCK).to(gl.int32)
+
+
+@gluon.jit
+def _online_softmax(scores, u, running_max, running_sum, blocks, members_of, first_position,
+                    all_members, row_bit, row_valid, row_position, seq_len, scale_log2,
+                    BLOCK: gl.constexpr, layout: gl.constexpr):
+    """Walk entry u's probabilities (unnormalized, base 2) and the running max and sum. Masked
+    only where the block needs it (see attention._walk_block)."""
+    block = gl.load(blocks + u)
+    members = gl.load(members_of + u)
+    scores = scores * scale_log2
+    if (block * BLOCK + BLOCK > first_position) | (members != all_members):
+        key_pos = block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, layout))
+        row_member = (((members >> row_bit) & 1) != 0) & row_valid
+        visible = (row_member[:, None] & (key_pos < seq_len)[None, :]
+                   & (key_pos[None, :] <= row_position[:, None]))
+        scores = gl.where(visible, scores, float("-inf"))
+    new_max = gl.maximum(running_max, gl.max(scores, axis=1))
+    safe_max = gl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = gl.exp2(running_max - safe_max)
+    probs = gl.exp2(scores - safe_max[:, None])
+    running_sum = running_sum * rescale + gl.sum(probs, axis=1)
+    return probs, rescale, new_max, running_sum
+
+
+@gluon.jit
+def _sparse_attn_fwd_hopper_kernel(
+    Q, k_desc, v_desc, OUT, LSE, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT, CU_SEQLENS,
+    query_start, query_end, stride_q_t, stride_q_h, stride_o_t, stride_o_h, scale_log2,
+    HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
+    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, UNION_SLOTS: gl.constexpr,
+):
+    """One program per (query tile, index head): TOK tokens x GQ heads, head-major rows (row =
+    g * TOK + t, ROWS of them), as in the Triton kernel."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = 128
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8],
+                                               [NUM_WARPS, 1], [1, 0])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    entry = gl.program_id(0)
+    index_head = gl.program_id(1)
+    sequence = gl.load(SCHEDULE + 2 * entry)
+    if sequence < 0:  # padding entry
+        return
+    tile = gl.load(SCHEDULE + 2 * entry + 1)
+    seq_start = gl.load(CU_SEQLENS + sequence)
+    seq_len = gl.load(CU_SEQLENS + sequence + 1) - seq_start
+    first_position = tile * TOK
+    # The tile's queries are its tokens [first_query, end_query) (attention._query_tile).
+    first_query = gl.maximum(query_start - seq_start - first_position, 0)
+    end_query = gl.minimum(gl.minimum(query_end - seq_start, seq_len) - first_position, TOK)
+    one = first_query.to(gl.int64) * 0 + 1
+    all_members = (gl.where(end_query >= 64, -1, (one << end_query.to(gl.int64)) - 1)
+                   - ((one << first_query.to(gl.int64)) - 1))
+    query_base = seq_start - query_start  # the query row of the sequence's position 0
+
+    # Q [ROWS, D] goes to shared memory once; out leaves from the same layout.
+    io_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
+    io_valid = ((io_rows // TOK < GQ) & (io_rows % TOK >= first_query)
+                & (io_rows % TOK < end_query))
+    io_token = (query_base + first_position + io_rows % TOK).to(gl.int64)
+    io_head = index_head * GQ + io_rows // TOK
+    q = gl.load(Q + io_token[:, None] * stride_q_t + io_head[:, None] * stride_q_h
+                + dims[None, :], mask=io_valid[:, None], other=0.0)
+    q_smem = gl.allocate_shared_memory(
+        Q.dtype.element_ty, [ROWS, HEAD_DIM],
+        gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], Q.dtype.element_ty), q)
+
+    rows = gl.arange(0, ROWS, layout=rows_layout)
+    row_bit = (rows % TOK).to(gl.int64)
+    row_valid = (rows // TOK < GQ) & (rows % TOK >= first_query) & (rows % TOK < end_query)
+    row_position = first_position + rows % TOK
+
+    walk = (entry * HI + index_head) * UNION_SLOTS
+    blocks = UNION + walk
+    members_of = UNION_MEMBERS + walk
+    walk_length = gl.load(UNION_COUNT + entry * HI + index_head)
+    kv_col = (index_head // KV_GROUP) * HEAD_DIM
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK, HEAD_DIM], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(2):
+        mbarrier.init(k_ready.index(slot), count=1)
+        mbarrier.init(v_ready.index(slot), count=1)
+    fence_async_shared()
+
+    running_max = gl.full((ROWS,), float("-inf"), gl.float32, layout=rows_layout)
+    running_sum = gl.zeros((ROWS,), gl.float32, layout=rows_layout)
+    acc = gl.zeros((ROWS, HEAD_DIM), gl.float32, layout=o_layout)
+    no_scores = gl.zeros((ROWS, BLOCK), gl.float32, layout=s_layout)
+    if walk_length > 0:
+        # Walk entry u uses stage u % 2 of the K and V rings, barrier phase (u // 2) % 2.
+        for slot in gl.static_range(2):
+            row = _block_row(blocks, slot, walk_length, seq_start, BLOCK)
+            _issue_block_load(k_desc, k_ready.index(slot), k_smem.index(slot), row, kv_col,
+                              slot < walk_length)
+            _issue_block_load(v_desc, v_ready.index(slot), v_smem.index(slot), row, kv_col,
+                              slot < walk_length)
+        mbarrier.wait(k_ready.index(0), 0)
+        scores = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), no_scores,
+                               use_acc=False, is_async=True)
+        scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
+        probs, rescale, running_max, running_sum = _online_softmax(
+            scores, 0, running_max, running_sum, blocks, members_of, first_position,
+            all_members, row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK, s_layout)
+        p = gl.convert_layout(probs.to(Q.dtype.element_ty), p_layout)
+        for u in range(1, walk_length):
+            stage = u % 2
+            previous = 1 - stage
+            # K(u - 1) is consumed: its stage takes K(u + 1).
+            _issue_block_load(k_desc, k_ready.index(previous), k_smem.index(previous),
+                              _block_row(blocks, u + 1, walk_length, seq_start, BLOCK),
+                              kv_col, u + 1 < walk_length)
+            mbarrier.wait(k_ready.index(stage), (u // 2) & 1)
+            scores = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), no_scores,
+                                   use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(previous), ((u - 1) // 2) & 1)
+            pv = warpgroup_mma(p, v_smem.index(previous), acc, is_async=True)
+            # Q K^T of block u is done; its exponentials run while P V of block u - 1 does.
+            scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
+            probs, rescale, running_max, running_sum = _online_softmax(
+                scores, u, running_max, running_sum, blocks, members_of, first_position,
+                all_members, row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK,
+                s_layout)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+            # V(u - 1) is consumed: its stage takes V(u + 1).
+            _issue_block_load(v_desc, v_ready.index(previous), v_smem.index(previous),
+                              _block_row(blocks, u + 1, walk_length, seq_start, BLOCK),
+                              kv_col, u + 1 < walk_length)
+            acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
+            p = gl.convert_layout(probs.to(Q.dtype.element_ty), p_layout)
+        last = (walk_length - 1) % 2
+        mbarrier.wait(v_ready.index(last), ((walk_length - 1) // 2) & 1)
+        acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    for slot in gl.static_range(2):
+        mbarrier.invalidate(k_ready.index(slot))
+        mbarrier.invalidate(v_ready.index(slot))
+
+    running_sum = gl.where(row_valid, running_sum, 1.0)
+    out = acc / gl.convert_layout(running_sum, gl.SliceLayout(1, o_layout))[:, None]
+    out = gl.convert_layout(out.to(OUT.dtype.element_ty), io_layout)
+    gl.store(OUT + io_token[:, None] * stride_o_t + io_head[:, None] * stride_o_h
+             + dims[None, :], out, mask=io_valid[:, None])
+    row_head = index_head * GQ + rows // TOK
+    gl.store(LSE + (query_base + row_position).to(gl.int64) * (HI * GQ) + row_head,
+             running_max + gl.log2(running_sum), mask=row_valid)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether ``[T, heads, D]`` can be read as 2D ``[T, heads * D]`` by TMA: contiguous heads
+    and 16-byte aligned base and row stride."""
+    size = t.element_size()
+    return (t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.data_ptr() % 16 == 0
+            and (t.stride(0) * size) % 16 == 0)
+
+
+def supported(q, k, v, p) -> bool:
+    """Whether this kernel runs the main-branch forward of ``p`` (an
+    ``attention.SparseAttentionProblem``): a Hopper GPU, 16-bit inputs, head dim 64 or 128,
+    blocks of 64 or 128 keys, 128-row query tiles, keys and values TMA can read."""
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
+            and v.dtype == q.dtype and q.stride(2) == 1 and p.head_dim in HEAD_DIMS
+            and p.block_size in BLOCK_SIZES and p.query_rows == ROWS
+            and _tma_ready(k) and _tma_ready(v))
+
+
+def _block_descriptor(t: torch.Tensor, block_size: int) -> TensorDescriptor:
+    """``[T, heads, D]`` as 2D ``[T, heads * D]`` in ``[block_size, D]`` boxes: one key block
+    of one head per TMA."""
+    total, heads, dim = t.shape
+    element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([block_size, dim], element)
+    return TensorDescriptor(t, [total, heads * dim], [t.stride(0), 1], [block_size, dim],
+                            layout)
+
+
+def sparse_attention_fwd(q, k, v, p, scale_log2: float):
+    """out [Tq, H, D] and lse2 [Tq, H] of the main branch; ``supported(q, k, v, p)`` must
+    hold."""
+    out = torch.empty_like(q)
+    lse = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
+    work = p.query_work
+    shared = p.shared
+    _sparse_attn_fwd_hopper_kernel[p.query_grid()](
+        q, _block_descriptor(k, p.block_size), _block_descriptor(v, p.block_size), out, lse,
+        work.schedule, work.union, work.union_members, work.union_count, p.cu_seqlens,
+        p.query_start, p.query_start + p.total, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), scale_log2, HI=shared["HI"], GQ=shared["GQ"],
+        KV_GROUP=shared["KV_GROUP"], TOK=p.query_tokens, BLOCK=p.block_size,
+        HEAD_DIM=p.head_dim, UNION_SLOTS=work.union.shape[-1], num_warps=NUM_WARPS)
+    return out, lse
+
+
+def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "bf16",
+                     tile_tokens: int = 8, heads_per_token: int = 16):
+    """The forward kernel compiled for sm_90a on any machine, GPU or not (nothing runs): the
+    compiled kernel, whose ``asm["ptx"]`` ptxas can report on (benchmarks/inspect_kernels.py,
+    tests/test_hopper.py)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    element = gl.bfloat16 if dtype == "bf16" else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([block_size, head_dim], element)
+    fn = _sparse_attn_fwd_hopper_kernel
+    constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, TOK=tile_tokens, BLOCK=block_size,
+                     HEAD_DIM=head_dim, UNION_SLOTS=tile_tokens * 16)
+    pointers = dict(Q=f"*{dtype}", OUT=f"*{dtype}", LSE="*fp32", UNION_MEMBERS="*i64")
+    types = {}
+    for name in fn.arg_names:
+        if name in constants:
+            types[name] = "constexpr"
+        elif name.endswith("_desc"):
+            types[name] = f"tensordesc<{dtype}[{block_size}, {head_dim}],{layout!r}>"
+        elif name.isupper():
+            types[name] = pointers.get(name, "*i32")
+        else:
+            types[name] = "fp32" if name == "scale_log2" else "i32"
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+               if types[name].startswith("*") or name.startswith("stride")}
+    source = GluonASTSource(fn=fn, signature=types, constexprs=constants, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=NUM_WARPS))
