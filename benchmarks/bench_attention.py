@@ -186,11 +186,13 @@ def main() -> None:
             # GPU and inputs allow it; openmsa/ops/hopper.py).
             fwd_triton = bench(lambda: sparse_attention_fwd(q, k, v, None, None, problem,
                                                             use_hopper=False))
+            bwd_triton = bench(lambda: attention_backward(q, k, v, out, dout, lse, problem,
+                                                          use_hopper=False))
             flops = 4.0 * head_dim * triples
             row = dict(shape=name, seqlen=seqlen, selection=kind, union_of_8_tokens=union,
                        csr_ms=build_ms, fwd_ms=fwd_ms, fwd_ms_repeat=fwd_again, bwd_ms=bwd_ms,
                        fwd_kernel="hopper" if hopper.supported(q, k, v, problem) else "triton",
-                       fwd_triton_ms=fwd_triton,
+                       fwd_triton_ms=fwd_triton, bwd_triton_ms=bwd_triton,
                        fwd_tflops=flops / fwd_ms / 1e9, bwd_tflops=2.5 * flops / bwd_ms / 1e9,
                        dense_fwd_ms=dense_fwd, dense_bwd_ms=dense_bwd,
                        dense_fwd_tflops=dense_flops / dense_fwd / 1e9,
@@ -220,13 +222,14 @@ def main() -> None:
     print(f"\nsparse attention, {result['gpu']}, bf16, top_k={args.top_k} "
           f"block={args.block_size}; TFLOP/s on kept pairs; speedups vs dense SDPA same run")
     print(f"{'shape':>13} {'S':>7} {'select':>8} {'union8':>6} {'csr':>6} {'fwd ms':>7} "
-          f"{'TF/s':>5} {'(triton)':>8} {'bwd ms':>7} {'TF/s':>5} {'dense f/b ms':>14} "
+          f"{'TF/s':>5} {'(triton)':>8} {'bwd ms':>7} {'TF/s':>5} {'(triton)':>8} "
+          f"{'dense f/b ms':>14} "
           f"{'x fwd':>6} {'x bwd':>6}")
     for r in rows:
         print(f"{r['shape']:>13} {r['seqlen']:>7} {r['selection']:>8} "
               f"{r['union_of_8_tokens']:>6.1f} {r['csr_ms']:>6.2f} {r['fwd_ms']:>7.2f} "
               f"{r['fwd_tflops']:>5.0f} {r['fwd_triton_ms']:>8.2f} {r['bwd_ms']:>7.2f} "
-              f"{r['bwd_tflops']:>5.0f} "
+              f"{r['bwd_tflops']:>5.0f} {r['bwd_triton_ms']:>8.2f} "
               f"{r['dense_fwd_ms']:>6.1f}/{r['dense_bwd_ms']:>7.1f} {r['speedup_fwd']:>6.1f} "
               f"{r['speedup_bwd']:>6.1f}")
 

@@ -11,11 +11,13 @@ instead of one pass with atomic adds), and the step replayed from a CUDA graph (
 without the host's launch costs). Up to --warmup-max-seqlen it also times a warmup step
 (dense main attention on cuDNN, the KL kernel with every causal block kept) against dense, and
 the same step with ``deterministic=True`` (main attention and KL on the ordered Triton path).
+"triton" is the step with the Hopper (Gluon) kernels switched off, in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -28,6 +30,7 @@ import triton.testing
 from bench_attention import kernel_times
 from openmsa.bench.run import index_inputs
 from openmsa import msa_attention
+from openmsa.ops import hopper
 
 SHAPES = [
     # (name, S, H, Hkv, Hi, D)
@@ -35,6 +38,18 @@ SHAPES = [
     ("H64/Hkv4/Hi4", 32768, 64, 4, 4, 128),
     ("H64/Hkv4/Hi4", 131072, 64, 4, 4, 128),
 ]
+
+
+@contextlib.contextmanager
+def triton_kernels_only():
+    """The Hopper (Gluon) kernels switched off, for the same-run comparison with the Triton
+    kernels alone."""
+    supported = hopper.supported
+    hopper.supported = lambda *args: False
+    try:
+        yield
+    finally:
+        hopper.supported = supported
 
 
 def bench(fn):
@@ -110,6 +125,8 @@ def main() -> None:
                        step_no_kl_value_ms=bench(lambda: step(False)),
                        step_deterministic_ms=bench(lambda: step(True, deterministic=True)),
                        step_extra_memory_gib=extra_gib)
+            with triton_kernels_only():
+                row["step_triton_kernels_ms"] = bench(lambda: step(True))
             if seqlen <= args.warmup_max_seqlen and kind == args.kinds.split(",")[0]:
                 def warmup_step(deterministic):
                     out, kl = msa_attention(*inputs, top_k=16, block_size=128, warmup=True,
@@ -138,12 +155,13 @@ def main() -> None:
     print(f"\nMSA layer training step (fwd+bwd, selection + attention + KL), {result['gpu']}, bf16, "
           "top_k=16 block=128; dense = SDPA causal fwd+bwd, same run")
     print(f"{'shape':>13} {'S':>7} {'select':>8} {'fwd ms':>8} {'step ms':>8} {'no-value':>8} "
-          f"{'determ.':>8} {'graph':>8} {'dense ms':>9} {'x':>6} {'x no-value':>10} "
+          f"{'determ.':>8} {'graph':>8} {'triton':>8} {'dense ms':>9} {'x':>6} {'x no-value':>10} "
           f"{'extra GiB':>9}")
     for r in rows:
         print(f"{r['shape']:>13} {r['seqlen']:>7} {r['selection']:>8} {r['forward_ms']:>8.2f} "
               f"{r['step_ms']:>8.2f} {r['step_no_kl_value_ms']:>8.2f} "
               f"{r['step_deterministic_ms']:>8.2f} {r['step_cuda_graph_ms']:>8.2f} "
+              f"{r['step_triton_kernels_ms']:>8.2f} "
               f"{r['dense_step_ms']:>9.2f} "
               f"{r['speedup']:>6.2f} {r['speedup_no_kl_value']:>10.2f} "
               f"{r['step_extra_memory_gib']:>9.2f}"

@@ -90,11 +90,13 @@ def main() -> None:
     query = dict(shared, TOK=8, TOKP=16, ROWS=128, UNION_SLOTS=128)
     kernels = [
         ("forward", attention._sparse_attn_fwd_kernel,
-         dict(query, WITH_INDEX=False, INDEX_MAX_GIVEN=False)),
+         dict(query, WITH_MAIN=True, WITH_INDEX=False, INDEX_MAX_GIVEN=False)),
         ("forward + index lse", attention._sparse_attn_fwd_kernel,
-         dict(query, WITH_INDEX=True, INDEX_MAX_GIVEN=False)),
+         dict(query, WITH_MAIN=True, WITH_INDEX=True, INDEX_MAX_GIVEN=False)),
         ("forward + index, max given", attention._sparse_attn_fwd_kernel,
-         dict(query, WITH_INDEX=True, INDEX_MAX_GIVEN=True)),
+         dict(query, WITH_MAIN=True, WITH_INDEX=True, INDEX_MAX_GIVEN=True)),
+        ("index lse alone", attention._sparse_attn_fwd_kernel,
+         dict(query, WITH_MAIN=False, WITH_INDEX=True, INDEX_MAX_GIVEN=True)),
         ("dQ", attention._sparse_attn_dq_kernel, query),
         ("dK/dV", attention._sparse_attn_dkdv_kernel,
          dict(shared, TOK=4, TOKP=16, ROWS=64, SEGMENT_PAIRS=2048)),

@@ -152,15 +152,16 @@ def _sparse_attn_fwd_kernel(
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
     INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
-    UNION_SLOTS: tl.constexpr, WITH_INDEX: tl.constexpr, INDEX_MAX_GIVEN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    UNION_SLOTS: tl.constexpr, WITH_MAIN: tl.constexpr, WITH_INDEX: tl.constexpr,
+    INDEX_MAX_GIVEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Query-outer forward: one program per (query tile, index head) walks the distinct blocks
     its tokens kept (flash-attention online softmax); a row sees a block only if its own token
-    kept it. Writes out and lse2 directly (no partials); WITH_INDEX, also the index branch's
-    log-sum-exp over the kept tokens (natural log), which the KL needs. INDEX_MAX_GIVEN: each
-    token's largest kept index score is INDEX_MAX (selection's), so the index sum needs no
-    running maximum: its terms add up elementwise and are reduced once, after the walk."""
+    kept it. WITH_MAIN: writes out and lse2 directly (no partials); WITH_INDEX, also the index
+    branch's log-sum-exp over the kept tokens (natural log), which the KL needs (alone, without
+    WITH_MAIN, next to the Hopper kernel's main branch). INDEX_MAX_GIVEN: each token's largest
+    kept index score is INDEX_MAX (selection's), so the index sum needs no running maximum: its
+    terms add up elementwise and are reduced once, after the walk."""
     entry = tl.program_id(0).to(tl.int64)
     index_head = tl.program_id(1).to(tl.int64)
     if tl.load(SCHEDULE + 2 * entry) < 0:  # padding entry
@@ -170,8 +171,9 @@ def _sparse_attn_fwd_kernel(
         SCHEDULE, CU_SEQLENS, entry, index_head, query_start, query_end, GQ, TOK, TOKP, ROWS)
     kv_head = index_head // KV_GROUP
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
-                + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
+    if WITH_MAIN:
+        q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
+                    + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
     if WITH_INDEX:
         index_q = _load_rows(IQ, tok_token, tok_valid, index_head, stride_iq_t, stride_iq_h,
                              INDEX_DIM)  # [TOKP, Di]
@@ -189,21 +191,23 @@ def _sparse_attn_fwd_kernel(
         block, members, needs_mask = _walk_block(blocks, members_of, u, first_position,
                                                  all_members, BLOCK)
         key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
-        k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
-        v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
         row_member, tok_member = _members(members, row_valid, tok_valid, TOK, TOKP, ROWS)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        if needs_mask:
-            visible = (row_member[:, None] & key_valid[None, :]
-                       & (key_pos[None, :] <= row_position[:, None]))
-            scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp2(running_max - safe_max)
-        probs = tl.exp2(scores - safe_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-        acc = tl.dot(probs.to(v.dtype), v, acc * rescale[:, None], input_precision=PRECISION)
-        running_max = new_max
+        if WITH_MAIN:
+            k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
+            v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            if needs_mask:
+                visible = (row_member[:, None] & key_valid[None, :]
+                           & (key_pos[None, :] <= row_position[:, None]))
+                scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp2(running_max - safe_max)
+            probs = tl.exp2(scores - safe_max[:, None])
+            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+            acc = tl.dot(probs.to(v.dtype), v, acc * rescale[:, None],
+                         input_precision=PRECISION)
+            running_max = new_max
         if WITH_INDEX:
             ik = _load_rows(IK, key_token, key_valid, index_head // INDEX_GROUP, stride_ik_t,
                             stride_ik_h, INDEX_DIM)
@@ -223,12 +227,13 @@ def _sparse_attn_fwd_kernel(
                 index_sum = (index_sum * tl.exp(index_max - safe_index_max)
                              + tl.sum(tl.exp(z - safe_index_max[:, None]), axis=1))
                 index_max = new_index_max
-    running_sum = tl.where(row_valid, running_sum, 1.0)
-    tl.store(OUT + row_token[:, None] * stride_o_t + row_head[:, None] * stride_o_h
-             + dims[None, :], (acc / running_sum[:, None]).to(OUT.dtype.element_ty),
-             mask=row_valid[:, None])
-    tl.store(LSE + row_token * (HI * GQ) + row_head, running_max + tl.log2(running_sum),
-             mask=row_valid)
+    if WITH_MAIN:
+        running_sum = tl.where(row_valid, running_sum, 1.0)
+        tl.store(OUT + row_token[:, None] * stride_o_t + row_head[:, None] * stride_o_h
+                 + dims[None, :], (acc / running_sum[:, None]).to(OUT.dtype.element_ty),
+                 mask=row_valid[:, None])
+        tl.store(LSE + row_token * (HI * GQ) + row_head, running_max + tl.log2(running_sum),
+                 mask=row_valid)
     if WITH_INDEX:
         if INDEX_MAX_GIVEN:
             index_sum = tl.sum(index_terms, axis=1)
@@ -747,23 +752,29 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
     log over the kept tokens; None without the index branch), both fp32. ``index_max``: fp32
     [T, Hi], each row's largest index score over its kept tokens when known (selection's
     largest block score, when selection keeps the best block), or None.
-    Without the index branch, a Hopper GPU runs the Gluon kernel (``openmsa.ops.hopper``) where
-    it supports the inputs, else the Triton kernel; ``use_hopper=False`` forces the Triton
+    On a Hopper GPU the main branch runs on the Gluon kernel (``openmsa.ops.hopper``) where it
+    supports the inputs, else on the Triton kernel; ``use_hopper=False`` forces the Triton
     kernel (benchmarks compare the two)."""
-    if use_hopper is not False and not p.with_index and hopper.supported(q, k, v, p):
+    given = p.with_index and index_max is not None
+    # The Hopper kernel has no index branch: with one, it runs next to the Triton kernel's
+    # index part alone (when selection gives the row maxima; else the Triton kernel does all).
+    main_on_hopper = (use_hopper is not False and (given or not p.with_index)
+                      and hopper.supported(q, k, v, p))
+    if main_on_hopper:
         out, lse = hopper.sparse_attention_fwd(q, k, v, p, p.scale * LOG2_E)
-        return out, lse, None
-    out = torch.empty_like(q)
-    lse = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
+        if not p.with_index:
+            return out, lse, None
+    else:
+        out = torch.empty_like(q)
+        lse = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
     lse_index = (torch.empty(p.total, p.num_index_heads, dtype=torch.float32, device=q.device)
                  if p.with_index else lse)
     iq, ik = (index_q, index_k) if p.with_index else (q, k)  # unused placeholders otherwise
-    given = p.with_index and index_max is not None
     _launch(_sparse_attn_fwd_kernel, p.query_grid(),
         q, k, v, iq, ik, out, lse, lse_index, index_max if given else lse,
         *p.query_work_args(), *_strides(q, k, v, out, iq, ik), p.scale * LOG2_E, p.index_scale,
-        **p.query_constants(), WITH_INDEX=p.with_index, INDEX_MAX_GIVEN=given,
-        num_warps=num_warps, num_stages=num_stages)
+        **p.query_constants(), WITH_MAIN=not main_on_hopper, WITH_INDEX=p.with_index,
+        INDEX_MAX_GIVEN=given, num_warps=num_warps, num_stages=num_stages)
     return out, lse, (lse_index if p.with_index else None)
 
 
@@ -795,8 +806,12 @@ def attention_delta(out, dout, p: SparseAttentionProblem):
 
 
 def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
-                 num_warps=DQ_CONFIG["num_warps"], num_stages=DQ_CONFIG["num_stages"]):
-    """dq, query-outer."""
+                 num_warps=DQ_CONFIG["num_warps"], num_stages=DQ_CONFIG["num_stages"],
+                 use_hopper: bool | None = None):
+    """dq, query-outer: on a Hopper GPU the Gluon kernel (``openmsa.ops.hopper``) where it
+    supports the inputs, else (or with ``use_hopper=False``) the Triton kernel."""
+    if use_hopper is not False and hopper.supported(q, k, v, p) and dout.stride(2) == 1:
+        return hopper.attention_dq(q, k, v, dout, lse, delta, p, p.scale * LOG2_E)
     dq = torch.empty_like(q)
     _launch(_sparse_attn_dq_kernel, p.query_grid(),
         q, k, v, dout, lse, delta, dq, *p.query_work_args(), *_strides(q, k, v, dout, dq),
@@ -805,11 +820,12 @@ def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
     return dq
 
 
-def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem):
+def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
+                       use_hopper: bool | None = None):
     """dq, dk, dv of the main attention: delta, the query-outer dQ, the key-outer dK/dV."""
     dout = dout.contiguous()
     delta = attention_delta(out, dout, p)
-    dq = attention_dq(q, k, v, dout, lse, delta, p)
+    dq = attention_dq(q, k, v, dout, lse, delta, p, use_hopper=use_hopper)
     return (dq,) + attention_dkdv(q, k, v, dout, lse, delta, p)
 
 

@@ -47,6 +47,20 @@ def _block_row(blocks, u, walk_length, seq_start, BLOCK: gl.constexpr):
 
 
 @gluon.jit
+def _tile_rows(index_head, first_position, first_query, end_query, query_base,
+               GQ: gl.constexpr, TOK: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+               layout: gl.constexpr):
+    """Per row of a [ROWS, HEAD_DIM] tile in ``layout``: whether it is a query, its token's
+    row in the query tensors, its head; and the column indices. Computed where needed (before
+    the walk, and again after it) rather than held in registers across it."""
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    valid = (rows // TOK < GQ) & (rows % TOK >= first_query) & (rows % TOK < end_query)
+    token = (query_base + first_position + rows % TOK).to(gl.int64)
+    return valid, token, index_head * GQ + rows // TOK, dims
+
+
+@gluon.jit
 def _online_softmax(scores, u, running_max, running_sum, blocks, members_of, first_position,
                     all_members, row_bit, row_valid, row_position, seq_len, scale_log2,
                     BLOCK: gl.constexpr, layout: gl.constexpr):
@@ -107,12 +121,9 @@ def _sparse_attn_fwd_hopper_kernel(
     query_base = seq_start - query_start  # the query row of the sequence's position 0
 
     # Q [ROWS, D] goes to shared memory once; out leaves from the same layout.
-    io_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
-    io_valid = ((io_rows // TOK < GQ) & (io_rows % TOK >= first_query)
-                & (io_rows % TOK < end_query))
-    io_token = (query_base + first_position + io_rows % TOK).to(gl.int64)
-    io_head = index_head * GQ + io_rows // TOK
+    io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
+                                                   end_query, query_base, GQ, TOK, ROWS,
+                                                   HEAD_DIM, io_layout)
     q = gl.load(Q + io_token[:, None] * stride_q_t + io_head[:, None] * stride_q_h
                 + dims[None, :], mask=io_valid[:, None], other=0.0)
     q_smem = gl.allocate_shared_memory(
@@ -195,11 +206,171 @@ def _sparse_attn_fwd_hopper_kernel(
     running_sum = gl.where(row_valid, running_sum, 1.0)
     out = acc / gl.convert_layout(running_sum, gl.SliceLayout(1, o_layout))[:, None]
     out = gl.convert_layout(out.to(OUT.dtype.element_ty), io_layout)
+    io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
+                                                   end_query, query_base, GQ, TOK, ROWS,
+                                                   HEAD_DIM, io_layout)
     gl.store(OUT + io_token[:, None] * stride_o_t + io_head[:, None] * stride_o_h
              + dims[None, :], out, mask=io_valid[:, None])
     row_head = index_head * GQ + rows // TOK
     gl.store(LSE + (query_base + row_position).to(gl.int64) * (HI * GQ) + row_head,
              running_max + gl.log2(running_sum), mask=row_valid)
+
+
+@gluon.jit
+def _masked_probs(scores, u, lse, blocks, members_of, first_position, all_members, row_bit,
+                  row_valid, row_position, seq_len, scale_log2, BLOCK: gl.constexpr,
+                  layout: gl.constexpr):
+    """Walk entry u's probabilities from the final log-sum-exps, zero where a row does not see
+    a key."""
+    block = gl.load(blocks + u)
+    members = gl.load(members_of + u)
+    probs = gl.exp2(scores * scale_log2 - lse[:, None])
+    if (block * BLOCK + BLOCK > first_position) | (members != all_members):
+        key_pos = block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, layout))
+        row_member = (((members >> row_bit) & 1) != 0) & row_valid
+        visible = (row_member[:, None] & (key_pos < seq_len)[None, :]
+                   & (key_pos[None, :] <= row_position[:, None]))
+        probs = gl.where(visible, probs, 0.0)
+    return probs
+
+
+@gluon.jit
+def _sparse_attn_dq_hopper_kernel(
+    Q, DOUT, LSE, DELTA, DQ, k_desc, v_desc, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT,
+    CU_SEQLENS, query_start, query_end, stride_q_t, stride_q_h, stride_do_t, stride_do_h,
+    stride_dq_t, stride_dq_h, scale, scale_log2,
+    HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
+    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, UNION_SLOTS: gl.constexpr,
+):
+    """dQ, query-outer: the forward's walk with the three backward products. The exponentials
+    of block u run while the tensor cores compute dQ += dS K of block u - 1."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = 128
+    K_STAGES: gl.constexpr = 3  # K(u - 1) is still read by dS K while K(u + 1) arrives
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HEAD_DIM, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8],
+                                               [NUM_WARPS, 1], [1, 0])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    entry = gl.program_id(0)
+    index_head = gl.program_id(1)
+    sequence = gl.load(SCHEDULE + 2 * entry)
+    if sequence < 0:
+        return
+    tile = gl.load(SCHEDULE + 2 * entry + 1)
+    seq_start = gl.load(CU_SEQLENS + sequence)
+    seq_len = gl.load(CU_SEQLENS + sequence + 1) - seq_start
+    first_position = tile * TOK
+    first_query = gl.maximum(query_start - seq_start - first_position, 0)
+    end_query = gl.minimum(gl.minimum(query_end - seq_start, seq_len) - first_position, TOK)
+    one = first_query.to(gl.int64) * 0 + 1
+    all_members = (gl.where(end_query >= 64, -1, (one << end_query.to(gl.int64)) - 1)
+                   - ((one << first_query.to(gl.int64)) - 1))
+    query_base = seq_start - query_start
+
+    io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
+                                                   end_query, query_base, GQ, TOK, ROWS,
+                                                   HEAD_DIM, io_layout)
+    row_layout_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM],
+                                                                         Q.dtype.element_ty)
+    q = gl.load(Q + io_token[:, None] * stride_q_t + io_head[:, None] * stride_q_h
+                + dims[None, :], mask=io_valid[:, None], other=0.0)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [ROWS, HEAD_DIM], row_layout_smem, q)
+    dout = gl.load(DOUT + io_token[:, None] * stride_do_t + io_head[:, None] * stride_do_h
+                   + dims[None, :], mask=io_valid[:, None], other=0.0)
+    do_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [ROWS, HEAD_DIM], row_layout_smem,
+                                        dout)
+
+    rows = gl.arange(0, ROWS, layout=rows_layout)
+    row_bit = (rows % TOK).to(gl.int64)
+    row_valid = (rows // TOK < GQ) & (rows % TOK >= first_query) & (rows % TOK < end_query)
+    row_position = first_position + rows % TOK
+    row_index = (query_base + row_position).to(gl.int64) * (HI * GQ) + index_head * GQ + rows // TOK
+    lse = gl.load(LSE + row_index, mask=row_valid, other=0.0)
+    delta = gl.load(DELTA + row_index, mask=row_valid, other=0.0)
+
+    walk = (entry * HI + index_head) * UNION_SLOTS
+    blocks = UNION + walk
+    members_of = UNION_MEMBERS + walk
+    walk_length = gl.load(UNION_COUNT + entry * HI + index_head)
+    kv_col = (index_head // KV_GROUP) * HEAD_DIM
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES, BLOCK, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK, HEAD_DIM], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(K_STAGES):
+        mbarrier.init(k_ready.index(slot), count=1)
+    for slot in gl.static_range(2):
+        mbarrier.init(v_ready.index(slot), count=1)
+    fence_async_shared()
+
+    dq = gl.zeros((ROWS, HEAD_DIM), gl.float32, layout=o_layout)
+    no_scores = gl.zeros((ROWS, BLOCK), gl.float32, layout=s_layout)
+    if walk_length > 0:
+        # Walk entry u: K stage u % 3 (phase (u // 3) % 2), V stage u % 2 (phase (u // 2) % 2).
+        for slot in gl.static_range(2):
+            row = _block_row(blocks, slot, walk_length, seq_start, BLOCK)
+            _issue_block_load(k_desc, k_ready.index(slot), k_smem.index(slot), row, kv_col,
+                              slot < walk_length)
+            _issue_block_load(v_desc, v_ready.index(slot), v_smem.index(slot), row, kv_col,
+                              slot < walk_length)
+        mbarrier.wait(k_ready.index(0), 0)
+        scores = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), no_scores,
+                               use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(0), 0)
+        dprobs = warpgroup_mma(do_smem, v_smem.index(0).permute((1, 0)), no_scores,
+                               use_acc=False, is_async=True)
+        scores, dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(scores, dprobs))
+        probs = _masked_probs(scores, 0, lse, blocks, members_of, first_position, all_members,
+                              row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK,
+                              s_layout)
+        dscores = gl.convert_layout((probs * (dprobs - delta[:, None])).to(Q.dtype.element_ty),
+                                    ds_layout)
+        for u in range(1, walk_length):
+            k_stage = u % K_STAGES
+            k_previous = (u - 1) % K_STAGES
+            v_stage = u % 2
+            # K(u - 2) and V(u - 1) are consumed: their stages take K(u + 1) and V(u + 1).
+            next_row = _block_row(blocks, u + 1, walk_length, seq_start, BLOCK)
+            _issue_block_load(k_desc, k_ready.index((u + 1) % K_STAGES),
+                              k_smem.index((u + 1) % K_STAGES), next_row, kv_col,
+                              u + 1 < walk_length)
+            _issue_block_load(v_desc, v_ready.index(1 - v_stage), v_smem.index(1 - v_stage),
+                              next_row, kv_col, u + 1 < walk_length)
+            mbarrier.wait(k_ready.index(k_stage), (u // K_STAGES) & 1)
+            scores = warpgroup_mma(q_smem, k_smem.index(k_stage).permute((1, 0)), no_scores,
+                                   use_acc=False, is_async=True)
+            dq_token = warpgroup_mma(dscores, k_smem.index(k_previous), dq, is_async=True)
+            # Q K^T of block u is done; its exponentials run while dS K of block u - 1 does.
+            scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
+            probs = _masked_probs(scores, u, lse, blocks, members_of, first_position,
+                                  all_members, row_bit, row_valid, row_position, seq_len,
+                                  scale_log2, BLOCK, s_layout)
+            mbarrier.wait(v_ready.index(v_stage), (u // 2) & 1)
+            dprobs = warpgroup_mma(do_smem, v_smem.index(v_stage).permute((1, 0)), no_scores,
+                                   use_acc=False, is_async=True)
+            dq, dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(dq_token, dprobs))
+            dscores = gl.convert_layout(
+                (probs * (dprobs - delta[:, None])).to(Q.dtype.element_ty), ds_layout)
+        last = (walk_length - 1) % K_STAGES
+        dq = warpgroup_mma(dscores, k_smem.index(last), dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+    for slot in gl.static_range(K_STAGES):
+        mbarrier.invalidate(k_ready.index(slot))
+    for slot in gl.static_range(2):
+        mbarrier.invalidate(v_ready.index(slot))
+
+    dq = gl.convert_layout((dq * scale).to(DQ.dtype.element_ty), io_layout)
+    io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
+                                                   end_query, query_base, GQ, TOK, ROWS,
+                                                   HEAD_DIM, io_layout)
+    gl.store(DQ + io_token[:, None] * stride_dq_t + io_head[:, None] * stride_dq_h
+             + dims[None, :], dq, mask=io_valid[:, None])
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -279,3 +450,20 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
     source = GluonASTSource(fn=fn, signature=types, constexprs=constants, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=NUM_WARPS))
+
+
+def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float):
+    """dq of the main branch (q's dtype); ``supported(q, k, v, p)`` must hold and dout's last
+    dimension be contiguous."""
+    dq = torch.empty_like(q)
+    work = p.query_work
+    shared = p.shared
+    _sparse_attn_dq_hopper_kernel[p.query_grid()](
+        q, dout, lse, delta, dq, _block_descriptor(k, p.block_size),
+        _block_descriptor(v, p.block_size), work.schedule, work.union, work.union_members,
+        work.union_count, p.cu_seqlens, p.query_start, p.query_start + p.total, q.stride(0),
+        q.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), p.scale,
+        scale_log2, HI=shared["HI"], GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"],
+        TOK=p.query_tokens, BLOCK=p.block_size, HEAD_DIM=p.head_dim,
+        UNION_SLOTS=work.union.shape[-1], num_warps=NUM_WARPS)
+    return dq

@@ -10,8 +10,9 @@ import torch
 from openmsa import msa_attention, select_blocks, sparse_attention
 from openmsa.cli import TOLERANCE
 from openmsa.ops import hopper
-from openmsa.ops.attention import SparseAttentionProblem, sparse_attention_fwd
-from openmsa.ops.layout import ids_to_token_major
+from openmsa.ops.attention import (SparseAttentionProblem, attention_delta, attention_dq,
+                                   sparse_attention_fwd)
+from openmsa.ops.select import select_blocks_fwd
 from openmsa.testing import (MSACase, compare_with_reference, random_inputs, rel_rms_error,
                              run_with_grads)
 
@@ -110,7 +111,7 @@ def test_sparse_attention_bf16_within_twice_the_reference_error(case):
     out_grad = torch.randn_like(q)
 
     def run(dtype, backend):
-        tensors = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        tensors = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
         out = sparse_attention(*tensors, ids, block_size=block_size, cu_seqlens=cu_seqlens,
                                backend=backend)
         (out.float() * out_grad.float()).sum().backward()
@@ -126,25 +127,27 @@ def test_sparse_attention_bf16_within_twice_the_reference_error(case):
 
 @pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
 @pytest.mark.parametrize("query_range", [False, True])
-def test_hopper_forward_equals_the_triton_forward(case, query_range):
-    """Same products in the same order: bitwise equal out and log-sum-exp (also for a range of
-    the queries, as context parallelism runs it)."""
+def test_hopper_kernels_equal_the_triton_kernels(case, query_range):
+    """Same products in the same order: bitwise equal out, log-sum-exp and dq (also for a range
+    of the queries, as context parallelism runs it); with the index branch (its log-sum-exp
+    from the Triton kernel alone), equal out and lse and the same index log-sum-exp up to the
+    order inside its product."""
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon forward is for Hopper GPUs")
-    q, k, v, ids, cu_seqlens = _sparse_inputs(case, seed=12)
-    block_size = case.options["block_size"]
-    packed = lambda t: t.reshape(-1, *t.shape[-2:])
-    q, k, v = packed(q), packed(k), packed(v)
+        pytest.skip("the Gluon kernels are for Hopper GPUs")
+    inputs, cu_seqlens = random_inputs(case, torch.bfloat16, "cuda", seed=12)
+    q, k, v, index_q, index_k = (t.detach().reshape(-1, *t.shape[-2:]) for t in inputs)
     total = q.shape[0]
     cu = cu_seqlens if cu_seqlens is not None else torch.arange(
         0, total + 1, case.seqlen, device="cuda", dtype=torch.int32)
-    token_ids = ids_to_token_major(ids, cu_seqlens is not None)
-    start = 0
-    if query_range:  # a middle range of the packing, starting inside a sequence
-        start = total // 3 + 5
-        end = 2 * total // 3
-        q, token_ids = q[start:end], token_ids[start:end]
-    problem = SparseAttentionProblem(q, k, token_ids, cu, block_size, q.shape[-1] ** -0.5,
+    start, end = (total // 3 + 5, 2 * total // 3) if query_range else (0, total)
+    q, index_q = q[start:end], index_q[start:end]  # a range starting inside a sequence
+    options = case.options
+    scale = q.shape[-1] ** -0.5
+    ids, index_max = select_blocks_fwd(
+        index_q, index_k, cu, top_k=options["top_k"], block_size=options["block_size"],
+        index_softmax_scale=scale, num_local_blocks=options.get("num_local_blocks", 1),
+        num_sink_blocks=options.get("num_sink_blocks", 0), query_start=start, return_max=True)
+    problem = SparseAttentionProblem(q, k, ids, cu, options["block_size"], scale,
                                      query_start=start)
     assert hopper.supported(q, k, v, problem)
     out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
@@ -152,3 +155,15 @@ def test_hopper_forward_equals_the_triton_forward(case, query_range):
                                                      use_hopper=False)
     assert torch.equal(out, triton_out)
     assert torch.equal(lse, triton_lse)
+    dout = torch.randn_like(q)
+    delta = attention_delta(out, dout, problem)
+    assert torch.equal(attention_dq(q, k, v, dout, lse, delta, problem),
+                       attention_dq(q, k, v, dout, lse, delta, problem, use_hopper=False))
+
+    with_index = SparseAttentionProblem(q, k, ids, cu, options["block_size"], scale, index_k,
+                                        scale, query_start=start)
+    both = sparse_attention_fwd(q, k, v, index_q, index_k, with_index, index_max=index_max)
+    fused = sparse_attention_fwd(q, k, v, index_q, index_k, with_index, index_max=index_max,
+                                 use_hopper=False)
+    assert torch.equal(both[0], fused[0]) and torch.equal(both[1], fused[1])
+    assert rel_rms_error(both[2], fused[2]) < 1e-6
