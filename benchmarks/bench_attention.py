@@ -93,17 +93,19 @@ def tune(args, seqlen=32768, heads=64, kv_heads=4, index_heads=4, head_dim=128):
         for num_warps in (8,):  # 4 warps: 1.3-4x slower in every kernel (earlier sweep)
             for num_stages in (1, 2):
                 config = dict(rows=rows, num_warps=num_warps, num_stages=num_stages)
+                # The Triton kernels' configurations (not the Hopper kernels').
                 launch = dict(num_warps=num_warps, num_stages=num_stages)
+                triton_launch = dict(launch, use_hopper=False)
                 record("fwd+index", config, lambda: sparse_attention_fwd(
-                    q, k, v, index_q, index_k, problem, **launch))
+                    q, k, v, index_q, index_k, problem, **triton_launch))
                 record("kl_query", config, lambda: kl_query_side(
                     q, k, index_q, index_k, lse, lse_index, problem, True, True, **launch))
                 record("kl_one_pass", config, lambda: kl_key_walk(
                     q, k, index_q, index_k, lse, lse_index, problem, True, True, **launch))
                 record("fwd", config, lambda: sparse_attention_fwd(q, k, v, None, None,
-                                                                   main_only, **launch))
+                                                                   main_only, **triton_launch))
                 record("dq", config, lambda: attention_dq(q, k, v, dout, lse, delta, main_only,
-                                                          **launch))
+                                                          **triton_launch))
                 record("dkdv", config, lambda: attention_dkdv(q, k, v, dout, lse, delta,
                                                               main_only, **launch))
     return {kernel: config for kernel, (config, _) in best.items()}, sweep
