@@ -1,5 +1,6 @@
-"""Compiles the attention kernels for an H100/H200 (sm_90a) on any machine, GPU or not, and prints
-each launch configuration's shared memory, registers and register spills.
+"""Compiles the attention kernels (Triton's and the Hopper ones in Gluon) for an H100/H200
+(sm_90a) on any machine, GPU or not, and prints each launch configuration's shared memory,
+registers and register spills.
 
     python benchmarks/inspect_kernels.py [--stages 1 2] [--keep DIR]
 
@@ -21,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from openmsa.ops import attention
+from openmsa.ops import attention, hopper
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # per block on the H100/H200
 FLOAT_ARGS = {"scale", "scale_log2", "index_scale"}
@@ -61,22 +62,26 @@ def inspect(fn, constants, num_warps, num_stages, keep=None):
     source = ASTSource(fn=fn, signature=types, constexprs=constants, attrs=aligned)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=num_warps, num_stages=num_stages))
+    # ptxas says when it had to serialize the asynchronous MMAs (wgmma): a slow loop.
+    return ptxas_report(kernel, f"{fn.__name__}_w{num_warps}_s{num_stages}", keep)
+
+
+def ptxas_report(kernel, name, keep=None):
+    """Registers, spills and serialization of a compiled kernel, from ptxas."""
     ptx = kernel.asm["ptx"]
-    name = f"{fn.__name__}_w{num_warps}_s{num_stages}"
     path = os.path.join(keep or "/tmp", f"{name}.ptx")
     with open(path, "w") as handle:
         handle.write(ptx)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     report = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
                             capture_output=True, text=True).stderr
-    registers = re.search(r"Used (\d+) registers", report)
-    spills = re.search(r"(\d+) bytes spill stores", report)
     if not keep:
         os.remove(path)
-    # ptxas says when it had to serialize the asynchronous MMAs (wgmma): a slow loop.
-    serialized = "wgmma.mma_async instructions are serialized" in report
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
     return dict(shared=kernel.metadata.shared, registers=int(registers.group(1)),
-                spill_bytes=int(spills.group(1)) if spills else 0, serialized=serialized)
+                spill_bytes=int(spills.group(1)) if spills else 0,
+                serialized="wgmma.mma_async instructions are serialized" in report)
 
 
 def main() -> None:
@@ -120,6 +125,14 @@ def main() -> None:
             print(f"{label:<26} {8:>5} {num_stages:>6} {found['shared'] / 1024:>10.1f} "
                   f"{found['registers']:>9} {found['spill_bytes']:>7}  {fits:<4}  "
                   f"{'serialized' if found['serialized'] else 'async'}", flush=True)
+    # The Hopper (Gluon) kernels: their pipelining is written out, so stages do not apply.
+    for kernel in ("forward", "dq"):
+        found = ptxas_report(hopper.compile_for_sm90(128, 128, "bf16", kernel=kernel),
+                             f"hopper_{kernel}", args.keep)
+        fits = "yes" if found["shared"] <= SHARED_MEMORY_LIMIT else "NO"
+        print(f"{'Hopper ' + kernel:<26} {8:>5} {'-':>6} {found['shared'] / 1024:>10.1f} "
+              f"{found['registers']:>9} {found['spill_bytes']:>7}  {fits:<4}  "
+              f"{'serialized' if found['serialized'] else 'async'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,53 @@ def _tile_rows(index_head, first_position, first_query, end_query, query_base,
 
 
 @gluon.jit
+def _tile_of(CU_SEQLENS, sequence, tile, query_start, query_end, TOK: gl.constexpr):
+    """A query tile's sequence start and length, first position, queries (its tokens
+    [first_query, end_query), see attention._query_tile), the members mask of a block all its
+    queries kept, and the query row of the sequence's position 0."""
+    seq_start = gl.load(CU_SEQLENS + sequence)
+    seq_len = gl.load(CU_SEQLENS + sequence + 1) - seq_start
+    first_position = tile * TOK
+    first_query = gl.maximum(query_start - seq_start - first_position, 0)
+    end_query = gl.minimum(gl.minimum(query_end - seq_start, seq_len) - first_position, TOK)
+    one = first_query.to(gl.int64) * 0 + 1
+    all_members = (gl.where(end_query >= 64, -1, (one << end_query.to(gl.int64)) - 1)
+                   - ((one << first_query.to(gl.int64)) - 1))
+    return (seq_start, seq_len, first_position, first_query, end_query, all_members,
+            seq_start - query_start)
+
+
+@gluon.jit
+def _mma_rows(first_position, first_query, end_query, GQ: gl.constexpr, TOK: gl.constexpr,
+              ROWS: gl.constexpr, layout: gl.constexpr):
+    """Per MMA row (in ``layout``, a row slice of the products): its index, its token's bit in
+    a members mask, whether it is a query, its position."""
+    rows = gl.arange(0, ROWS, layout=layout)
+    row_valid = (rows // TOK < GQ) & (rows % TOK >= first_query) & (rows % TOK < end_query)
+    return rows, (rows % TOK).to(gl.int64), row_valid, first_position + rows % TOK
+
+
+@gluon.jit
+def _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry, index_head, HI: gl.constexpr,
+             UNION_SLOTS: gl.constexpr):
+    """The tile's walk list (attention._walk_list): blocks, token masks, length."""
+    walk = (entry * HI + index_head) * UNION_SLOTS
+    return (UNION + walk, UNION_MEMBERS + walk,
+            gl.load(UNION_COUNT + entry * HI + index_head))
+
+
+@gluon.jit
+def _visible(block, members, row_bit, row_valid, row_position, seq_len, BLOCK: gl.constexpr,
+             layout: gl.constexpr):
+    """[ROWS, BLOCK]: whether a row sees a key of ``block``: its token kept the block, the key
+    is in the sequence and not after the query."""
+    key_pos = block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, layout))
+    row_member = (((members >> row_bit) & 1) != 0) & row_valid
+    return (row_member[:, None] & (key_pos < seq_len)[None, :]
+            & (key_pos[None, :] <= row_position[:, None]))
+
+
+@gluon.jit
 def _online_softmax(scores, u, running_max, running_sum, blocks, members_of, first_position,
                     all_members, row_bit, row_valid, row_position, seq_len, scale_log2,
                     BLOCK: gl.constexpr, layout: gl.constexpr):
@@ -70,11 +117,8 @@ def _online_softmax(scores, u, running_max, running_sum, blocks, members_of, fir
     members = gl.load(members_of + u)
     scores = scores * scale_log2
     if (block * BLOCK + BLOCK > first_position) | (members != all_members):
-        key_pos = block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, layout))
-        row_member = (((members >> row_bit) & 1) != 0) & row_valid
-        visible = (row_member[:, None] & (key_pos < seq_len)[None, :]
-                   & (key_pos[None, :] <= row_position[:, None]))
-        scores = gl.where(visible, scores, float("-inf"))
+        scores = gl.where(_visible(block, members, row_bit, row_valid, row_position, seq_len,
+                                   BLOCK, layout), scores, float("-inf"))
     new_max = gl.maximum(running_max, gl.max(scores, axis=1))
     safe_max = gl.where(new_max == float("-inf"), 0.0, new_max)
     rescale = gl.exp2(running_max - safe_max)
@@ -108,17 +152,9 @@ def _sparse_attn_fwd_hopper_kernel(
     sequence = gl.load(SCHEDULE + 2 * entry)
     if sequence < 0:  # padding entry
         return
-    tile = gl.load(SCHEDULE + 2 * entry + 1)
-    seq_start = gl.load(CU_SEQLENS + sequence)
-    seq_len = gl.load(CU_SEQLENS + sequence + 1) - seq_start
-    first_position = tile * TOK
-    # The tile's queries are its tokens [first_query, end_query) (attention._query_tile).
-    first_query = gl.maximum(query_start - seq_start - first_position, 0)
-    end_query = gl.minimum(gl.minimum(query_end - seq_start, seq_len) - first_position, TOK)
-    one = first_query.to(gl.int64) * 0 + 1
-    all_members = (gl.where(end_query >= 64, -1, (one << end_query.to(gl.int64)) - 1)
-                   - ((one << first_query.to(gl.int64)) - 1))
-    query_base = seq_start - query_start  # the query row of the sequence's position 0
+    (seq_start, seq_len, first_position, first_query, end_query, all_members,
+     query_base) = _tile_of(CU_SEQLENS, sequence, gl.load(SCHEDULE + 2 * entry + 1),
+                            query_start, query_end, TOK)
 
     # Q [ROWS, D] goes to shared memory once; out leaves from the same layout.
     io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
@@ -130,15 +166,10 @@ def _sparse_attn_fwd_hopper_kernel(
         Q.dtype.element_ty, [ROWS, HEAD_DIM],
         gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], Q.dtype.element_ty), q)
 
-    rows = gl.arange(0, ROWS, layout=rows_layout)
-    row_bit = (rows % TOK).to(gl.int64)
-    row_valid = (rows // TOK < GQ) & (rows % TOK >= first_query) & (rows % TOK < end_query)
-    row_position = first_position + rows % TOK
-
-    walk = (entry * HI + index_head) * UNION_SLOTS
-    blocks = UNION + walk
-    members_of = UNION_MEMBERS + walk
-    walk_length = gl.load(UNION_COUNT + entry * HI + index_head)
+    rows, row_bit, row_valid, row_position = _mma_rows(first_position, first_query, end_query,
+                                                       GQ, TOK, ROWS, rows_layout)
+    blocks, members_of, walk_length = _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry,
+                                               index_head, HI, UNION_SLOTS)
     kv_col = (index_head // KV_GROUP) * HEAD_DIM
 
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK, HEAD_DIM], k_desc.layout)
@@ -226,11 +257,8 @@ def _masked_probs(scores, u, lse, blocks, members_of, first_position, all_member
     members = gl.load(members_of + u)
     probs = gl.exp2(scores * scale_log2 - lse[:, None])
     if (block * BLOCK + BLOCK > first_position) | (members != all_members):
-        key_pos = block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, layout))
-        row_member = (((members >> row_bit) & 1) != 0) & row_valid
-        visible = (row_member[:, None] & (key_pos < seq_len)[None, :]
-                   & (key_pos[None, :] <= row_position[:, None]))
-        probs = gl.where(visible, probs, 0.0)
+        probs = gl.where(_visible(block, members, row_bit, row_valid, row_position, seq_len,
+                                  BLOCK, layout), probs, 0.0)
     return probs
 
 
@@ -259,18 +287,11 @@ def _sparse_attn_dq_hopper_kernel(
     entry = gl.program_id(0)
     index_head = gl.program_id(1)
     sequence = gl.load(SCHEDULE + 2 * entry)
-    if sequence < 0:
+    if sequence < 0:  # padding entry
         return
-    tile = gl.load(SCHEDULE + 2 * entry + 1)
-    seq_start = gl.load(CU_SEQLENS + sequence)
-    seq_len = gl.load(CU_SEQLENS + sequence + 1) - seq_start
-    first_position = tile * TOK
-    first_query = gl.maximum(query_start - seq_start - first_position, 0)
-    end_query = gl.minimum(gl.minimum(query_end - seq_start, seq_len) - first_position, TOK)
-    one = first_query.to(gl.int64) * 0 + 1
-    all_members = (gl.where(end_query >= 64, -1, (one << end_query.to(gl.int64)) - 1)
-                   - ((one << first_query.to(gl.int64)) - 1))
-    query_base = seq_start - query_start
+    (seq_start, seq_len, first_position, first_query, end_query, all_members,
+     query_base) = _tile_of(CU_SEQLENS, sequence, gl.load(SCHEDULE + 2 * entry + 1),
+                            query_start, query_end, TOK)
 
     io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
                                                    end_query, query_base, GQ, TOK, ROWS,
@@ -285,18 +306,14 @@ def _sparse_attn_dq_hopper_kernel(
     do_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [ROWS, HEAD_DIM], row_layout_smem,
                                         dout)
 
-    rows = gl.arange(0, ROWS, layout=rows_layout)
-    row_bit = (rows % TOK).to(gl.int64)
-    row_valid = (rows // TOK < GQ) & (rows % TOK >= first_query) & (rows % TOK < end_query)
-    row_position = first_position + rows % TOK
-    row_index = (query_base + row_position).to(gl.int64) * (HI * GQ) + index_head * GQ + rows // TOK
+    rows, row_bit, row_valid, row_position = _mma_rows(first_position, first_query, end_query,
+                                                       GQ, TOK, ROWS, rows_layout)
+    row_index = ((query_base + row_position).to(gl.int64) * (HI * GQ) + index_head * GQ
+                 + rows // TOK)
     lse = gl.load(LSE + row_index, mask=row_valid, other=0.0)
     delta = gl.load(DELTA + row_index, mask=row_valid, other=0.0)
-
-    walk = (entry * HI + index_head) * UNION_SLOTS
-    blocks = UNION + walk
-    members_of = UNION_MEMBERS + walk
-    walk_length = gl.load(UNION_COUNT + entry * HI + index_head)
+    blocks, members_of, walk_length = _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry,
+                                               index_head, HI, UNION_SLOTS)
     kv_col = (index_head // KV_GROUP) * HEAD_DIM
 
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES, BLOCK, HEAD_DIM], k_desc.layout)
@@ -421,20 +438,21 @@ def sparse_attention_fwd(q, k, v, p, scale_log2: float):
 
 
 def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "bf16",
-                     tile_tokens: int = 8, heads_per_token: int = 16):
-    """The forward kernel compiled for sm_90a on any machine, GPU or not (nothing runs): the
-    compiled kernel, whose ``asm["ptx"]`` ptxas can report on (benchmarks/inspect_kernels.py,
-    tests/test_hopper.py)."""
+                     kernel: str = "forward", tile_tokens: int = 8, heads_per_token: int = 16):
+    """The ``kernel`` ("forward" or "dq") compiled for sm_90a on any machine, GPU or not
+    (nothing runs): the compiled kernel, whose ``asm["ptx"]`` ptxas can report on
+    (benchmarks/inspect_kernels.py, tests/test_hopper.py)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     element = gl.bfloat16 if dtype == "bf16" else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([block_size, head_dim], element)
-    fn = _sparse_attn_fwd_hopper_kernel
+    fn = {"forward": _sparse_attn_fwd_hopper_kernel, "dq": _sparse_attn_dq_hopper_kernel}[kernel]
     constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, TOK=tile_tokens, BLOCK=block_size,
                      HEAD_DIM=head_dim, UNION_SLOTS=tile_tokens * 16)
-    pointers = dict(Q=f"*{dtype}", OUT=f"*{dtype}", LSE="*fp32", UNION_MEMBERS="*i64")
+    pointers = dict(Q=f"*{dtype}", OUT=f"*{dtype}", DOUT=f"*{dtype}", DQ=f"*{dtype}",
+                    LSE="*fp32", DELTA="*fp32", UNION_MEMBERS="*i64")
     types = {}
     for name in fn.arg_names:
         if name in constants:
@@ -444,7 +462,7 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
         elif name.isupper():
             types[name] = pointers.get(name, "*i32")
         else:
-            types[name] = "fp32" if name == "scale_log2" else "i32"
+            types[name] = "fp32" if name.startswith("scale") else "i32"
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                if types[name].startswith("*") or name.startswith("stride")}
     source = GluonASTSource(fn=fn, signature=types, constexprs=constants, attrs=aligned)
