@@ -1,19 +1,20 @@
-"""The sparse forward for Hopper GPUs (sm_90), written in Gluon, Triton's lower-level language.
+"""The sparse forward and dQ for Hopper GPUs (sm_90), in Gluon, Triton's lower-level language.
 
-Same work as ``attention._sparse_attn_fwd_kernel`` without the index branch (one program per
-(query tile, index head) walks the distinct blocks its tokens kept; a row sees a block only if
-its own token kept it), with what the Triton kernel cannot express:
+Same programs as ``attention._sparse_attn_fwd_kernel`` (main branch only) and
+``attention._sparse_attn_dq_kernel``: one per (query tile, index head) walks the distinct
+blocks its tokens kept; a row sees a block only if its own token kept it. What the Triton
+kernels cannot express:
 
-- K and V blocks arrive by TMA into a two-stage ring of shared memory, block u + 1 while block
-  u is computed;
+- K and V blocks arrive by TMA into rings of shared memory, the next block while this one is
+  computed;
 - the tensor-core products are issued asynchronously and waited for explicitly, so that the
-  exponentials of block u run while the tensor cores compute ``P V`` of block u - 1 (Triton
-  waits for every product before the exponentials). This is the intra-warpgroup overlap of
-  FlashAttention-3.
+  exponentials of block u run while the tensor cores compute ``P V`` (forward) or ``dS K``
+  (dQ) of block u - 1 (Triton waits for every product before the exponentials). This is the
+  intra-warpgroup overlap of FlashAttention-3.
 
-Results are bitwise equal to the Triton kernel's (same products, same order of the online
-softmax; tested on the GPU). ``supported`` says which inputs it takes; the others, the CPU
-interpreter and the index branch's log-sum-exp run the Triton kernel. See docs/KERNELS.md.
+Results are bitwise equal to the Triton kernels' (same products, same order; tested on the
+GPU). ``supported`` says which inputs they take; the others, the CPU interpreter and the index
+branch's log-sum-exp run the Triton kernels. See docs/KERNELS.md.
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ NUM_WARPS = 8  # two warpgroups: the MMA rows (128) split 64 / 64
 ROWS = 128
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (64, 128)
+
+
+@gluon.constexpr_function
+def _mma_layout(n, num_warps):
+    """The wgmma accumulator layout of [128, n] products: the warps stacked along the rows."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def _io_layout(head_dim, num_warps):
+    """Rows of [*, head_dim] 16-bit tiles in 16-byte pieces, for loads and stores."""
+    return gl.BlockedLayout([1, 8], [32 * 8 // head_dim, head_dim // 8], [num_warps, 1], [1, 0])
 
 
 @gluon.jit
@@ -138,13 +152,10 @@ def _sparse_attn_fwd_hopper_kernel(
     g * TOK + t, ROWS of them), as in the Triton kernel."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = 128
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)  # scores [ROWS, BLOCK]
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # [ROWS, D] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8],
-                                               [NUM_WARPS, 1], [1, 0])
+    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     entry = gl.program_id(0)
@@ -275,13 +286,10 @@ def _sparse_attn_dq_hopper_kernel(
     NUM_WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = 128
     K_STAGES: gl.constexpr = 3  # K(u - 1) is still read by dS K while K(u + 1) arrives
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)  # scores [ROWS, BLOCK]
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # [ROWS, D] accumulator
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8],
-                                               [NUM_WARPS, 1], [1, 0])
+    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     entry = gl.program_id(0)
