@@ -32,6 +32,19 @@ HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (64, 128)
 
 
+@gluon.constexpr_function
+def _mma_layout(n, num_warps):
+    """The wgmma accumulator layout of [128, n] products: the warps stacked along the rows."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def _io_layout(head_dim, num_warps):
+    """Rows of 16-bit [*, head_dim] tiles in 16-byte pieces, for loads and stores."""
+    return gl.BlockedLayout([1, 8], [32 * 8 // head_dim, head_dim // 8], [num_warps, 1], [1, 0])
+
+
 @gluon.jit
 def _issue_block_load(desc, barrier, smem, row, col, pred):
     """TMA of one key block's [BLOCK, D] rows into ``smem``, completing on ``barrier``."""
@@ -139,15 +152,10 @@ def _sparse_attn_fwd_hopper_kernel(
     g * TOK + t, ROWS of them), as in the Triton kernel."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = 128
-    # wgmma accumulators, warps stacked along the rows: scores [ROWS, BLOCK], [ROWS, D].
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)  # scores [ROWS, BLOCK]
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # [ROWS, D] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    # Rows of 16-bit [*, D] tiles in 16-byte pieces, for loads and stores.
-    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8],
-                                               [NUM_WARPS, 1], [1, 0])
+    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     entry = gl.program_id(0)
@@ -278,15 +286,10 @@ def _sparse_attn_dq_hopper_kernel(
     NUM_WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = 128
     K_STAGES: gl.constexpr = 3  # K(u - 1) is still read by dS K while K(u + 1) arrives
-    # wgmma accumulators, warps stacked along the rows: scores [ROWS, BLOCK], [ROWS, D].
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)  # scores [ROWS, BLOCK]
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # [ROWS, D] accumulator
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    # Rows of 16-bit [*, D] tiles in 16-byte pieces, for loads and stores.
-    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8],
-                                               [NUM_WARPS, 1], [1, 0])
+    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     entry = gl.program_id(0)
