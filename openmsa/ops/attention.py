@@ -21,6 +21,10 @@ d index_q and the KL's value; with ``deterministic`` a query-outer walk gives th
 Both gradients are (s - t) times the index keys or queries, scaled by the upstream gradient of
 kl, a scalar: they do not depend on dout, so the forward computes them along with the value.
 
+On Hopper GPUs the forward's main branch and dQ run on Gluon kernels instead
+(``openmsa.ops.hopper``: the same programs with asynchronous tensor-core products), where they
+support the inputs.
+
 Log-sum-exps are kept in base 2 of the scaled scores (``lse2 = log2 sum 2^(c * log2(e) * q.k)``),
 so ``P = 2^(c * log2(e) * q.k - lse2)``; the natural-log LSE is ``lse2 * ln 2``.
 See docs/KERNELS.md for the design, the alternatives measured and the figures.
