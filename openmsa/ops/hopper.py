@@ -407,7 +407,7 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 def supported(q, k, v, p) -> bool:
-    """Whether this kernel runs the main-branch forward of ``p`` (an
+    """Whether these kernels run the main-branch forward and dQ of ``p`` (an
     ``attention.SparseAttentionProblem``): a Hopper GPU, 16-bit inputs, head dim 64 or 128,
     blocks of 64 or 128 keys, 128-row query tiles, keys and values TMA can read."""
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -445,6 +445,23 @@ def sparse_attention_fwd(q, k, v, p, scale_log2: float):
     return out, lse
 
 
+def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float):
+    """dq of the main branch (q's dtype); ``supported(q, k, v, p)`` must hold and dout's last
+    dimension be contiguous."""
+    dq = torch.empty_like(q)
+    work = p.query_work
+    shared = p.shared
+    _sparse_attn_dq_hopper_kernel[p.query_grid()](
+        q, dout, lse, delta, dq, _block_descriptor(k, p.block_size),
+        _block_descriptor(v, p.block_size), work.schedule, work.union, work.union_members,
+        work.union_count, p.cu_seqlens, p.query_start, p.query_start + p.total, q.stride(0),
+        q.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), p.scale,
+        scale_log2, HI=shared["HI"], GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"],
+        TOK=p.query_tokens, BLOCK=p.block_size, HEAD_DIM=p.head_dim,
+        UNION_SLOTS=work.union.shape[-1], num_warps=NUM_WARPS)
+    return dq
+
+
 def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "bf16",
                      kernel: str = "forward", heads_per_token: int = 16):
     """The ``kernel`` ("forward" or "dq") compiled for sm_90a on any machine, GPU or not
@@ -477,20 +494,3 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
     source = GluonASTSource(fn=fn, signature=types, constexprs=constants, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=NUM_WARPS))
-
-
-def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float):
-    """dq of the main branch (q's dtype); ``supported(q, k, v, p)`` must hold and dout's last
-    dimension be contiguous."""
-    dq = torch.empty_like(q)
-    work = p.query_work
-    shared = p.shared
-    _sparse_attn_dq_hopper_kernel[p.query_grid()](
-        q, dout, lse, delta, dq, _block_descriptor(k, p.block_size),
-        _block_descriptor(v, p.block_size), work.schedule, work.union, work.union_members,
-        work.union_count, p.cu_seqlens, p.query_start, p.query_start + p.total, q.stride(0),
-        q.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), p.scale,
-        scale_log2, HI=shared["HI"], GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"],
-        TOK=p.query_tokens, BLOCK=p.block_size, HEAD_DIM=p.head_dim,
-        UNION_SLOTS=work.union.shape[-1], num_warps=NUM_WARPS)
-    return dq
