@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -67,21 +65,15 @@ def inspect(fn, constants, num_warps, num_stages, keep=None):
 
 
 def ptxas_report(kernel, name, keep=None):
-    """Registers, spills and serialization of a compiled kernel, from ptxas."""
+    """Shared memory, registers, spills and serialization of a compiled kernel; its PTX is
+    kept in ``keep`` as ``name``.ptx when given."""
     ptx = kernel.asm["ptx"]
-    path = os.path.join(keep or "/tmp", f"{name}.ptx")
-    with open(path, "w") as handle:
-        handle.write(ptx)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    report = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
-                            capture_output=True, text=True).stderr
-    if not keep:
-        os.remove(path)
-    registers = re.search(r"Used (\d+) registers", report)
-    spills = re.search(r"(\d+) bytes spill stores", report)
-    return dict(shared=kernel.metadata.shared, registers=int(registers.group(1)),
-                spill_bytes=int(spills.group(1)) if spills else 0,
-                serialized="wgmma.mma_async instructions are serialized" in report)
+    if keep:
+        with open(os.path.join(keep, f"{name}.ptx"), "w") as handle:
+            handle.write(ptx)
+    found = hopper.ptxas_report(ptx)
+    return dict(shared=kernel.metadata.shared, registers=found["registers"],
+                spill_bytes=found["spill_bytes"], serialized=found["serialized"])
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-import triton
+
+from openmsa.ops import hopper
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # per block on the H100/H200
 # dQ holds dS of block u - 1 (in flight), the scores and dO V^T of block u and the dq
@@ -37,10 +38,7 @@ def _compile(kernel, head_dim, block_size, dtype, heads_per_token, tmp_path):
         [sys.executable, "-c", COMPILE, json.dumps([head_dim, block_size, dtype]),
          str(heads_per_token), kernel, str(ptx)],
         env=env, capture_output=True, text=True, check=True).stdout
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    report = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
-                            capture_output=True, text=True, check=True).stderr
-    return report, int(shared)
+    return hopper.ptxas_report(ptx.read_text())["text"], int(shared)
 
 
 @pytest.mark.parametrize("kernel", ["forward", "dq"])

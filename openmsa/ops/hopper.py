@@ -465,7 +465,7 @@ def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float):
 def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "bf16",
                      kernel: str = "forward", heads_per_token: int = 16):
     """The ``kernel`` ("forward" or "dq") compiled for sm_90a on any machine, GPU or not
-    (nothing runs): the compiled kernel, whose ``asm["ptx"]`` ptxas can report on
+    (nothing runs): the compiled kernel, whose ``asm["ptx"]`` ``ptxas_report`` reports on
     (benchmarks/inspect_kernels.py, tests/test_hopper.py)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -494,3 +494,26 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
     source = GluonASTSource(fn=fn, signature=types, constexprs=constants, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=NUM_WARPS))
+
+
+def ptxas_report(ptx: str) -> dict:
+    """What Triton's bundled ptxas says of a kernel's PTX for sm_90a: registers, spilled bytes,
+    whether it serialized the asynchronous products (a slow loop), and its whole text."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        with open(path, "w") as handle:
+            handle.write(ptx)
+        text = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
+    registers = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores", text)
+    return dict(registers=int(registers.group(1)),
+                spill_bytes=int(spills.group(1)) if spills else 0, serialized="wgmma.mma_async instructions are serialized" in text, text=text)
