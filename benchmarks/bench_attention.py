@@ -107,7 +107,7 @@ def tune(args, seqlen=32768, heads=64, kv_heads=4, index_heads=4, head_dim=128):
                 record("dq", config, lambda: attention_dq(q, k, v, dout, lse, delta, main_only,
                                                           **triton_launch))
                 record("dkdv", config, lambda: attention_dkdv(q, k, v, dout, lse, delta,
-                                                              main_only, **launch))
+                                                              main_only, **triton_launch))
     return {kernel: config for kernel, (config, _) in best.items()}, sweep
 
 

@@ -837,7 +837,7 @@ def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
     dout = dout.contiguous()
     delta = attention_delta(out, dout, p)
     dq = attention_dq(q, k, v, dout, lse, delta, p, use_hopper=use_hopper)
-    return (dq,) + attention_dkdv(q, k, v, dout, lse, delta, p)
+    return (dq,) + attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=use_hopper)
 
 
 def _reduce_segments(part, out, scale, group, p: SparseAttentionProblem):
@@ -851,17 +851,24 @@ def _reduce_segments(part, out, scale, group, p: SparseAttentionProblem):
 
 
 def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
-                   num_warps=DKDV_CONFIG["num_warps"], num_stages=DKDV_CONFIG["num_stages"]):
-    """dk, dv, key-outer: fp32 partials per segment of pairs, then an in-order sum per key
-    block."""
-    segments = p.block_work.segments.shape[0]
-    dk_part, dv_part = (torch.empty(segments * p.block_size, p.head_dim, dtype=torch.float32,
-                                    device=q.device) for _ in range(2))
-    _launch(_sparse_attn_dkdv_kernel, (segments,),
-        q, k, v, dout, lse, delta, dk_part, dv_part, *p.key_work_args(),
-        *_strides(q, k, v, dout), p.scale * LOG2_E,
-        **p.key_constants(p.key_tokens, p.key_rows), num_warps=num_warps,
-        num_stages=num_stages)
+                   num_warps=DKDV_CONFIG["num_warps"], num_stages=DKDV_CONFIG["num_stages"],
+                   use_hopper: bool | None = None):
+    """dk, dv, key-outer: fp32 partials per segment of pairs (on a Hopper GPU the Gluon kernel
+    where it supports the inputs, else or with ``use_hopper=False`` the Triton kernel), then an
+    in-order sum per key block."""
+    if use_hopper is not False and hopper.supported_key_outer(q, k, v, dout, p):
+        dk_part, dv_part = hopper.attention_dkdv_parts(q, k, v, dout, lse, delta, p,
+                                                       p.scale * LOG2_E)
+    else:
+        segments = p.block_work.segments.shape[0]
+        dk_part, dv_part = (torch.empty(segments * p.block_size, p.head_dim,
+                                        dtype=torch.float32, device=q.device)
+                            for _ in range(2))
+        _launch(_sparse_attn_dkdv_kernel, (segments,),
+            q, k, v, dout, lse, delta, dk_part, dv_part, *p.key_work_args(),
+            *_strides(q, k, v, dout), p.scale * LOG2_E,
+            **p.key_constants(p.key_tokens, p.key_rows), num_warps=num_warps,
+            num_stages=num_stages)
     group = p.shared["KV_GROUP"]
     return (_reduce_segments(dk_part, torch.empty_like(k), p.scale, group, p),
             _reduce_segments(dv_part, torch.empty_like(v), 1.0, group, p))

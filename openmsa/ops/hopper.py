@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -398,6 +399,150 @@ def _sparse_attn_dq_hopper_kernel(
              + dims[None, :], dq, mask=io_valid[:, None])
 
 
+@gluon.jit
+def _gather_step(Q, DOUT, q_smem, do_smem, PAIR_TOKEN, first_pair, last, index_head,
+                 stride_q_t, stride_q_h, stride_do_t, stride_do_h, GQ: gl.constexpr,
+                 TOK: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 layout: gl.constexpr):
+    """Asynchronous copies (one commit group) of a dK/dV step's q and dO rows: TOK pairs x GQ
+    heads, head-major (row = g * TOK + t); rows of missing pairs or padding heads are zeros."""
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    pair = first_pair + rows % TOK
+    valid = (pair < last) & (rows // TOK < GQ)
+    token = gl.load(PAIR_TOKEN + pair, mask=valid, other=0).to(gl.int64)
+    head = index_head * GQ + rows // TOK
+    mask = valid[:, None]
+    async_copy.async_copy_global_to_shared(
+        q_smem, Q + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
+        mask=mask)
+    async_copy.async_copy_global_to_shared(
+        do_smem, DOUT + token[:, None] * stride_do_t + head[:, None] * stride_do_h
+        + dims[None, :], mask=mask)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _sparse_attn_dkdv_hopper_kernel(
+    Q, DOUT, LSE, DELTA, DK_PART, DV_PART, k_desc, v_desc,
+    SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+    BLOCK_LOCAL, CU_SEQLENS, query_start,
+    stride_q_t, stride_q_h, stride_do_t, stride_do_h, scale_log2,
+    HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
+    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, SEGMENT_PAIRS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Key-outer dK, dV of one segment (attention._sparse_attn_dkdv_kernel's work) in steps of
+    TOK pairs x GQ heads (ROWS = 32 rows), products transposed (the block's keys are the MMA
+    rows). The exponentials of step j run while the tensor cores compute dV and dK of step
+    j - 1; q and dO rows are gathered by asynchronous copies into a ring of STAGES steps:
+    step j - 1 is still read, j + STAGES - 2 arrives into the slot of step j - 2."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = 32
+    s_layout: gl.constexpr = _mma_layout(ROWS, NUM_WARPS)  # transposed scores [BLOCK, ROWS]
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # dK, dV [BLOCK, D]
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    segment = gl.load(SEGMENT_ORDER + gl.program_id(0))
+    bucket = gl.load(SEGMENTS + 2 * segment)
+    if bucket < 0:  # padding segment
+        return
+    first = gl.load(SEGMENTS + 2 * segment + 1)
+    global_block = bucket // HI
+    index_head = bucket % HI
+    sequence = gl.load(BLOCK_SEQUENCE + global_block)
+    seq_start = gl.load(CU_SEQLENS + sequence)
+    last = gl.minimum(first + SEGMENT_PAIRS,
+                      gl.load(BUCKET_START + bucket) + gl.load(BUCKET_COUNT + bucket))
+    block = gl.load(BLOCK_LOCAL + global_block)
+    query_base = seq_start - query_start  # the query row of the sequence's position 0
+    steps = (last - first + TOK - 1) // TOK
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK, HEAD_DIM], v_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    fence_async_shared()
+    row = (seq_start + block * BLOCK).to(gl.int32)
+    kv_col = (index_head // KV_GROUP) * HEAD_DIM
+    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row, kv_col], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [row, kv_col], kv_ready, v_smem)
+
+    step_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM],
+                                                                   Q.dtype.element_ty)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, ROWS, HEAD_DIM], step_smem)
+    do_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, ROWS, HEAD_DIM], step_smem)
+    # Step -1's slot: zeros, which the first iteration's dV and dK products multiply by zeros.
+    no_rows = gl.zeros((ROWS, HEAD_DIM), Q.dtype.element_ty, layout=io_layout)
+    q_smem.index(STAGES - 1).store(no_rows)
+    do_smem.index(STAGES - 1).store(no_rows)
+    for step in gl.static_range(STAGES - 2):
+        _gather_step(Q, DOUT, q_smem.index(step), do_smem.index(step), PAIR_TOKEN,
+                     first + step * TOK, last, index_head, stride_q_t, stride_q_h, stride_do_t,
+                     stride_do_h, GQ, TOK, ROWS, HEAD_DIM, io_layout)
+
+    key_pos = block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, ROWS, layout=cols_layout)
+    col_head = index_head * GQ + cols // TOK
+    no_scores = gl.zeros((BLOCK, ROWS), gl.float32, layout=s_layout)
+    dk = gl.zeros((BLOCK, HEAD_DIM), gl.float32, layout=o_layout)
+    dv = gl.zeros((BLOCK, HEAD_DIM), gl.float32, layout=o_layout)
+    probs = gl.zeros((BLOCK, ROWS), Q.dtype.element_ty, layout=a_layout)
+    dscores = gl.zeros((BLOCK, ROWS), Q.dtype.element_ty, layout=a_layout)
+    mbarrier.wait(kv_ready, 0)
+    for j in range(0, steps):
+        slot = j % STAGES
+        previous = (j + STAGES - 1) % STAGES
+        first_pair = first + j * TOK
+        # Step j's rows are in (later steps' groups may still be in flight).
+        async_copy.wait_group(STAGES - 3)
+        gl.thread_barrier()
+        fence_async_shared()
+        scores = warpgroup_mma(k_smem, q_smem.index(slot).permute((1, 0)), no_scores,
+                               use_acc=False, is_async=True)
+        dprobs = warpgroup_mma(v_smem, do_smem.index(slot).permute((1, 0)), no_scores,
+                               use_acc=False, is_async=True)
+        # dV and dK of step j - 1 (zero operands at j = 0) run while step j's exponentials do.
+        dv_token = warpgroup_mma(probs, do_smem.index(previous), dv, is_async=True)
+        dk_token = warpgroup_mma(dscores, q_smem.index(previous), dk, is_async=True)
+        pair = first_pair + cols % TOK
+        valid = (pair < last) & (cols // TOK < GQ)
+        token = gl.load(PAIR_TOKEN + pair, mask=valid, other=0).to(gl.int64)
+        lse = gl.load(LSE + token * (HI * GQ) + col_head, mask=valid, other=0.0)
+        delta = gl.load(DELTA + token * (HI * GQ) + col_head, mask=valid, other=0.0)
+        scores, dprobs = warpgroup_mma_wait(num_outstanding=2, deps=(scores, dprobs))
+        probs_t = gl.where(valid[None, :], gl.exp2(scores * scale_log2 - lse[None, :]), 0.0)
+        # Only pairs inside the block (the first ones: token order) need the causal mask.
+        if gl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
+            query_pos = token - query_base
+            probs_t = gl.where(key_pos[:, None] <= query_pos[None, :], probs_t, 0.0)
+        dscores_t = probs_t * (dprobs - delta[None, :])
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_token, dk_token))
+        # Past this iteration's barrier both warpgroups are done with step j - 2's rows: its
+        # slot takes step j + STAGES - 2.
+        _gather_step(Q, DOUT, q_smem.index((j + STAGES - 2) % STAGES),
+                     do_smem.index((j + STAGES - 2) % STAGES), PAIR_TOKEN,
+                     first_pair + (STAGES - 2) * TOK, last, index_head, stride_q_t, stride_q_h,
+                     stride_do_t, stride_do_h, GQ, TOK, ROWS, HEAD_DIM, io_layout)
+        probs = gl.convert_layout(probs_t.to(Q.dtype.element_ty), a_layout)
+        dscores = gl.convert_layout(dscores_t.to(Q.dtype.element_ty), a_layout)
+    last_slot = (steps + STAGES - 1) % STAGES
+    dv = warpgroup_mma(probs, do_smem.index(last_slot), dv, is_async=True)
+    dk = warpgroup_mma(dscores, q_smem.index(last_slot), dk, is_async=True)
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+    async_copy.wait_group(0)
+    mbarrier.invalidate(kv_ready)
+
+    keys = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, o_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    offsets = (segment.to(gl.int64) * BLOCK + keys)[:, None] * HEAD_DIM + dims[None, :]
+    gl.store(DK_PART + offsets, dk)
+    gl.store(DV_PART + offsets, dv)
+
+
 def _tma_ready(t: torch.Tensor) -> bool:
     """Whether ``[T, heads, D]`` can be read as 2D ``[T, heads * D]`` by TMA: contiguous heads
     and 16-byte aligned base and row stride."""
@@ -415,6 +560,29 @@ def supported(q, k, v, p) -> bool:
     return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
             and v.dtype == q.dtype and q.stride(2) == 1 and p.head_dim in HEAD_DIMS
             and p.block_size in BLOCK_SIZES and p.query_rows == ROWS
+            and _tma_ready(k) and _tma_ready(v))
+
+
+KEY_STEP_ROWS = 32  # dK/dV: rows (pairs x heads) per step
+KEY_STEP_STAGES = 4  # dK/dV: steps of q and dO rows in shared memory (two ahead)
+
+
+def key_step_tokens(heads_per_token: int) -> int | None:
+    """Pairs per dK/dV step (KEY_STEP_ROWS rows of their padded heads), or None when one
+    pair's heads exceed a step."""
+    padded = 1 << (heads_per_token - 1).bit_length()
+    return KEY_STEP_ROWS // padded if padded <= KEY_STEP_ROWS else None
+
+
+def supported_key_outer(q, k, v, dout, p) -> bool:
+    """Whether the dK/dV kernel runs ``p``'s backward: as ``supported``, with 32-row steps
+    instead of 128-row query tiles, and dO's rows contiguous."""
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
+            and v.dtype == q.dtype and dout.dtype == q.dtype and q.stride(2) == 1
+            and dout.stride(2) == 1 and p.head_dim in HEAD_DIMS
+            and p.block_size in BLOCK_SIZES and key_step_tokens(p.gq) is not None
             and _tma_ready(k) and _tma_ready(v))
 
 
@@ -462,9 +630,29 @@ def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float):
     return dq
 
 
+def attention_dkdv_parts(q, k, v, dout, lse, delta, p, scale_log2: float,
+                         stages: int = KEY_STEP_STAGES):
+    """fp32 dK (unscaled) and dV partials per segment of ``p``'s key-block list, as the Triton
+    kernel writes them; ``supported_key_outer(q, k, v, dout, p)`` must hold."""
+    work = p.block_work
+    segments = work.segments.shape[0]
+    dk_part, dv_part = (torch.empty(segments * p.block_size, p.head_dim, dtype=torch.float32,
+                                    device=q.device) for _ in range(2))
+    shared = p.shared
+    _sparse_attn_dkdv_hopper_kernel[(segments,)](
+        q, dout, lse, delta, dk_part, dv_part, _block_descriptor(k, p.block_size),
+        _block_descriptor(v, p.block_size), work.segments, work.segment_order, work.pair_token,
+        work.bucket_start, work.bucket_count, work.block_sequence, work.block_local,
+        p.cu_seqlens, p.query_start, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1),
+        scale_log2, HI=shared["HI"], GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"],
+        TOK=key_step_tokens(p.gq), BLOCK=p.block_size, HEAD_DIM=p.head_dim,
+        SEGMENT_PAIRS=work.segment_pairs, STAGES=stages, num_warps=NUM_WARPS)
+    return dk_part, dv_part
+
+
 def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "bf16",
                      kernel: str = "forward", heads_per_token: int = 16):
-    """The ``kernel`` ("forward" or "dq") compiled for sm_90a on any machine, GPU or not
+    """The ``kernel`` ("forward", "dq" or "dkdv") compiled for sm_90a on any machine, GPU or not
     (nothing runs): the compiled kernel, whose ``asm["ptx"]`` ``ptxas_report`` reports on
     (benchmarks/inspect_kernels.py, tests/test_hopper.py)."""
     import triton
@@ -473,12 +661,18 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
 
     element = gl.bfloat16 if dtype == "bf16" else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([block_size, head_dim], element)
-    fn = {"forward": _sparse_attn_fwd_hopper_kernel, "dq": _sparse_attn_dq_hopper_kernel}[kernel]
+    fn = {"forward": _sparse_attn_fwd_hopper_kernel, "dq": _sparse_attn_dq_hopper_kernel,
+          "dkdv": _sparse_attn_dkdv_hopper_kernel}[kernel]
     tile_tokens = ROWS // (1 << (heads_per_token - 1).bit_length())  # 128-row query tiles
     constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, TOK=tile_tokens, BLOCK=block_size,
                      HEAD_DIM=head_dim, UNION_SLOTS=tile_tokens * 16)
+    if kernel == "dkdv":  # 32-row steps
+        constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1,
+                         TOK=key_step_tokens(heads_per_token), BLOCK=block_size,
+                         HEAD_DIM=head_dim, SEGMENT_PAIRS=2048, STAGES=KEY_STEP_STAGES)
     pointers = dict(Q=f"*{dtype}", OUT=f"*{dtype}", DOUT=f"*{dtype}", DQ=f"*{dtype}",
-                    LSE="*fp32", DELTA="*fp32", UNION_MEMBERS="*i64")
+                    LSE="*fp32", DELTA="*fp32", DK_PART="*fp32", DV_PART="*fp32",
+                    UNION_MEMBERS="*i64")
     types = {}
     for name in fn.arg_names:
         if name in constants:

@@ -10,8 +10,8 @@ import torch
 from openmsa import msa_attention, select_blocks, sparse_attention
 from openmsa.cli import TOLERANCE
 from openmsa.ops import hopper
-from openmsa.ops.attention import (SparseAttentionProblem, attention_delta, attention_dq,
-                                   sparse_attention_fwd)
+from openmsa.ops.attention import (SparseAttentionProblem, attention_delta, attention_dkdv,
+                                   attention_dq, sparse_attention_fwd)
 from openmsa.ops.select import select_blocks_fwd
 from openmsa.testing import (MSACase, compare_with_reference, random_inputs, rel_rms_error,
                              run_with_grads)
@@ -125,6 +125,28 @@ def test_sparse_attention_bf16_within_twice_the_reference_error(case):
         assert error <= max(TOLERANCE[torch.bfloat16], 2 * baseline), (name, error, baseline)
 
 
+def _hopper_inputs(case, query_range, seed=12):
+    """Packed bf16 inputs of ``case`` (the queries a range of the packing starting inside a
+    sequence with ``query_range``), cu_seqlens, the range's start, selection's ids and row
+    maxima."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for Hopper GPUs")
+    inputs, cu_seqlens = random_inputs(case, torch.bfloat16, "cuda", seed=seed)
+    q, k, v, index_q, index_k = (t.detach().reshape(-1, *t.shape[-2:]) for t in inputs)
+    total = q.shape[0]
+    cu = cu_seqlens if cu_seqlens is not None else torch.arange(
+        0, total + 1, case.seqlen, device="cuda", dtype=torch.int32)
+    start, end = (total // 3 + 5, 2 * total // 3) if query_range else (0, total)
+    q, index_q = q[start:end], index_q[start:end]
+    options = case.options
+    ids, index_max = select_blocks_fwd(
+        index_q, index_k, cu, top_k=options["top_k"], block_size=options["block_size"],
+        index_softmax_scale=q.shape[-1] ** -0.5,
+        num_local_blocks=options.get("num_local_blocks", 1),
+        num_sink_blocks=options.get("num_sink_blocks", 0), query_start=start, return_max=True)
+    return q, k, v, index_q, index_k, cu, start, ids, index_max
+
+
 @pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
 @pytest.mark.parametrize("query_range", [False, True])
 def test_hopper_kernels_equal_the_triton_kernels(case, query_range):
@@ -132,21 +154,9 @@ def test_hopper_kernels_equal_the_triton_kernels(case, query_range):
     of the queries, as context parallelism runs it); with the index branch (its log-sum-exp
     from the Triton kernel alone), equal out and lse and the same index log-sum-exp up to the
     order inside its product."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernels are for Hopper GPUs")
-    inputs, cu_seqlens = random_inputs(case, torch.bfloat16, "cuda", seed=12)
-    q, k, v, index_q, index_k = (t.detach().reshape(-1, *t.shape[-2:]) for t in inputs)
-    total = q.shape[0]
-    cu = cu_seqlens if cu_seqlens is not None else torch.arange(
-        0, total + 1, case.seqlen, device="cuda", dtype=torch.int32)
-    start, end = (total // 3 + 5, 2 * total // 3) if query_range else (0, total)
-    q, index_q = q[start:end], index_q[start:end]  # a range starting inside a sequence
+    q, k, v, index_q, index_k, cu, start, ids, index_max = _hopper_inputs(case, query_range)
     options = case.options
     scale = q.shape[-1] ** -0.5
-    ids, index_max = select_blocks_fwd(
-        index_q, index_k, cu, top_k=options["top_k"], block_size=options["block_size"],
-        index_softmax_scale=scale, num_local_blocks=options.get("num_local_blocks", 1),
-        num_sink_blocks=options.get("num_sink_blocks", 0), query_start=start, return_max=True)
     problem = SparseAttentionProblem(q, k, ids, cu, options["block_size"], scale,
                                      query_start=start)
     assert hopper.supported(q, k, v, problem)
@@ -167,3 +177,21 @@ def test_hopper_kernels_equal_the_triton_kernels(case, query_range):
                                  use_hopper=False)
     assert torch.equal(both[0], fused[0]) and torch.equal(both[1], fused[1])
     assert rel_rms_error(both[2], fused[2]) < 1e-6
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
+@pytest.mark.parametrize("query_range", [False, True])
+def test_hopper_dkdv_matches_the_triton_dkdv(case, query_range):
+    """The Gluon dK/dV takes 32-row steps where the Triton kernel takes 64: the same sums in
+    another order, so equal up to fp32 summation order before the 16-bit outputs."""
+    q, k, v, _, _, cu, start, ids, _ = _hopper_inputs(case, query_range, seed=13)
+    problem = SparseAttentionProblem(q, k, ids, cu, case.options["block_size"],
+                                     q.shape[-1] ** -0.5, query_start=start)
+    dout = torch.randn_like(q)
+    assert hopper.supported_key_outer(q, k, v, dout, problem)
+    out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
+    delta = attention_delta(out, dout, problem)
+    dk, dv = attention_dkdv(q, k, v, dout, lse, delta, problem)
+    triton_dk, triton_dv = attention_dkdv(q, k, v, dout, lse, delta, problem, use_hopper=False)
+    assert rel_rms_error(dk, triton_dk) < 2e-3
+    assert rel_rms_error(dv, triton_dv) < 2e-3
