@@ -400,17 +400,28 @@ def _sparse_attn_dq_hopper_kernel(
 
 
 @gluon.jit
-def _gather_step(Q, DOUT, q_smem, do_smem, PAIR_TOKEN, first_pair, last, index_head,
-                 stride_q_t, stride_q_h, stride_do_t, stride_do_h, GQ: gl.constexpr,
-                 TOK: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 layout: gl.constexpr):
-    """Asynchronous copies (one commit group) of a dK/dV step's q and dO rows: TOK pairs x GQ
-    heads, head-major (row = g * TOK + t); rows of missing pairs or padding heads are zeros."""
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+def _step_tokens(PAIR_TOKEN, first_pair, last, GQ: gl.constexpr, TOK: gl.constexpr,
+                 ROWS: gl.constexpr, layout: gl.constexpr):
+    """Query row of each row of a dK/dV step (TOK pairs x GQ heads, head-major: row = g * TOK
+    + t) in ``layout``, 2^30 for rows of missing pairs or padding heads."""
+    rows = gl.arange(0, ROWS, layout=layout)
     pair = first_pair + rows % TOK
-    valid = (pair < last) & (rows // TOK < GQ)
-    token = gl.load(PAIR_TOKEN + pair, mask=valid, other=0).to(gl.int64)
+    return gl.load(PAIR_TOKEN + pair, mask=(pair < last) & (rows // TOK < GQ), other=1 << 30)
+
+
+@gluon.jit
+def _gather_step(Q, DOUT, LSE, DELTA, q_smem, do_smem, lse_smem, delta_smem, token_smem,
+                 io_tokens, row_tokens, index_head, stride_q_t, stride_q_h, stride_do_t,
+                 stride_do_h, HI: gl.constexpr, GQ: gl.constexpr, TOK: gl.constexpr,
+                 ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, io_layout: gl.constexpr,
+                 row_layout: gl.constexpr):
+    """A dK/dV step's rows, given their tokens (``_step_tokens`` in ``io_layout``'s rows and in
+    ``row_layout``): q and dO rows, log-sum-exps and deltas by asynchronous copies (one commit
+    group; zeros for missing rows), tokens by a plain store."""
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
+    valid = io_tokens < (1 << 30)
+    token = gl.where(valid, io_tokens, 0).to(gl.int64)
     head = index_head * GQ + rows // TOK
     mask = valid[:, None]
     async_copy.async_copy_global_to_shared(
@@ -419,7 +430,14 @@ def _gather_step(Q, DOUT, q_smem, do_smem, PAIR_TOKEN, first_pair, last, index_h
     async_copy.async_copy_global_to_shared(
         do_smem, DOUT + token[:, None] * stride_do_t + head[:, None] * stride_do_h
         + dims[None, :], mask=mask)
+    cols = gl.arange(0, ROWS, layout=row_layout)
+    col_valid = row_tokens < (1 << 30)
+    row = (gl.where(col_valid, row_tokens, 0).to(gl.int64) * (HI * GQ) + index_head * GQ
+           + cols // TOK)
+    async_copy.async_copy_global_to_shared(lse_smem, LSE + row, mask=col_valid)
+    async_copy.async_copy_global_to_shared(delta_smem, DELTA + row, mask=col_valid)
     async_copy.commit_group()
+    token_smem.store(row_tokens)
 
 
 @gluon.jit
@@ -435,15 +453,20 @@ def _sparse_attn_dkdv_hopper_kernel(
     """Key-outer dK, dV of one segment (attention._sparse_attn_dkdv_kernel's work) in steps of
     TOK pairs x GQ heads (ROWS = 32 rows), products transposed (the block's keys are the MMA
     rows). The exponentials of step j run while the tensor cores compute dV and dK of step
-    j - 1; q and dO rows are gathered by asynchronous copies into a ring of STAGES steps:
-    step j - 1 is still read, j + STAGES - 2 arrives into the slot of step j - 2."""
+    j - 1. A step's rows (q, dO, log-sum-exp, delta, token) arrive in a ring of STAGES steps
+    in shared memory: step j - 1 is still read while j + STAGES - 2 arrives into the slot of
+    step j - 2, so that no global load waits inside the loop (its tokens are read one
+    iteration before their gather)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = 32
     s_layout: gl.constexpr = _mma_layout(ROWS, NUM_WARPS)  # transposed scores [BLOCK, ROWS]
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # dK, dV [BLOCK, D]
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
+    io_rows: gl.constexpr = gl.SliceLayout(1, io_layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    vector_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
     segment = gl.load(SEGMENT_ORDER + gl.program_id(0))
     bucket = gl.load(SEGMENTS + 2 * segment)
@@ -475,18 +498,27 @@ def _sparse_attn_dkdv_hopper_kernel(
                                                                    Q.dtype.element_ty)
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, ROWS, HEAD_DIM], step_smem)
     do_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, ROWS, HEAD_DIM], step_smem)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], vector_smem)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], vector_smem)
+    token_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS], vector_smem)
     # Step -1's slot: zeros, which the first iteration's dV and dK products multiply by zeros.
     no_rows = gl.zeros((ROWS, HEAD_DIM), Q.dtype.element_ty, layout=io_layout)
     q_smem.index(STAGES - 1).store(no_rows)
     do_smem.index(STAGES - 1).store(no_rows)
     for step in gl.static_range(STAGES - 2):
-        _gather_step(Q, DOUT, q_smem.index(step), do_smem.index(step), PAIR_TOKEN,
-                     first + step * TOK, last, index_head, stride_q_t, stride_q_h, stride_do_t,
-                     stride_do_h, GQ, TOK, ROWS, HEAD_DIM, io_layout)
+        first_pair = first + step * TOK
+        _gather_step(Q, DOUT, LSE, DELTA, q_smem.index(step), do_smem.index(step),
+                     lse_smem.index(step), delta_smem.index(step), token_smem.index(step),
+                     _step_tokens(PAIR_TOKEN, first_pair, last, GQ, TOK, ROWS, io_rows),
+                     _step_tokens(PAIR_TOKEN, first_pair, last, GQ, TOK, ROWS, row_layout),
+                     index_head, stride_q_t, stride_q_h, stride_do_t, stride_do_h, HI, GQ, TOK,
+                     ROWS, HEAD_DIM, io_layout, row_layout)
+    # The tokens of the next step to gather, read one iteration ahead.
+    gather_pair = first + (STAGES - 2) * TOK
+    io_tokens = _step_tokens(PAIR_TOKEN, gather_pair, last, GQ, TOK, ROWS, io_rows)
+    row_tokens = _step_tokens(PAIR_TOKEN, gather_pair, last, GQ, TOK, ROWS, row_layout)
 
     key_pos = block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, ROWS, layout=cols_layout)
-    col_head = index_head * GQ + cols // TOK
     no_scores = gl.zeros((BLOCK, ROWS), gl.float32, layout=s_layout)
     dk = gl.zeros((BLOCK, HEAD_DIM), gl.float32, layout=o_layout)
     dv = gl.zeros((BLOCK, HEAD_DIM), gl.float32, layout=o_layout)
@@ -496,7 +528,6 @@ def _sparse_attn_dkdv_hopper_kernel(
     for j in range(0, steps):
         slot = j % STAGES
         previous = (j + STAGES - 1) % STAGES
-        first_pair = first + j * TOK
         # Step j's rows are in (later steps' groups may still be in flight).
         async_copy.wait_group(STAGES - 3)
         gl.thread_barrier()
@@ -508,25 +539,28 @@ def _sparse_attn_dkdv_hopper_kernel(
         # dV and dK of step j - 1 (zero operands at j = 0) run while step j's exponentials do.
         dv_token = warpgroup_mma(probs, do_smem.index(previous), dv, is_async=True)
         dk_token = warpgroup_mma(dscores, q_smem.index(previous), dk, is_async=True)
-        pair = first_pair + cols % TOK
-        valid = (pair < last) & (cols // TOK < GQ)
-        token = gl.load(PAIR_TOKEN + pair, mask=valid, other=0).to(gl.int64)
-        lse = gl.load(LSE + token * (HI * GQ) + col_head, mask=valid, other=0.0)
-        delta = gl.load(DELTA + token * (HI * GQ) + col_head, mask=valid, other=0.0)
+        token = token_smem.index(slot).load(cols_layout)
+        lse = lse_smem.index(slot).load(cols_layout)
+        delta = delta_smem.index(slot).load(cols_layout)
         scores, dprobs = warpgroup_mma_wait(num_outstanding=2, deps=(scores, dprobs))
-        probs_t = gl.where(valid[None, :], gl.exp2(scores * scale_log2 - lse[None, :]), 0.0)
+        probs_t = gl.where((token < (1 << 30))[None, :],
+                           gl.exp2(scores * scale_log2 - lse[None, :]), 0.0)
         # Only pairs inside the block (the first ones: token order) need the causal mask.
-        if gl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
-            query_pos = token - query_base
+        query_pos = token - query_base
+        if gl.min(query_pos, axis=0) < block * BLOCK + BLOCK - 1:
             probs_t = gl.where(key_pos[:, None] <= query_pos[None, :], probs_t, 0.0)
         dscores_t = probs_t * (dprobs - delta[None, :])
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_token, dk_token))
         # Past this iteration's barrier both warpgroups are done with step j - 2's rows: its
-        # slot takes step j + STAGES - 2.
-        _gather_step(Q, DOUT, q_smem.index((j + STAGES - 2) % STAGES),
-                     do_smem.index((j + STAGES - 2) % STAGES), PAIR_TOKEN,
-                     first_pair + (STAGES - 2) * TOK, last, index_head, stride_q_t, stride_q_h,
-                     stride_do_t, stride_do_h, GQ, TOK, ROWS, HEAD_DIM, io_layout)
+        # slot takes step j + STAGES - 2, whose tokens were read last iteration.
+        gather = (j + STAGES - 2) % STAGES
+        _gather_step(Q, DOUT, LSE, DELTA, q_smem.index(gather), do_smem.index(gather),
+                     lse_smem.index(gather), delta_smem.index(gather), token_smem.index(gather),
+                     io_tokens, row_tokens, index_head, stride_q_t, stride_q_h, stride_do_t,
+                     stride_do_h, HI, GQ, TOK, ROWS, HEAD_DIM, io_layout, row_layout)
+        gather_pair += TOK
+        io_tokens = _step_tokens(PAIR_TOKEN, gather_pair, last, GQ, TOK, ROWS, io_rows)
+        row_tokens = _step_tokens(PAIR_TOKEN, gather_pair, last, GQ, TOK, ROWS, row_layout)
         probs = gl.convert_layout(probs_t.to(Q.dtype.element_ty), a_layout)
         dscores = gl.convert_layout(dscores_t.to(Q.dtype.element_ty), a_layout)
     last_slot = (steps + STAGES - 1) % STAGES

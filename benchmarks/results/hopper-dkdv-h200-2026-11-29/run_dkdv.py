@@ -1,4 +1,4 @@
-"""dK/dV: the Gluon kernel (rings of 4, 5, 6 steps) against the Triton kernel, same problems
+"""dK/dV: the Gluon kernel (rings of 3, 4, 5 steps) against the Triton kernel, same problems
 (coherent selections), interleaved. Partials are compared with the Triton kernel's."""
 import json
 import os
@@ -35,7 +35,7 @@ for S, H, Hkv in ((131072, 64, 4), (32768, 64, 4), (16384, 16, 2)):
                dv_rel_rms=rel_rms_error(dv, triton_dv))
     timings = {"triton": lambda: attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=False),
                "hopper": lambda: attention_dkdv(q, k, v, dout, lse, delta, p)}
-    for stages in (4, 5, 6):
+    for stages in (3, 4, 5):
         timings[f"parts_stages{stages}"] = (
             lambda s=stages: hopper.attention_dkdv_parts(q, k, v, dout, lse, delta, p,
                                                          p.scale * LOG2_E, stages=s))
