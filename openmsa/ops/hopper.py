@@ -518,7 +518,15 @@ def _sparse_attn_dkdv_hopper_kernel(
     io_tokens = _step_tokens(PAIR_TOKEN, gather_pair, last, GQ, TOK, ROWS, io_rows)
     row_tokens = _step_tokens(PAIR_TOKEN, gather_pair, last, GQ, TOK, ROWS, row_layout)
 
+    # Only the steps with queries inside the block need the causal mask: its first pairs (at
+    # most one per token of the block, in token order).
+    pairs = first + gl.arange(0, BLOCK, layout=row_layout)
+    diagonal = (gl.load(PAIR_TOKEN + pairs, mask=pairs < last, other=1 << 30) - query_base
+                < block * BLOCK + BLOCK - 1)
+    diagonal_steps = (gl.sum(diagonal.to(gl.int32), axis=0) + TOK - 1) // TOK
+
     key_pos = block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, ROWS, layout=cols_layout)
     no_scores = gl.zeros((BLOCK, ROWS), gl.float32, layout=s_layout)
     dk = gl.zeros((BLOCK, HEAD_DIM), gl.float32, layout=o_layout)
     dv = gl.zeros((BLOCK, HEAD_DIM), gl.float32, layout=o_layout)
@@ -539,18 +547,20 @@ def _sparse_attn_dkdv_hopper_kernel(
         # dV and dK of step j - 1 (zero operands at j = 0) run while step j's exponentials do.
         dv_token = warpgroup_mma(probs, do_smem.index(previous), dv, is_async=True)
         dk_token = warpgroup_mma(dscores, q_smem.index(previous), dk, is_async=True)
-        token = token_smem.index(slot).load(cols_layout)
         lse = lse_smem.index(slot).load(cols_layout)
         delta = delta_smem.index(slot).load(cols_layout)
         scores, dprobs = warpgroup_mma_wait(num_outstanding=2, deps=(scores, dprobs))
-        probs_t = gl.where((token < (1 << 30))[None, :],
-                           gl.exp2(scores * scale_log2 - lse[None, :]), 0.0)
-        # Only pairs inside the block (the first ones: token order) need the causal mask.
-        query_pos = token - query_base
-        if gl.min(query_pos, axis=0) < block * BLOCK + BLOCK - 1:
+        col_valid = (first + j * TOK + cols % TOK < last) & (cols // TOK < GQ)
+        probs_t = gl.where(col_valid[None, :], gl.exp2(scores * scale_log2 - lse[None, :]), 0.0)
+        if j < diagonal_steps:
+            query_pos = token_smem.index(slot).load(cols_layout) - query_base
             probs_t = gl.where(key_pos[:, None] <= query_pos[None, :], probs_t, 0.0)
         dscores_t = probs_t * (dprobs - delta[None, :])
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_token, dk_token))
+        probs_t = probs_t.to(Q.dtype.element_ty)
+        dscores_t = dscores_t.to(Q.dtype.element_ty)
+        # Through the wait, so that they are computed before it, while dV and dK run.
+        dv, dk, probs_t, dscores_t = warpgroup_mma_wait(
+            num_outstanding=0, deps=(dv_token, dk_token, probs_t, dscores_t))
         # Past this iteration's barrier both warpgroups are done with step j - 2's rows: its
         # slot takes step j + STAGES - 2, whose tokens were read last iteration.
         gather = (j + STAGES - 2) % STAGES
@@ -561,8 +571,8 @@ def _sparse_attn_dkdv_hopper_kernel(
         gather_pair += TOK
         io_tokens = _step_tokens(PAIR_TOKEN, gather_pair, last, GQ, TOK, ROWS, io_rows)
         row_tokens = _step_tokens(PAIR_TOKEN, gather_pair, last, GQ, TOK, ROWS, row_layout)
-        probs = gl.convert_layout(probs_t.to(Q.dtype.element_ty), a_layout)
-        dscores = gl.convert_layout(dscores_t.to(Q.dtype.element_ty), a_layout)
+        probs = gl.convert_layout(probs_t, a_layout)
+        dscores = gl.convert_layout(dscores_t, a_layout)
     last_slot = (steps + STAGES - 1) % STAGES
     dv = warpgroup_mma(probs, do_smem.index(last_slot), dv, is_async=True)
     dk = warpgroup_mma(dscores, q_smem.index(last_slot), dk, is_async=True)
