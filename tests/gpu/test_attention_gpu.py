@@ -191,7 +191,7 @@ def test_hopper_dkdv_matches_the_triton_dkdv(case, query_range):
     assert hopper.supported_key_outer(q, k, v, dout, problem)
     out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
     delta = attention_delta(out, dout, problem)
-    dk, dv = attention_dkdv(q, k, v, dout, lse, delta, problem)
+    dk, dv = attention_dkdv(q, k, v, dout, lse, delta, problem, use_hopper=True)
     triton_dk, triton_dv = attention_dkdv(q, k, v, dout, lse, delta, problem, use_hopper=False)
     assert rel_rms_error(dk, triton_dk) < 2e-3
     assert rel_rms_error(dv, triton_dv) < 2e-3

@@ -30,11 +30,11 @@ for S, H, Hkv in ((131072, 64, 4), (32768, 64, 4), (16384, 16, 2)):
     out, lse, _ = sparse_attention_fwd(q, k, v, None, None, p)
     delta = attention_delta(out, dout, p)
     triton_dk, triton_dv = attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=False)
-    dk, dv = attention_dkdv(q, k, v, dout, lse, delta, p)
+    dk, dv = attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=True)
     row = dict(S=S, H=H, dk_rel_rms=rel_rms_error(dk, triton_dk),
                dv_rel_rms=rel_rms_error(dv, triton_dv))
     timings = {"triton": lambda: attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=False),
-               "hopper": lambda: attention_dkdv(q, k, v, dout, lse, delta, p)}
+               "hopper": lambda: attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=True)}
     for stages in (3, 4, 5):
         timings[f"parts_stages{stages}"] = (
             lambda s=stages: hopper.attention_dkdv_parts(q, k, v, dout, lse, delta, p,

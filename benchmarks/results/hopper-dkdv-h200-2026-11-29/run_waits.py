@@ -1,0 +1,57 @@
+"""dK/dV, two ways of waiting for the step's products: both scores and dO V^T before the
+exponentials (commit 8060824, loaded from a copy of its hopper.py in the repository root,
+``dkdv_variant_8060824.py``) or the scores alone first (this commit). Same problems
+(coherent selections), interleaved, against the Triton kernel."""
+import importlib.util
+import json
+import os
+
+import torch
+import triton.testing
+
+from openmsa.bench.run import index_inputs
+from openmsa.ops import hopper
+from openmsa.ops.attention import (LOG2_E, SparseAttentionProblem, attention_delta,
+                                   attention_dkdv, sparse_attention_fwd)
+from openmsa.ops.schedule import batch_cu_seqlens
+from openmsa.ops.select import select_blocks_fwd
+from openmsa.testing import rel_rms_error
+
+spec = importlib.util.spec_from_file_location("both_waits", "dkdv_variant_8060824.py")
+both_waits = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(both_waits)
+out_dir = os.environ["OUT"]
+rows = []
+for S, H, Hkv in ((131072, 64, 4), (32768, 64, 4), (16384, 16, 2)):
+    D, Hi = 128, 4
+    g = torch.Generator(device="cuda").manual_seed(S)
+    q, k, v = (torch.randn(S, h, D, device="cuda", generator=g).bfloat16()
+               for h in (H, Hkv, Hkv))
+    dout = torch.randn_like(q)
+    iq, ik = index_inputs("coherent", S, Hi, D, g)
+    cu = batch_cu_seqlens(1, S, "cuda")
+    ids = select_blocks_fwd(iq, ik, cu, top_k=16, block_size=128, index_softmax_scale=D ** -0.5,
+                            num_local_blocks=1, num_sink_blocks=0)
+    p = SparseAttentionProblem(q, k, ids, cu, 128, D ** -0.5)
+    out, lse, _ = sparse_attention_fwd(q, k, v, None, None, p)
+    delta = attention_delta(out, dout, p)
+    args = (q, k, v, dout, lse, delta, p, p.scale * LOG2_E)
+    new, old = hopper.attention_dkdv_parts(*args), both_waits.attention_dkdv_parts(*args)
+    row = dict(S=S, H=H, dk_part_rel_rms=rel_rms_error(new[0], old[0]),
+               dv_part_rel_rms=rel_rms_error(new[1], old[1]))
+    timings = {"triton": lambda: attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=False),
+               "hopper": lambda: attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=True),
+               "parts_scores_first": lambda: hopper.attention_dkdv_parts(*args),
+               "parts_both_waits": lambda: both_waits.attention_dkdv_parts(*args)}
+    best = {name: float("inf") for name in timings}
+    for _ in range(3):
+        for name, fn in timings.items():
+            best[name] = min(best[name], triton.testing.do_bench(
+                fn, warmup=25, rep=150, return_mode="median"))
+    row.update({f"{name}_ms": ms for name, ms in best.items()})
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+    with open(os.path.join(out_dir, "waits.json"), "w") as handle:
+        json.dump(rows, handle, indent=1)
+    del q, k, v, dout, p, out, lse, delta, new, old
+    torch.cuda.empty_cache()
