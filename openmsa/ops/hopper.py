@@ -549,14 +549,12 @@ def _sparse_attn_dkdv_hopper_kernel(
         dk_token = warpgroup_mma(dscores, q_smem.index(previous), dk, is_async=True)
         lse = lse_smem.index(slot).load(cols_layout)
         delta = delta_smem.index(slot).load(cols_layout)
-        # The probabilities while dO V^T, dV and dK run; dS while dV and dK do.
-        scores = warpgroup_mma_wait(num_outstanding=3, deps=(scores,))
+        scores, dprobs = warpgroup_mma_wait(num_outstanding=2, deps=(scores, dprobs))
         col_valid = (first + j * TOK + cols % TOK < last) & (cols // TOK < GQ)
         probs_t = gl.where(col_valid[None, :], gl.exp2(scores * scale_log2 - lse[None, :]), 0.0)
         if j < diagonal_steps:
             query_pos = token_smem.index(slot).load(cols_layout) - query_base
             probs_t = gl.where(key_pos[:, None] <= query_pos[None, :], probs_t, 0.0)
-        dprobs = warpgroup_mma_wait(num_outstanding=2, deps=(dprobs,))
         dscores_t = probs_t * (dprobs - delta[None, :])
         probs_t = probs_t.to(Q.dtype.element_ty)
         dscores_t = dscores_t.to(Q.dtype.element_ty)
