@@ -79,8 +79,9 @@ def test_default_kl_path_agrees_with_the_deterministic_one():
         assert rel_rms_error(fast[name], ordered[name]) < 1e-2, name
 
 
-def test_bf16_gradients_are_bitwise_deterministic():
-    case = CASES[0]
+@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c.name)
+def test_bf16_gradients_are_bitwise_deterministic(case):
+    """Run to run (wide_group's 16 heads per index head take the Gluon dK/dV on Hopper)."""
     inputs, _ = random_inputs(case, torch.bfloat16, "cuda", seed=3)
     out_grad = torch.randn(*inputs[0].shape, device="cuda")
     first, _ = run_with_grads(msa_attention, inputs, None, out_grad, 1.0, deterministic=True,
