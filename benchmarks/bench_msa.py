@@ -44,12 +44,12 @@ SHAPES = [
 def triton_kernels_only():
     """The Hopper (Gluon) kernels switched off, for the same-run comparison with the Triton
     kernels alone."""
-    supported = hopper.supported, hopper.supported_key_outer
-    hopper.supported = hopper.supported_key_outer = lambda *args: False
+    supported = hopper.supported, hopper.supported_key_outer, hopper.supported_kl
+    hopper.supported = hopper.supported_key_outer = hopper.supported_kl = lambda *args: False
     try:
         yield
     finally:
-        hopper.supported, hopper.supported_key_outer = supported
+        hopper.supported, hopper.supported_key_outer, hopper.supported_kl = supported
 
 
 def bench(fn):

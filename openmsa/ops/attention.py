@@ -883,12 +883,15 @@ def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
 
 def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProblem,
                 query_side: bool, with_value: bool, pairs=None,
-                num_warps=KL_CONFIG["num_warps"], num_stages=KL_CONFIG["num_stages"]):
-    """The key-outer KL kernel over the key-block -> queries list. Returns the unscaled KL
-    gradient of index_k (fp32, index_k's shape) and, with ``query_side``, the KL of every
-    (token, index head) (fp32 [T, Hi], None unless ``with_value``) and the unscaled gradient
-    of index_q (fp32 [T, Hi, Di]), both summed by atomic adds. The gradients are
-    ``p.kl_gradient_factor(kl_grad)`` times the unscaled ones."""
+                num_warps=KL_CONFIG["num_warps"], num_stages=KL_CONFIG["num_stages"],
+                use_hopper: bool | None = None):
+    """The key-outer KL kernel over the key-block -> queries list (on a Hopper GPU the Gluon
+    kernel where it supports the inputs, else or with ``use_hopper=False`` the Triton kernel).
+    Returns the unscaled KL gradient of index_k (fp32, index_k's shape) and, with
+    ``query_side``, the KL of every (token, index head) (fp32 [T, Hi], None unless
+    ``with_value``) and the unscaled gradient of index_q (fp32 [T, Hi, Di]), both summed by
+    atomic adds. The gradients are ``p.kl_gradient_factor(kl_grad)`` times the unscaled
+    ones."""
     segments = p.block_work.segments.shape[0]
     part = torch.empty(segments * p.block_size, p.index_dim, dtype=torch.float32,
                        device=q.device)
@@ -897,11 +900,16 @@ def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProble
         rows = torch.zeros(p.total, p.num_index_heads, dtype=torch.float32, device=q.device)
         d_index_q = torch.zeros(p.total, p.num_index_heads, p.index_dim, dtype=torch.float32,
                                 device=q.device)
-    _launch(_kl_kernel, (segments,),
-        q, k, index_q, index_k, lse, lse_index, part, rows, d_index_q, *p.key_work_args(),
-        *_strides(q, k, index_q, index_k), p.scale * LOG2_E, p.index_scale,
-        **p.kl_constants(pairs or KL_PAIRS), QUERY_SIDE=query_side, WITH_VALUE=with_value,
-        num_warps=num_warps, num_stages=num_stages)
+    if (use_hopper is not False and pairs is None
+            and hopper.supported_kl(q, k, index_q, index_k, p)):
+        hopper.kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, part, rows,
+                                 d_index_q, query_side, with_value, p.scale * LOG2_E)
+    else:
+        _launch(_kl_kernel, (segments,),
+            q, k, index_q, index_k, lse, lse_index, part, rows, d_index_q, *p.key_work_args(),
+            *_strides(q, k, index_q, index_k), p.scale * LOG2_E, p.index_scale,
+            **p.kl_constants(pairs or KL_PAIRS), QUERY_SIDE=query_side, WITH_VALUE=with_value,
+            num_warps=num_warps, num_stages=num_stages)
     d_index_k = _reduce_segments(part, torch.empty(index_k.shape, dtype=torch.float32,
                                                    device=q.device), 1.0, p.index_group, p)
     if not query_side:

@@ -11,7 +11,7 @@ from openmsa import msa_attention, select_blocks, sparse_attention
 from openmsa.cli import TOLERANCE
 from openmsa.ops import hopper
 from openmsa.ops.attention import (SparseAttentionProblem, attention_delta, attention_dkdv,
-                                   attention_dq, sparse_attention_fwd)
+                                   attention_dq, kl_key_walk, sparse_attention_fwd)
 from openmsa.ops.select import select_blocks_fwd
 from openmsa.testing import (MSACase, compare_with_reference, random_inputs, rel_rms_error,
                              run_with_grads)
@@ -196,3 +196,29 @@ def test_hopper_dkdv_matches_the_triton_dkdv(case, query_range):
     triton_dk, triton_dv = attention_dkdv(q, k, v, dout, lse, delta, problem, use_hopper=False)
     assert rel_rms_error(dk, triton_dk) < 2e-3
     assert rel_rms_error(dv, triton_dv) < 2e-3
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
+@pytest.mark.parametrize("query_range", [False, True])
+@pytest.mark.parametrize("query_side,with_value", [(True, True), (True, False), (False, False)])
+def test_hopper_kl_matches_the_triton_kl(case, query_range, query_side, with_value):
+    """The Gluon KL kernel against the Triton one: the same sums (per step the heads in the
+    same order), up to fp32 rounding and the order of the atomic adds."""
+    q, k, v, index_q, index_k, cu, start, ids, index_max = _hopper_inputs(case, query_range,
+                                                                          seed=14)
+    scale = q.shape[-1] ** -0.5
+    problem = SparseAttentionProblem(q, k, ids, cu, case.options["block_size"], scale, index_k,
+                                     scale, query_start=start)
+    if not hopper.supported_kl(q, k, index_q, index_k, problem):
+        assert index_q.shape[-1] != q.shape[-1], "the kernel should take this case"
+        pytest.skip("index head dim differs from the head dim")
+    _, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem,
+                                             index_max=index_max)
+    args = (q, k, index_q, index_k, lse, lse_index, problem, query_side, with_value)
+    gluon, triton_kl = kl_key_walk(*args), kl_key_walk(*args, use_hopper=False)
+    for name, value, expected in zip(("d_index_k", "kl_rows", "d_index_q"), gluon, triton_kl):
+        if expected is None:
+            assert value is None, name
+        else:
+            assert torch.isfinite(value).all(), name
+            assert rel_rms_error(value, expected) < 1e-3, (name, rel_rms_error(value, expected))
