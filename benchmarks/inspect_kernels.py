@@ -118,7 +118,7 @@ def main() -> None:
                   f"{found['registers']:>9} {found['spill_bytes']:>7}  {fits:<4}  "
                   f"{'serialized' if found['serialized'] else 'async'}", flush=True)
     # The Hopper (Gluon) kernels: their pipelining is written out, so stages do not apply.
-    for kernel in ("forward", "dq"):
+    for kernel in ("forward", "dq", "dkdv", "kl"):
         found = ptxas_report(hopper.compile_for_sm90(128, 128, "bf16", kernel=kernel),
                              f"hopper_{kernel}", args.keep)
         fits = "yes" if found["shared"] <= SHARED_MEMORY_LIMIT else "NO"

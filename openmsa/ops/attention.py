@@ -613,7 +613,7 @@ DQ_CONFIG = dict(num_warps=8, num_stages=2)
 DKDV_CONFIG = dict(num_warps=8, num_stages=2)
 # The Gluon dK/dV takes 32-row steps: with 16 heads per index head (2 pairs a step) it beat the
 # Triton kernel's 64-row steps on an H200, with 4 (8 pairs a step) it lost
-# (benchmarks/results/hopper-dkdv-h200-2026-11-29/).
+# (benchmarks/results/hopper-key-outer-h200-2026-11-29/).
 HOPPER_DKDV_MIN_HEADS = 16
 KL_QUERY_CONFIG = dict(num_warps=8, num_stages=2)
 KL_CONFIG = dict(num_warps=8, num_stages=2)

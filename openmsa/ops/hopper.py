@@ -1,22 +1,29 @@
-"""The sparse forward and dQ for Hopper GPUs (sm_90), in Gluon, Triton's lower-level language.
+"""The main attention's kernels and the KL kernel for Hopper GPUs (sm_90), in Gluon, Triton's
+lower-level language.
 
-Same programs as ``attention._sparse_attn_fwd_kernel`` (main branch only) and
-``attention._sparse_attn_dq_kernel``: one per (query tile, index head) walks the distinct
-blocks its tokens kept; a row sees a block only if its own token kept it. What the Triton
-kernels cannot express:
+They run the programs of the Triton kernels in ``attention``, on the same work lists:
 
-- K and V blocks arrive by TMA into rings of shared memory, the next block while this one is
-  computed;
-- the tensor-core products are issued asynchronously and waited for explicitly, so that the
-  exponentials of block u run while the tensor cores compute ``P V`` (forward) or ``dS K``
-  (dQ) of block u - 1 (Triton waits for every product before the exponentials). This is the
-  intra-warpgroup overlap of FlashAttention-3.
+- forward (main branch only) and dQ, query-outer: one program per (query tile, index head)
+  walks the distinct blocks its tokens kept; a row sees a block only if its own token kept it;
+- dK/dV and the KL, key-outer: one program per segment of the pairs (token, index head) that
+  kept one key block.
 
-Results are bitwise equal to the Triton kernels' (same products, same order; tested on the
-GPU). ``supported`` says which inputs they take; the others, the CPU interpreter and the index
-branch's log-sum-exp run the Triton kernels. See docs/KERNELS.md.
+What the Triton kernels cannot express:
+
+- K and V blocks arrive by TMA into rings of shared memory (query-outer), or the gathered q,
+  dO and index_q rows by ``cp.async`` (key-outer), the next ones while these are computed;
+- the tensor-core products are issued asynchronously and waited for explicitly, so that
+  exponentials run while the tensor cores compute another product: ``P V`` (forward) or
+  ``dS K`` (dQ) of block u - 1 during block u's, dV and dK of step j - 1 during step j's,
+  head g + 1's scores during head g's (KL). This is the intra-warpgroup overlap of
+  FlashAttention-3.
+
+The forward and dQ are bitwise equal to the Triton kernels (same products, same order); dK/dV
+and the KL sum the same terms in other groupings, equal up to fp32 rounding (all tested on the
+GPU). ``supported``, ``supported_key_outer`` and ``supported_kl`` say which inputs they take;
+the others, the CPU interpreter and the index branch's log-sum-exp run the Triton kernels. See
+docs/KERNELS.md.
 """
-
 from __future__ import annotations
 
 import torch
