@@ -15,7 +15,9 @@ from openmsa.ops import hopper
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # per block on the H100/H200
 # dQ holds dS of block u - 1 (in flight), the scores and dO V^T of block u and the dq
-# accumulator: ptxas spills 48 bytes of its 255 registers at D = 128, outside the products.
+# accumulator: ptxas spills 48 bytes of its 255 registers at D = 128, outside the products. The
+# KL's step end (student, d index_q and their addresses next to the d index_k accumulator)
+# spills 24-64 bytes.
 SPILL_BYTES = {"forward": 0, "dq": 64, "dkdv": 0, "kl": 64}
 # Compiled in a process of its own: with TRITON_INTERPRET=1 (the README's test command) Triton
 # swaps its language functions for interpreted ones, which the Gluon compiler then refuses.

@@ -886,7 +886,8 @@ def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProble
                 num_warps=KL_CONFIG["num_warps"], num_stages=KL_CONFIG["num_stages"],
                 use_hopper: bool | None = None):
     """The key-outer KL kernel over the key-block -> queries list (on a Hopper GPU the Gluon
-    kernel where it supports the inputs, else or with ``use_hopper=False`` the Triton kernel).
+    kernel where it supports the inputs; else, with ``use_hopper=False`` or with ``pairs`` and
+    the launch options, which tune it, the Triton kernel).
     Returns the unscaled KL gradient of index_k (fp32, index_k's shape) and, with
     ``query_side``, the KL of every (token, index head) (fp32 [T, Hi], None unless
     ``with_value``) and the unscaled gradient of index_q (fp32 [T, Hi, Di]), both summed by
@@ -903,7 +904,7 @@ def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProble
     if (use_hopper is not False and pairs is None
             and hopper.supported_kl(q, k, index_q, index_k, p)):
         hopper.kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, part, rows,
-                                 d_index_q, query_side, with_value, p.scale * LOG2_E)
+                                 d_index_q, query_side, with_value, p.scale * LOG2_E, KL_PAIRS)
     else:
         _launch(_kl_kernel, (segments,),
             q, k, index_q, index_k, lse, lse_index, part, rows, d_index_q, *p.key_work_args(),

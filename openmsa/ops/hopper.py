@@ -990,15 +990,14 @@ def supported_kl(q, k, index_q, index_k, p) -> bool:
             and _rows_ready(q) and _rows_ready(index_q))
 
 
-KL_PAIRS = 64  # pairs per step of the KL kernel
 KL_STAGES = 4  # units of q rows in shared memory (two ahead)
 
 
 def kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, part, rows, d_index_q,
-                      query_side: bool, with_value: bool, scale_log2: float):
-    """attention.kl_key_walk's kernel: d index_k partials per segment into ``part`` and, with
-    ``query_side``, the KL rows and d index_q added into ``rows`` and ``d_index_q``;
-    ``supported_kl(q, k, index_q, index_k, p)`` must hold."""
+                      query_side: bool, with_value: bool, scale_log2: float, pairs: int):
+    """attention.kl_key_walk's kernel, ``pairs`` pairs a step: d index_k partials per segment
+    into ``part`` and, with ``query_side``, the KL rows and d index_q added into ``rows`` and
+    ``d_index_q``; ``supported_kl(q, k, index_q, index_k, p)`` must hold."""
     work = p.block_work
     shared = p.shared
     _kl_hopper_kernel[(work.segments.shape[0],)](
@@ -1008,7 +1007,7 @@ def kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, part, rows, d_i
         work.block_local, p.cu_seqlens, p.query_start, q.stride(0), q.stride(1),
         index_q.stride(0), index_q.stride(1), scale_log2, p.index_scale, HI=shared["HI"],
         GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"], INDEX_GROUP=shared["INDEX_GROUP"],
-        PAIRS=KL_PAIRS, BLOCK=p.block_size, HEAD_DIM=p.head_dim,
+        PAIRS=pairs, BLOCK=p.block_size, HEAD_DIM=p.head_dim,
         SEGMENT_PAIRS=work.segment_pairs, QUERY_SIDE=query_side, WITH_VALUE=with_value,
         STAGES=KL_STAGES, num_warps=NUM_WARPS)
 
@@ -1034,7 +1033,7 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
                          TOK=key_step_tokens(heads_per_token), BLOCK=block_size,
                          HEAD_DIM=head_dim, SEGMENT_PAIRS=2048, STAGES=KEY_STEP_STAGES)
     if kernel == "kl":  # with its query side and value
-        constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, INDEX_GROUP=4, PAIRS=KL_PAIRS,
+        constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, INDEX_GROUP=4, PAIRS=64,
                          BLOCK=block_size, HEAD_DIM=head_dim, SEGMENT_PAIRS=2048,
                          QUERY_SIDE=True, WITH_VALUE=True, STAGES=KL_STAGES)
     pointers = dict(Q=f"*{dtype}", OUT=f"*{dtype}", DOUT=f"*{dtype}", DQ=f"*{dtype}",
