@@ -436,8 +436,9 @@ def _diagonal_pairs(PAIR_TOKEN, first, last, query_base, block, BLOCK: gl.conste
 @gluon.jit
 def _step_tokens(PAIR_TOKEN, first_pair, last, GQ: gl.constexpr, TOK: gl.constexpr,
                  ROWS: gl.constexpr, layout: gl.constexpr):
-    """Query row of each row of a dK/dV step (TOK pairs x GQ heads, head-major: row = g * TOK
-    + t) in ``layout``, 2^30 for rows of missing pairs or padding heads."""
+    """Query row of each row of a key-outer step of TOK pairs x GQ heads (head-major: row =
+    g * TOK + t; the KL's units are one head) in ``layout``, 2^30 for rows of missing pairs or
+    padding heads."""
     rows = gl.arange(0, ROWS, layout=layout)
     pair = first_pair + rows % TOK
     return gl.load(PAIR_TOKEN + pair, mask=(pair < last) & (rows // TOK < GQ), other=1 << 30)
@@ -582,7 +583,8 @@ def _sparse_attn_dkdv_hopper_kernel(
         dscores_t = probs_t * (dprobs - delta[None, :])
         probs_t = probs_t.to(Q.dtype.element_ty)
         dscores_t = dscores_t.to(Q.dtype.element_ty)
-        # Through the wait, so that they are computed before it, while dV and dK run.
+        # Through the wait, so that they are emitted before it and computed while dV and dK
+        # run (ptxas keeps them there only while registers allow: docs/KERNELS.md).
         dv, dk, probs_t, dscores_t = warpgroup_mma_wait(
             num_outstanding=0, deps=(dv_token, dk_token, probs_t, dscores_t))
         # Past this iteration's barrier both warpgroups are done with step j - 2's rows: its
