@@ -53,3 +53,16 @@ def test_kernels_compile_with_asynchronous_products(kernel, head_dim, block_size
     spills = re.search(r"(\d+) bytes spill stores", report)
     assert spills and int(spills.group(1)) <= SPILL_BYTES[kernel], report
     assert shared <= SHARED_MEMORY_LIMIT
+
+
+def test_gather_and_tma_readiness_follow_strides_and_alignment():
+    """The Hopper kernels take only tensors their copies can read: rows gathered in 16-byte
+    pieces (``_rows_ready``), or heads read as one 2D TMA box (``_tma_ready``)."""
+    import torch
+
+    t = torch.zeros(8, 4, 64, dtype=torch.bfloat16)
+    assert hopper._rows_ready(t) and hopper._tma_ready(t)
+    assert not hopper._rows_ready(t[..., 1:])  # base 2 bytes off alignment
+    assert not hopper._rows_ready(t.transpose(1, 2).contiguous().transpose(1, 2))  # D strided
+    assert hopper._rows_ready(t[:, ::2]) and not hopper._tma_ready(t[:, ::2])  # heads apart
+    assert not hopper._tma_ready(t.transpose(0, 1))  # token rows not a 2D box's rows
