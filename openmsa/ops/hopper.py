@@ -880,14 +880,19 @@ def _rows_ready(t: torch.Tensor) -> bool:
             and (t.stride(1) * size) % 16 == 0)
 
 
+def _hopper_16bit(q, *others) -> bool:
+    """Whether ``q`` is on a Hopper GPU (compute capability 9.x) in 16 bits, and ``others``
+    in its dtype."""
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+            and q.dtype in (torch.bfloat16, torch.float16)
+            and all(t.dtype == q.dtype for t in others))
+
+
 def supported(q, k, v, p) -> bool:
     """Whether these kernels run the main-branch forward and dQ of ``p`` (an
     ``attention.SparseAttentionProblem``): a Hopper GPU, 16-bit inputs, head dim 64 or 128,
     blocks of 64 or 128 keys, 128-row query tiles, keys and values TMA can read."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
-            and v.dtype == q.dtype and q.stride(2) == 1 and p.head_dim in HEAD_DIMS
+    return (_hopper_16bit(q, k, v) and q.stride(2) == 1 and p.head_dim in HEAD_DIMS
             and p.block_size in BLOCK_SIZES and p.query_rows == ROWS
             and _tma_ready(k) and _tma_ready(v))
 
@@ -905,14 +910,10 @@ def key_step_tokens(heads_per_token: int) -> int | None:
 
 def supported_key_outer(q, k, v, dout, p) -> bool:
     """Whether the dK/dV kernel runs ``p``'s backward: as ``supported``, with 32-row steps
-    instead of 128-row query tiles, and dO's rows contiguous."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
-            and v.dtype == q.dtype and dout.dtype == q.dtype and q.stride(2) == 1
-            and dout.stride(2) == 1 and p.head_dim in HEAD_DIMS
+    instead of 128-row query tiles, and q and dO rows that 16-byte copies can gather."""
+    return (_hopper_16bit(q, k, v, dout) and p.head_dim in HEAD_DIMS
             and p.block_size in BLOCK_SIZES and key_step_tokens(p.gq) is not None
-            and _tma_ready(k) and _tma_ready(v))
+            and _tma_ready(k) and _tma_ready(v) and _rows_ready(q) and _rows_ready(dout))
 
 
 def _block_descriptor(t: torch.Tensor, block_size: int) -> TensorDescriptor:
@@ -983,12 +984,8 @@ def supported_kl(q, k, index_q, index_k, p) -> bool:
     """Whether ``_kl_hopper_kernel`` runs the KL of ``p``: a Hopper GPU, 16-bit inputs, index
     head dim equal to the head dim (64 or 128), blocks of 64 or 128, keys and index keys TMA
     can read, query and index query rows that 16-byte copies can gather."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    return (q.dtype in (torch.bfloat16, torch.float16)
-            and all(t.dtype == q.dtype for t in (k, index_q, index_k))
-            and p.head_dim in HEAD_DIMS and p.index_dim == p.head_dim
-            and p.block_size in BLOCK_SIZES and _tma_ready(k) and _tma_ready(index_k)
+    return (_hopper_16bit(q, k, index_q, index_k) and p.head_dim in HEAD_DIMS
+            and p.index_dim == p.head_dim and p.block_size in BLOCK_SIZES and _tma_ready(k) and _tma_ready(index_k)
             and _rows_ready(q) and _rows_ready(index_q))
 
 
