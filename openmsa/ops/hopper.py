@@ -985,7 +985,8 @@ def supported_kl(q, k, index_q, index_k, p) -> bool:
     head dim equal to the head dim (64 or 128), blocks of 64 or 128, keys and index keys TMA
     can read, query and index query rows that 16-byte copies can gather."""
     return (_hopper_16bit(q, k, index_q, index_k) and p.head_dim in HEAD_DIMS
-            and p.index_dim == p.head_dim and p.block_size in BLOCK_SIZES and _tma_ready(k) and _tma_ready(index_k)
+            and p.index_dim == p.head_dim and p.block_size in BLOCK_SIZES
+            and _tma_ready(k) and _tma_ready(index_k)
             and _rows_ready(q) and _rows_ready(index_q))
 
 
@@ -1076,4 +1077,5 @@ def ptxas_report(ptx: str) -> dict:
     registers = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores", text)
     return dict(registers=int(registers.group(1)),
-                spill_bytes=int(spills.group(1)) if spills else 0, serialized="wgmma.mma_async instructions are serialized" in text, text=text)
+                spill_bytes=int(spills.group(1)) if spills else 0,
+                serialized="wgmma.mma_async instructions are serialized" in text, text=text)
