@@ -614,6 +614,215 @@ def _sparse_attn_dkdv_hopper_kernel(
 
 
 @gluon.jit
+def _dkdv_key_rows(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
+                   TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, HALF: gl.constexpr):
+    """One consumer warpgroup of the warp-specialized dK/dV: keys [64 HALF, 64 HALF + 64) of
+    the block, through every step the gather partition delivers (full barriers), handing each
+    slot back (empty barriers) once its dV and dK products are done."""
+    Q, DOUT, LSE, DELTA, DK_PART, DV_PART, PAIR_TOKEN = pointers
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, token_smem, kv_ready, full,
+     empty) = buffers
+    (segment, first, last, block, query_base, index_head, steps, diagonal_steps, scale_log2,
+     stride_q_t, stride_q_h, stride_do_t, stride_do_h) = work
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = 32
+    KEYS: gl.constexpr = 64
+    s_layout: gl.constexpr = _mma_layout(ROWS, NUM_WARPS)  # transposed scores [KEYS, ROWS]
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # dK, dV [KEYS, D]
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    k_rows = k_smem.slice(HALF * KEYS, KEYS)
+    v_rows = v_smem.slice(HALF * KEYS, KEYS)
+    key_pos = (block * BLOCK + HALF * KEYS
+               + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout)))
+    cols = gl.arange(0, ROWS, layout=cols_layout)
+    no_scores = gl.zeros((KEYS, ROWS), gl.float32, layout=s_layout)
+    dk = gl.zeros((KEYS, HEAD_DIM), gl.float32, layout=o_layout)
+    dv = gl.zeros((KEYS, HEAD_DIM), gl.float32, layout=o_layout)
+    probs = gl.zeros((KEYS, ROWS), Q.dtype.element_ty, layout=a_layout)
+    dscores = gl.zeros((KEYS, ROWS), Q.dtype.element_ty, layout=a_layout)
+    mbarrier.wait(kv_ready, 0)
+    for j in range(0, steps):
+        slot = j % STAGES
+        previous = (j + STAGES - 1) % STAGES
+        mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+        fence_async_shared()
+        scores = warpgroup_mma(k_rows, q_smem.index(slot).permute((1, 0)), no_scores,
+                               use_acc=False, is_async=True)
+        dprobs = warpgroup_mma(v_rows, do_smem.index(slot).permute((1, 0)), no_scores,
+                               use_acc=False, is_async=True)
+        # dV and dK of step j - 1 (zero operands at j = 0) run while step j's exponentials do.
+        dv_token = warpgroup_mma(probs, do_smem.index(previous), dv, is_async=True)
+        dk_token = warpgroup_mma(dscores, q_smem.index(previous), dk, is_async=True)
+        lse = lse_smem.index(slot).load(cols_layout)
+        delta = delta_smem.index(slot).load(cols_layout)
+        scores, dprobs = warpgroup_mma_wait(num_outstanding=2, deps=(scores, dprobs))
+        col_valid = (first + j * TOK + cols % TOK < last) & (cols // TOK < GQ)
+        probs_t = gl.where(col_valid[None, :], gl.exp2(scores * scale_log2 - lse[None, :]), 0.0)
+        if j < diagonal_steps:
+            query_pos = token_smem.index(slot).load(cols_layout) - query_base
+            probs_t = gl.where(key_pos[:, None] <= query_pos[None, :], probs_t, 0.0)
+        dscores_t = probs_t * (dprobs - delta[None, :])
+        probs_t = probs_t.to(Q.dtype.element_ty)
+        dscores_t = dscores_t.to(Q.dtype.element_ty)
+        dv, dk, probs_t, dscores_t = warpgroup_mma_wait(
+            num_outstanding=0, deps=(dv_token, dk_token, probs_t, dscores_t))
+        # Done with step j - 1's slot (the compiler syncs the warpgroup before one thread
+        # arrives).
+        mbarrier.arrive(empty.index(previous), count=1)
+        probs = gl.convert_layout(probs_t, a_layout)
+        dscores = gl.convert_layout(dscores_t, a_layout)
+    last_slot = (steps + STAGES - 1) % STAGES
+    dv = warpgroup_mma(probs, do_smem.index(last_slot), dv, is_async=True)
+    dk = warpgroup_mma(dscores, q_smem.index(last_slot), dk, is_async=True)
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+    keys = HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, o_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    offsets = (segment.to(gl.int64) * BLOCK + keys)[:, None] * HEAD_DIM + dims[None, :]
+    gl.store(DK_PART + offsets, dk)
+    gl.store(DV_PART + offsets, dv)
+
+
+@gluon.jit
+def _dkdv_lower_keys(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
+                     TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     STAGES: gl.constexpr):
+    _dkdv_key_rows(pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES, 0)
+
+
+@gluon.jit
+def _dkdv_upper_keys(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
+                     TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     STAGES: gl.constexpr):
+    _dkdv_key_rows(pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES, 1)
+
+
+@gluon.jit
+def _dkdv_gather(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
+                 TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """The gather partition (one warp) of the warp-specialized dK/dV: each step's q and dO
+    rows, log-sum-exps, deltas and tokens by ``cp.async`` into the ring, each slot once the
+    consumers handed it back; a slot is full when every copy into it has landed."""
+    Q, DOUT, LSE, DELTA, DK_PART, DV_PART, PAIR_TOKEN = pointers
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, token_smem, kv_ready, full,
+     empty) = buffers
+    (segment, first, last, block, query_base, index_head, steps, diagonal_steps, scale_log2,
+     stride_q_t, stride_q_h, stride_do_t, stride_do_h) = work
+    ROWS: gl.constexpr = 32
+    # One row per thread: a row's 16-byte pieces share one address register.
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
+    row_layout: gl.constexpr = gl.SliceLayout(1, io_layout)
+    rows = gl.arange(0, ROWS, layout=row_layout)
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
+    head = index_head * GQ + rows // TOK
+    tokens = _step_tokens(PAIR_TOKEN, first, last, GQ, TOK, ROWS, row_layout)
+    for j in range(0, steps):
+        slot = j % STAGES
+        valid = tokens < (1 << 30)
+        token = gl.where(valid, tokens, 0).to(gl.int64)
+        # Slot j % STAGES is free once step j - STAGES is done (slot STAGES - 1 also once
+        # the zeros of step -1 are): completion (j + 1) // STAGES of its empty barrier.
+        mbarrier.wait(empty.index(slot), (((j + 1) // STAGES) & 1) ^ 1)
+        q_row = Q + token * stride_q_t + head * stride_q_h
+        async_copy.async_copy_global_to_shared(q_smem.index(slot),
+                                               q_row[:, None] + dims[None, :],
+                                               mask=valid[:, None])
+        do_row = DOUT + token * stride_do_t + head * stride_do_h
+        async_copy.async_copy_global_to_shared(do_smem.index(slot),
+                                               do_row[:, None] + dims[None, :],
+                                               mask=valid[:, None])
+        row = token * (HI * GQ) + head
+        async_copy.async_copy_global_to_shared(lse_smem.index(slot), LSE + row, mask=valid)
+        async_copy.async_copy_global_to_shared(delta_smem.index(slot), DELTA + row, mask=valid)
+        async_copy.async_copy_global_to_shared(token_smem.index(slot),
+                                               PAIR_TOKEN + first + j * TOK + rows % TOK,
+                                               mask=valid)
+        async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
+        # The next step's tokens, read while this one's rows arrive.
+        tokens = _step_tokens(PAIR_TOKEN, first + (j + 1) * TOK, last, GQ, TOK, ROWS,
+                              row_layout)
+
+
+@gluon.jit
+def _sparse_attn_dkdv_ws_kernel(
+    Q, DOUT, LSE, DELTA, DK_PART, DV_PART, k_desc, v_desc,
+    SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+    BLOCK_LOCAL, CU_SEQLENS, query_start,
+    stride_q_t, stride_q_h, stride_do_t, stride_do_h, scale_log2,
+    HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
+    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, SEGMENT_PAIRS: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, GATHER_REGS: gl.constexpr,
+):
+    """Key-outer dK, dV of one segment, warp-specialized: one warp gathers the steps' rows
+    (``_dkdv_gather``) and each warpgroup (launched with 4 warps, the second one a worker)
+    computes 64 keys of the block (``_dkdv_key_rows``) with no barrier between the two, so
+    that one's products run while the other's exponentials do."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = 32
+    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    vector_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+    segment = gl.load(SEGMENT_ORDER + gl.program_id(0))
+    bucket = gl.load(SEGMENTS + 2 * segment)
+    if bucket < 0:  # padding segment
+        return
+    first, last, index_head, block, seq_start, query_base = _segment_of(
+        SEGMENTS, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
+        query_start, segment, bucket, HI, SEGMENT_PAIRS)
+    steps = (last - first + TOK - 1) // TOK
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK, HEAD_DIM], v_desc.layout)
+    step_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM],
+                                                                   Q.dtype.element_ty)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, ROWS, HEAD_DIM], step_smem)
+    do_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, ROWS, HEAD_DIM], step_smem)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], vector_smem)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], vector_smem)
+    token_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS], vector_smem)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for stage in gl.static_range(STAGES):
+        mbarrier.init(full.index(stage), count=32)  # one arrival per gathering thread
+        mbarrier.init(empty.index(stage), count=BLOCK // 64)  # one per consumer warpgroup
+    fence_async_shared()
+    row = (seq_start + block * BLOCK).to(gl.int32)
+    kv_col = (index_head // KV_GROUP) * HEAD_DIM
+    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row, kv_col], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [row, kv_col], kv_ready, v_smem)
+    # Step -1's slot: zeros, which the first iteration's dV and dK products multiply by zeros.
+    no_rows = gl.zeros((ROWS, HEAD_DIM), Q.dtype.element_ty, layout=io_layout)
+    q_smem.index(STAGES - 1).store(no_rows)
+    do_smem.index(STAGES - 1).store(no_rows)
+    fence_async_shared()
+    diagonal_steps = (_diagonal_pairs(PAIR_TOKEN, first, last, query_base, block, BLOCK,
+                                      row_layout) + TOK - 1) // TOK
+    pointers = (Q, DOUT, LSE, DELTA, DK_PART, DV_PART, PAIR_TOKEN)
+    buffers = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, token_smem, kv_ready,
+               full, empty)
+    work = (segment, first, last, block, query_base, index_head, steps, diagonal_steps,
+            scale_log2, stride_q_t, stride_q_h, stride_do_t, stride_do_h)
+    # The constants go in literally: a tuple bound to a name would turn them into tensors.
+    if BLOCK == 128:
+        gl.warp_specialize([
+            (_dkdv_lower_keys, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES)),
+            (_dkdv_upper_keys, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES)),
+            (_dkdv_gather, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, GATHER_REGS])
+    else:
+        gl.warp_specialize([
+            (_dkdv_lower_keys, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES)),
+            (_dkdv_gather, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES)),
+        ], [1], [GATHER_REGS])
+
+
+@gluon.jit
 def _gather_kl_unit(Q, LSE, IQ, LSE_INDEX, q_smem, lse_smem, iq_smem, lse_index_smem,
                     token_smem, io_tokens, row_tokens, head, index_head, with_step,
                     stride_q_t, stride_q_h, stride_iq_t, stride_iq_h, HI: gl.constexpr,
@@ -960,8 +1169,12 @@ def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float):
     return dq
 
 
+DKDV_WS_REGS = (232, 32)  # registers of the second consumer warpgroup, of the gather warp
+
+
 def attention_dkdv_parts(q, k, v, dout, lse, delta, p, scale_log2: float,
-                         stages: int = KEY_STEP_STAGES):
+                         stages: int = KEY_STEP_STAGES, warp_specialized: bool = True,
+                         registers: tuple = DKDV_WS_REGS):
     """fp32 dK (unscaled) and dV partials per segment of ``p``'s key-block list, as the Triton
     kernel writes them; ``supported_key_outer(q, k, v, dout, p)`` must hold."""
     work = p.block_work
@@ -969,14 +1182,25 @@ def attention_dkdv_parts(q, k, v, dout, lse, delta, p, scale_log2: float,
     dk_part, dv_part = (torch.empty(segments * p.block_size, p.head_dim, dtype=torch.float32,
                                     device=q.device) for _ in range(2))
     shared = p.shared
-    _sparse_attn_dkdv_hopper_kernel[(segments,)](
-        q, dout, lse, delta, dk_part, dv_part, _block_descriptor(k, p.block_size),
-        _block_descriptor(v, p.block_size), work.segments, work.segment_order, work.pair_token,
-        work.bucket_start, work.bucket_count, work.block_sequence, work.block_local,
-        p.cu_seqlens, p.query_start, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1),
-        scale_log2, HI=shared["HI"], GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"],
-        TOK=key_step_tokens(p.gq), BLOCK=p.block_size, HEAD_DIM=p.head_dim,
-        SEGMENT_PAIRS=work.segment_pairs, STAGES=stages, num_warps=NUM_WARPS)
+    args = (q, dout, lse, delta, dk_part, dv_part, _block_descriptor(k, p.block_size),
+            _block_descriptor(v, p.block_size), work.segments, work.segment_order,
+            work.pair_token, work.bucket_start, work.bucket_count, work.block_sequence,
+            work.block_local, p.cu_seqlens, p.query_start, q.stride(0), q.stride(1),
+            dout.stride(0), dout.stride(1), scale_log2)
+    constants = dict(HI=shared["HI"], GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"],
+                     TOK=key_step_tokens(p.gq), BLOCK=p.block_size, HEAD_DIM=p.head_dim,
+                     SEGMENT_PAIRS=work.segment_pairs, STAGES=stages)
+    if warp_specialized:
+        consumer, gather = registers
+        workers = consumer + gather if p.block_size == 128 else gather
+        warpgroups = 3 if p.block_size == 128 else 2
+        # The first warpgroup gets what the workers leave of maxnreg per thread of the CTA.
+        maxnreg = (workers + 240) // warpgroups // 8 * 8
+        _sparse_attn_dkdv_ws_kernel[(segments,)](
+            *args, **constants, CONSUMER_REGS=consumer, GATHER_REGS=gather, num_warps=4,
+            maxnreg=maxnreg)
+    else:
+        _sparse_attn_dkdv_hopper_kernel[(segments,)](*args, **constants, num_warps=NUM_WARPS)
     return dk_part, dv_part
 
 
