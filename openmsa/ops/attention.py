@@ -611,10 +611,6 @@ def _tile_shape(gq: int, target_rows: int) -> tuple[int, int, int]:
 FWD_CONFIG = dict(num_warps=8, num_stages=2)
 DQ_CONFIG = dict(num_warps=8, num_stages=2)
 DKDV_CONFIG = dict(num_warps=8, num_stages=2)
-# The Gluon dK/dV takes 32-row steps: with 16 heads per index head (2 pairs a step) it beat the
-# Triton kernel's 64-row steps on an H200, with 4 (8 pairs a step) it lost
-# (benchmarks/results/hopper-key-outer-h200-2026-11-29/).
-HOPPER_DKDV_MIN_HEADS = 16
 KL_QUERY_CONFIG = dict(num_warps=8, num_stages=2)
 KL_CONFIG = dict(num_warps=8, num_stages=2)
 # The index log-sum-exp alone (next to the Hopper forward): a [16, block] product per block; 4
@@ -859,11 +855,8 @@ def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
                    use_hopper: bool | None = None):
     """dk, dv, key-outer: fp32 partials per segment of pairs, then an in-order sum per key
     block. The partials come from the Gluon kernel on a Hopper GPU where it supports the inputs
-    and, with ``use_hopper=None``, where it was measured faster (``HOPPER_DKDV_MIN_HEADS``);
-    else from the Triton kernel."""
-    if use_hopper is None:
-        use_hopper = p.gq >= HOPPER_DKDV_MIN_HEADS
-    if use_hopper and hopper.supported_key_outer(q, k, v, dout, p):
+    (unless ``use_hopper=False``), else from the Triton kernel."""
+    if use_hopper is not False and hopper.supported_key_outer(q, k, v, dout, p):
         dk_part, dv_part = hopper.attention_dkdv_parts(q, k, v, dout, lse, delta, p,
                                                        p.scale * LOG2_E)
     else:

@@ -445,175 +445,6 @@ def _step_tokens(PAIR_TOKEN, first_pair, last, GQ: gl.constexpr, TOK: gl.constex
 
 
 @gluon.jit
-def _gather_step(Q, DOUT, LSE, DELTA, q_smem, do_smem, lse_smem, delta_smem, token_smem,
-                 io_tokens, row_tokens, index_head, stride_q_t, stride_q_h, stride_do_t,
-                 stride_do_h, HI: gl.constexpr, GQ: gl.constexpr, TOK: gl.constexpr,
-                 ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, io_layout: gl.constexpr,
-                 row_layout: gl.constexpr):
-    """A dK/dV step's rows, given their tokens (``_step_tokens`` in ``io_layout``'s rows and in
-    ``row_layout``): q and dO rows, log-sum-exps and deltas by asynchronous copies (one commit
-    group; zeros for missing rows), tokens by a plain store."""
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
-    valid = io_tokens < (1 << 30)
-    token = gl.where(valid, io_tokens, 0).to(gl.int64)
-    head = index_head * GQ + rows // TOK
-    mask = valid[:, None]
-    async_copy.async_copy_global_to_shared(
-        q_smem, Q + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
-        mask=mask)
-    async_copy.async_copy_global_to_shared(
-        do_smem, DOUT + token[:, None] * stride_do_t + head[:, None] * stride_do_h
-        + dims[None, :], mask=mask)
-    cols = gl.arange(0, ROWS, layout=row_layout)
-    col_valid = row_tokens < (1 << 30)
-    row = (gl.where(col_valid, row_tokens, 0).to(gl.int64) * (HI * GQ) + index_head * GQ
-           + cols // TOK)
-    async_copy.async_copy_global_to_shared(lse_smem, LSE + row, mask=col_valid)
-    async_copy.async_copy_global_to_shared(delta_smem, DELTA + row, mask=col_valid)
-    async_copy.commit_group()
-    token_smem.store(row_tokens)
-
-
-@gluon.jit
-def _sparse_attn_dkdv_hopper_kernel(
-    Q, DOUT, LSE, DELTA, DK_PART, DV_PART, k_desc, v_desc,
-    SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
-    BLOCK_LOCAL, CU_SEQLENS, query_start,
-    stride_q_t, stride_q_h, stride_do_t, stride_do_h, scale_log2,
-    HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
-    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, SEGMENT_PAIRS: gl.constexpr,
-    STAGES: gl.constexpr,
-):
-    """Key-outer dK, dV of one segment (attention._sparse_attn_dkdv_kernel's work) in steps of
-    TOK pairs x GQ heads (ROWS = 32 rows), products transposed (the block's keys are the MMA
-    rows). The exponentials of step j run while the tensor cores compute dV and dK of step
-    j - 1. A step's rows (q, dO, log-sum-exp, delta, token) arrive in a ring of STAGES steps
-    in shared memory: step j - 1 is still read while j + STAGES - 2 arrives into the slot of
-    step j - 2, so that no global load waits inside the loop (its tokens are read one
-    iteration before their gather)."""
-    NUM_WARPS: gl.constexpr = gl.num_warps()
-    ROWS: gl.constexpr = 32
-    s_layout: gl.constexpr = _mma_layout(ROWS, NUM_WARPS)  # transposed scores [BLOCK, ROWS]
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # dK, dV [BLOCK, D]
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
-    io_rows: gl.constexpr = gl.SliceLayout(1, io_layout)
-    cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    vector_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-
-    segment = gl.load(SEGMENT_ORDER + gl.program_id(0))
-    bucket = gl.load(SEGMENTS + 2 * segment)
-    if bucket < 0:  # padding segment
-        return
-    first, last, index_head, block, seq_start, query_base = _segment_of(
-        SEGMENTS, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
-        query_start, segment, bucket, HI, SEGMENT_PAIRS)
-    steps = (last - first + TOK - 1) // TOK
-
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK, HEAD_DIM], v_desc.layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    fence_async_shared()
-    row = (seq_start + block * BLOCK).to(gl.int32)
-    kv_col = (index_head // KV_GROUP) * HEAD_DIM
-    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row, kv_col], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [row, kv_col], kv_ready, v_smem)
-
-    step_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM],
-                                                                   Q.dtype.element_ty)
-    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, ROWS, HEAD_DIM], step_smem)
-    do_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, ROWS, HEAD_DIM], step_smem)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], vector_smem)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], vector_smem)
-    token_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS], vector_smem)
-    # Step -1's slot: zeros, which the first iteration's dV and dK products multiply by zeros.
-    no_rows = gl.zeros((ROWS, HEAD_DIM), Q.dtype.element_ty, layout=io_layout)
-    q_smem.index(STAGES - 1).store(no_rows)
-    do_smem.index(STAGES - 1).store(no_rows)
-    for step in gl.static_range(STAGES - 2):
-        first_pair = first + step * TOK
-        _gather_step(Q, DOUT, LSE, DELTA, q_smem.index(step), do_smem.index(step),
-                     lse_smem.index(step), delta_smem.index(step), token_smem.index(step),
-                     _step_tokens(PAIR_TOKEN, first_pair, last, GQ, TOK, ROWS, io_rows),
-                     _step_tokens(PAIR_TOKEN, first_pair, last, GQ, TOK, ROWS, row_layout),
-                     index_head, stride_q_t, stride_q_h, stride_do_t, stride_do_h, HI, GQ, TOK,
-                     ROWS, HEAD_DIM, io_layout, row_layout)
-    # The tokens of the next step to gather, read one iteration ahead.
-    gather_pair = first + (STAGES - 2) * TOK
-    io_tokens = _step_tokens(PAIR_TOKEN, gather_pair, last, GQ, TOK, ROWS, io_rows)
-    row_tokens = _step_tokens(PAIR_TOKEN, gather_pair, last, GQ, TOK, ROWS, row_layout)
-
-    diagonal_steps = (_diagonal_pairs(PAIR_TOKEN, first, last, query_base, block, BLOCK,
-                                      row_layout) + TOK - 1) // TOK
-
-    key_pos = block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, ROWS, layout=cols_layout)
-    no_scores = gl.zeros((BLOCK, ROWS), gl.float32, layout=s_layout)
-    dk = gl.zeros((BLOCK, HEAD_DIM), gl.float32, layout=o_layout)
-    dv = gl.zeros((BLOCK, HEAD_DIM), gl.float32, layout=o_layout)
-    probs = gl.zeros((BLOCK, ROWS), Q.dtype.element_ty, layout=a_layout)
-    dscores = gl.zeros((BLOCK, ROWS), Q.dtype.element_ty, layout=a_layout)
-    mbarrier.wait(kv_ready, 0)
-    for j in range(0, steps):
-        slot = j % STAGES
-        previous = (j + STAGES - 1) % STAGES
-        # Step j's rows are in (later steps' groups may still be in flight).
-        async_copy.wait_group(STAGES - 3)
-        gl.thread_barrier()
-        fence_async_shared()
-        scores = warpgroup_mma(k_smem, q_smem.index(slot).permute((1, 0)), no_scores,
-                               use_acc=False, is_async=True)
-        dprobs = warpgroup_mma(v_smem, do_smem.index(slot).permute((1, 0)), no_scores,
-                               use_acc=False, is_async=True)
-        # dV and dK of step j - 1 (zero operands at j = 0) run while step j's exponentials do.
-        dv_token = warpgroup_mma(probs, do_smem.index(previous), dv, is_async=True)
-        dk_token = warpgroup_mma(dscores, q_smem.index(previous), dk, is_async=True)
-        lse = lse_smem.index(slot).load(cols_layout)
-        delta = delta_smem.index(slot).load(cols_layout)
-        scores, dprobs = warpgroup_mma_wait(num_outstanding=2, deps=(scores, dprobs))
-        col_valid = (first + j * TOK + cols % TOK < last) & (cols // TOK < GQ)
-        probs_t = gl.where(col_valid[None, :], gl.exp2(scores * scale_log2 - lse[None, :]), 0.0)
-        if j < diagonal_steps:
-            query_pos = token_smem.index(slot).load(cols_layout) - query_base
-            probs_t = gl.where(key_pos[:, None] <= query_pos[None, :], probs_t, 0.0)
-        dscores_t = probs_t * (dprobs - delta[None, :])
-        probs_t = probs_t.to(Q.dtype.element_ty)
-        dscores_t = dscores_t.to(Q.dtype.element_ty)
-        # Through the wait, so that they are emitted before it and computed while dV and dK
-        # run (ptxas keeps them there only while registers allow: docs/KERNELS.md).
-        dv, dk, probs_t, dscores_t = warpgroup_mma_wait(
-            num_outstanding=0, deps=(dv_token, dk_token, probs_t, dscores_t))
-        # Past this iteration's barrier both warpgroups are done with step j - 2's rows: its
-        # slot takes step j + STAGES - 2, whose tokens were read last iteration.
-        gather = (j + STAGES - 2) % STAGES
-        _gather_step(Q, DOUT, LSE, DELTA, q_smem.index(gather), do_smem.index(gather),
-                     lse_smem.index(gather), delta_smem.index(gather), token_smem.index(gather),
-                     io_tokens, row_tokens, index_head, stride_q_t, stride_q_h, stride_do_t,
-                     stride_do_h, HI, GQ, TOK, ROWS, HEAD_DIM, io_layout, row_layout)
-        gather_pair += TOK
-        io_tokens = _step_tokens(PAIR_TOKEN, gather_pair, last, GQ, TOK, ROWS, io_rows)
-        row_tokens = _step_tokens(PAIR_TOKEN, gather_pair, last, GQ, TOK, ROWS, row_layout)
-        probs = gl.convert_layout(probs_t, a_layout)
-        dscores = gl.convert_layout(dscores_t, a_layout)
-    last_slot = (steps + STAGES - 1) % STAGES
-    dv = warpgroup_mma(probs, do_smem.index(last_slot), dv, is_async=True)
-    dk = warpgroup_mma(dscores, q_smem.index(last_slot), dk, is_async=True)
-    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-    async_copy.wait_group(0)
-    mbarrier.invalidate(kv_ready)
-
-    keys = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, o_layout))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    offsets = (segment.to(gl.int64) * BLOCK + keys)[:, None] * HEAD_DIM + dims[None, :]
-    gl.store(DK_PART + offsets, dk)
-    gl.store(DV_PART + offsets, dv)
-
-
-@gluon.jit
 def _dkdv_key_rows(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
                    TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
                    STAGES: gl.constexpr, HALF: gl.constexpr):
@@ -746,7 +577,7 @@ def _dkdv_gather(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
 
 
 @gluon.jit
-def _sparse_attn_dkdv_ws_kernel(
+def _sparse_attn_dkdv_hopper_kernel(
     Q, DOUT, LSE, DELTA, DK_PART, DV_PART, k_desc, v_desc,
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start,
@@ -1107,7 +938,11 @@ def supported(q, k, v, p) -> bool:
 
 
 KEY_STEP_ROWS = 32  # dK/dV: rows (pairs x heads) per step
-KEY_STEP_STAGES = 4  # dK/dV: steps of q and dO rows in shared memory (two ahead)
+KEY_STEP_STAGES = 4  # dK/dV: steps of q and dO rows in shared memory
+# dK/dV: registers per thread of the second consumer warpgroup and of the gather warp's (the
+# first consumer warpgroup gets 232 too): no spills at any supported shape with 40 for the
+# gather warp (32 spilled up to 8 bytes); (232, 32) and (240, 24) measured the same.
+KEY_STEP_REGISTERS = (232, 40)
 
 
 def key_step_tokens(heads_per_token: int) -> int | None:
@@ -1169,12 +1004,17 @@ def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float):
     return dq
 
 
-DKDV_WS_REGS = (232, 32)  # registers of the second consumer warpgroup, of the gather warp
+def _dkdv_maxnreg(block_size: int, registers: tuple = KEY_STEP_REGISTERS) -> int:
+    """The dK/dV kernel's register limit per thread: its warpgroups (one per 64 keys, one for
+    the gather warp) share the register file, and the first one gets what the others
+    (``registers``) leave of the limit times the warpgroups (at most 240)."""
+    consumer, gather = registers
+    warpgroups = block_size // 64 + 1
+    return (consumer * (warpgroups - 2) + gather + 240) // warpgroups // 8 * 8
 
 
 def attention_dkdv_parts(q, k, v, dout, lse, delta, p, scale_log2: float,
-                         stages: int = KEY_STEP_STAGES, warp_specialized: bool = True,
-                         registers: tuple = DKDV_WS_REGS):
+                         stages: int = KEY_STEP_STAGES, registers: tuple = KEY_STEP_REGISTERS):
     """fp32 dK (unscaled) and dV partials per segment of ``p``'s key-block list, as the Triton
     kernel writes them; ``supported_key_outer(q, k, v, dout, p)`` must hold."""
     work = p.block_work
@@ -1182,25 +1022,15 @@ def attention_dkdv_parts(q, k, v, dout, lse, delta, p, scale_log2: float,
     dk_part, dv_part = (torch.empty(segments * p.block_size, p.head_dim, dtype=torch.float32,
                                     device=q.device) for _ in range(2))
     shared = p.shared
-    args = (q, dout, lse, delta, dk_part, dv_part, _block_descriptor(k, p.block_size),
-            _block_descriptor(v, p.block_size), work.segments, work.segment_order,
-            work.pair_token, work.bucket_start, work.bucket_count, work.block_sequence,
-            work.block_local, p.cu_seqlens, p.query_start, q.stride(0), q.stride(1),
-            dout.stride(0), dout.stride(1), scale_log2)
-    constants = dict(HI=shared["HI"], GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"],
-                     TOK=key_step_tokens(p.gq), BLOCK=p.block_size, HEAD_DIM=p.head_dim,
-                     SEGMENT_PAIRS=work.segment_pairs, STAGES=stages)
-    if warp_specialized:
-        consumer, gather = registers
-        workers = consumer + gather if p.block_size == 128 else gather
-        warpgroups = 3 if p.block_size == 128 else 2
-        # The first warpgroup gets what the workers leave of maxnreg per thread of the CTA.
-        maxnreg = (workers + 240) // warpgroups // 8 * 8
-        _sparse_attn_dkdv_ws_kernel[(segments,)](
-            *args, **constants, CONSUMER_REGS=consumer, GATHER_REGS=gather, num_warps=4,
-            maxnreg=maxnreg)
-    else:
-        _sparse_attn_dkdv_hopper_kernel[(segments,)](*args, **constants, num_warps=NUM_WARPS)
+    _sparse_attn_dkdv_hopper_kernel[(segments,)](
+        q, dout, lse, delta, dk_part, dv_part, _block_descriptor(k, p.block_size),
+        _block_descriptor(v, p.block_size), work.segments, work.segment_order, work.pair_token,
+        work.bucket_start, work.bucket_count, work.block_sequence, work.block_local,
+        p.cu_seqlens, p.query_start, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1),
+        scale_log2, HI=shared["HI"], GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"],
+        TOK=key_step_tokens(p.gq), BLOCK=p.block_size, HEAD_DIM=p.head_dim,
+        SEGMENT_PAIRS=work.segment_pairs, STAGES=stages, CONSUMER_REGS=registers[0],
+        GATHER_REGS=registers[1], num_warps=4, maxnreg=_dkdv_maxnreg(p.block_size, registers))
     return dk_part, dv_part
 
 
@@ -1252,10 +1082,14 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
     tile_tokens = ROWS // (1 << (heads_per_token - 1).bit_length())  # 128-row query tiles
     constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, TOK=tile_tokens, BLOCK=block_size,
                      HEAD_DIM=head_dim, UNION_SLOTS=tile_tokens * 16)
-    if kernel == "dkdv":  # 32-row steps
+    options = dict(num_warps=NUM_WARPS)
+    if kernel == "dkdv":  # 32-row steps, warp-specialized (attention_dkdv_parts' launch)
+        consumer, gather = KEY_STEP_REGISTERS
         constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1,
                          TOK=key_step_tokens(heads_per_token), BLOCK=block_size,
-                         HEAD_DIM=head_dim, SEGMENT_PAIRS=2048, STAGES=KEY_STEP_STAGES)
+                         HEAD_DIM=head_dim, SEGMENT_PAIRS=2048, STAGES=KEY_STEP_STAGES,
+                         CONSUMER_REGS=consumer, GATHER_REGS=gather)
+        options = dict(num_warps=4, maxnreg=_dkdv_maxnreg(block_size, KEY_STEP_REGISTERS))
     if kernel == "kl":  # with its query side and value
         constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, INDEX_GROUP=4, PAIRS=64,
                          BLOCK=block_size, HEAD_DIM=head_dim, SEGMENT_PAIRS=2048,
@@ -1277,8 +1111,7 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                if types[name].startswith("*") or name.startswith("stride")}
     source = GluonASTSource(fn=fn, signature=types, constexprs=constants, attrs=aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=NUM_WARPS))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def ptxas_report(ptx: str) -> dict:
