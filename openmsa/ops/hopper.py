@@ -16,7 +16,10 @@ What the Triton kernels cannot express:
   exponentials run while the tensor cores compute another product: ``P V`` (forward) or
   ``dS K`` (dQ) of block u - 1 during block u's, dV and dK of step j - 1 during step j's,
   head g + 1's scores during head g's (KL). This is the intra-warpgroup overlap of
-  FlashAttention-3.
+  FlashAttention-3;
+- warp specialization (dK/dV): one warp gathers the rows while each of two warpgroups computes
+  half of the key block, synchronized by mbarriers instead of CTA-wide barriers, so that one
+  warpgroup's products run while the other's exponentials do.
 
 The forward and dQ are bitwise equal to the Triton kernels (same products, same order); dK/dV
 and the KL sum the same terms in other groupings, equal up to fp32 rounding (all tested on the
@@ -445,21 +448,35 @@ def _step_tokens(PAIR_TOKEN, first_pair, last, GQ: gl.constexpr, TOK: gl.constex
 
 
 @gluon.jit
-def _dkdv_pipelined_steps(k_rows, v_rows, q_smem, do_smem, lse_smem, delta_smem, token_smem,
-                          full, empty, first, last, query_base, steps, diagonal_steps,
-                          scale_log2, key_pos, cols, dk, dv, GQ: gl.constexpr, TOK: gl.constexpr,
-                          STAGES: gl.constexpr, dtype: gl.constexpr):
-    """A consumer's steps with step j - 1's dV and dK products in flight during step j's
-    exponentials (slot j - 1 handed back after them; step -1's slot holds zeros)."""
-    s_layout: gl.constexpr = cols.type.layout.parent
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout,
-                                                 k_width=2)
-    cols_layout: gl.constexpr = cols.type.layout
-    KEYS: gl.constexpr = dk.shape[0]
-    ROWS: gl.constexpr = cols.shape[0]
+def _dkdv_key_rows(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
+                   TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, HALF: gl.constexpr):
+    """One consumer warpgroup of the warp-specialized dK/dV: keys [64 HALF, 64 HALF + 64) of
+    the block, through every step the gather partition delivers (full barriers), handing each
+    slot back (empty barriers) once its dV and dK products are done."""
+    Q, DOUT, LSE, DELTA, DK_PART, DV_PART, PAIR_TOKEN = pointers
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, token_smem, kv_ready, full,
+     empty) = buffers
+    (segment, first, last, block, query_base, index_head, steps, diagonal_steps, scale_log2,
+     stride_q_t, stride_q_h, stride_do_t, stride_do_h) = work
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = 32
+    KEYS: gl.constexpr = 64
+    s_layout: gl.constexpr = _mma_layout(ROWS, NUM_WARPS)  # transposed scores [KEYS, ROWS]
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # dK, dV [KEYS, D]
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    k_rows = k_smem.slice(HALF * KEYS, KEYS)
+    v_rows = v_smem.slice(HALF * KEYS, KEYS)
+    key_pos = (block * BLOCK + HALF * KEYS
+               + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout)))
+    cols = gl.arange(0, ROWS, layout=cols_layout)
     no_scores = gl.zeros((KEYS, ROWS), gl.float32, layout=s_layout)
-    probs = gl.zeros((KEYS, ROWS), dtype, layout=a_layout)
-    dscores = gl.zeros((KEYS, ROWS), dtype, layout=a_layout)
+    dk = gl.zeros((KEYS, HEAD_DIM), gl.float32, layout=o_layout)
+    dv = gl.zeros((KEYS, HEAD_DIM), gl.float32, layout=o_layout)
+    probs = gl.zeros((KEYS, ROWS), Q.dtype.element_ty, layout=a_layout)
+    dscores = gl.zeros((KEYS, ROWS), Q.dtype.element_ty, layout=a_layout)
+    mbarrier.wait(kv_ready, 0)
     for j in range(0, steps):
         slot = j % STAGES
         previous = (j + STAGES - 1) % STAGES
@@ -481,8 +498,8 @@ def _dkdv_pipelined_steps(k_rows, v_rows, q_smem, do_smem, lse_smem, delta_smem,
             query_pos = token_smem.index(slot).load(cols_layout) - query_base
             probs_t = gl.where(key_pos[:, None] <= query_pos[None, :], probs_t, 0.0)
         dscores_t = probs_t * (dprobs - delta[None, :])
-        probs_t = probs_t.to(dtype)
-        dscores_t = dscores_t.to(dtype)
+        probs_t = probs_t.to(Q.dtype.element_ty)
+        dscores_t = dscores_t.to(Q.dtype.element_ty)
         dv, dk, probs_t, dscores_t = warpgroup_mma_wait(
             num_outstanding=0, deps=(dv_token, dk_token, probs_t, dscores_t))
         # Done with step j - 1's slot (the compiler syncs the warpgroup before one thread
@@ -494,84 +511,6 @@ def _dkdv_pipelined_steps(k_rows, v_rows, q_smem, do_smem, lse_smem, delta_smem,
     dv = warpgroup_mma(probs, do_smem.index(last_slot), dv, is_async=True)
     dk = warpgroup_mma(dscores, q_smem.index(last_slot), dk, is_async=True)
     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-    return dk, dv
-
-
-@gluon.jit
-def _dkdv_sequential_steps(k_rows, v_rows, q_smem, do_smem, lse_smem, delta_smem, token_smem,
-                           full, empty, first, last, query_base, steps, diagonal_steps,
-                           scale_log2, key_pos, cols, dk, dv, GQ: gl.constexpr,
-                           TOK: gl.constexpr, STAGES: gl.constexpr, dtype: gl.constexpr):
-    """A consumer's steps one after the other (scores, exponentials, dV and dK, slot handed
-    back): the other consumer's products overlap this one's exponentials."""
-    s_layout: gl.constexpr = cols.type.layout.parent
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout,
-                                                 k_width=2)
-    cols_layout: gl.constexpr = cols.type.layout
-    KEYS: gl.constexpr = dk.shape[0]
-    ROWS: gl.constexpr = cols.shape[0]
-    no_scores = gl.zeros((KEYS, ROWS), gl.float32, layout=s_layout)
-    for j in range(0, steps):
-        slot = j % STAGES
-        mbarrier.wait(full.index(slot), (j // STAGES) & 1)
-        fence_async_shared()
-        scores = warpgroup_mma(k_rows, q_smem.index(slot).permute((1, 0)), no_scores,
-                               use_acc=False, is_async=True)
-        dprobs = warpgroup_mma(v_rows, do_smem.index(slot).permute((1, 0)), no_scores,
-                               use_acc=False, is_async=True)
-        lse = lse_smem.index(slot).load(cols_layout)
-        delta = delta_smem.index(slot).load(cols_layout)
-        scores, dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(scores, dprobs))
-        col_valid = (first + j * TOK + cols % TOK < last) & (cols // TOK < GQ)
-        probs_t = gl.where(col_valid[None, :], gl.exp2(scores * scale_log2 - lse[None, :]), 0.0)
-        if j < diagonal_steps:
-            query_pos = token_smem.index(slot).load(cols_layout) - query_base
-            probs_t = gl.where(key_pos[:, None] <= query_pos[None, :], probs_t, 0.0)
-        dscores_t = probs_t * (dprobs - delta[None, :])
-        probs = gl.convert_layout(probs_t.to(dtype), a_layout)
-        dscores = gl.convert_layout(dscores_t.to(dtype), a_layout)
-        dv = warpgroup_mma(probs, do_smem.index(slot), dv, is_async=True)
-        dk = warpgroup_mma(dscores, q_smem.index(slot), dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        mbarrier.arrive(empty.index(slot), count=1)
-    return dk, dv
-
-
-@gluon.jit
-def _dkdv_key_rows(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
-                   TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, ROWS: gl.constexpr, PIPELINED: gl.constexpr,
-                   HALF: gl.constexpr):
-    """One consumer warpgroup of the warp-specialized dK/dV: keys [64 HALF, 64 HALF + 64) of
-    the block, through every step the gather partition delivers (full barriers), handing each
-    slot back (empty barriers) once its dV and dK products are done."""
-    Q, DOUT, LSE, DELTA, DK_PART, DV_PART, PAIR_TOKEN = pointers
-    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, token_smem, kv_ready, full,
-     empty) = buffers
-    (segment, first, last, block, query_base, index_head, steps, diagonal_steps, scale_log2,
-     stride_q_t, stride_q_h, stride_do_t, stride_do_h) = work
-    NUM_WARPS: gl.constexpr = gl.num_warps()
-    KEYS: gl.constexpr = 64
-    s_layout: gl.constexpr = _mma_layout(ROWS, NUM_WARPS)  # transposed scores [KEYS, ROWS]
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # dK, dV [KEYS, D]
-    k_rows = k_smem.slice(HALF * KEYS, KEYS)
-    v_rows = v_smem.slice(HALF * KEYS, KEYS)
-    key_pos = (block * BLOCK + HALF * KEYS
-               + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout)))
-    cols = gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
-    dk = gl.zeros((KEYS, HEAD_DIM), gl.float32, layout=o_layout)
-    dv = gl.zeros((KEYS, HEAD_DIM), gl.float32, layout=o_layout)
-    mbarrier.wait(kv_ready, 0)
-    if PIPELINED:
-        dk, dv = _dkdv_pipelined_steps(k_rows, v_rows, q_smem, do_smem, lse_smem, delta_smem,
-                                       token_smem, full, empty, first, last, query_base, steps,
-                                       diagonal_steps, scale_log2, key_pos, cols, dk, dv, GQ,
-                                       TOK, STAGES, Q.dtype.element_ty)
-    else:
-        dk, dv = _dkdv_sequential_steps(k_rows, v_rows, q_smem, do_smem, lse_smem, delta_smem,
-                                        token_smem, full, empty, first, last, query_base,
-                                        steps, diagonal_steps, scale_log2, key_pos, cols, dk,
-                                        dv, GQ, TOK, STAGES, Q.dtype.element_ty)
     keys = HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, o_layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     offsets = (segment.to(gl.int64) * BLOCK + keys)[:, None] * HEAD_DIM + dims[None, :]
@@ -582,23 +521,21 @@ def _dkdv_key_rows(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
 @gluon.jit
 def _dkdv_lower_keys(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
                      TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr, ROWS: gl.constexpr, PIPELINED: gl.constexpr):
-    _dkdv_key_rows(pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES, ROWS,
-                   PIPELINED, 0)
+                     STAGES: gl.constexpr):
+    _dkdv_key_rows(pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES, 0)
 
 
 @gluon.jit
 def _dkdv_upper_keys(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
                      TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr, ROWS: gl.constexpr, PIPELINED: gl.constexpr):
-    _dkdv_key_rows(pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES, ROWS,
-                   PIPELINED, 1)
+                     STAGES: gl.constexpr):
+    _dkdv_key_rows(pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES, 1)
 
 
 @gluon.jit
 def _dkdv_gather(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
                  TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, ROWS: gl.constexpr, PIPELINED: gl.constexpr):
+                 STAGES: gl.constexpr):
     """The gather partition (one warp) of the warp-specialized dK/dV: each step's q and dO
     rows, log-sum-exps, deltas and tokens by ``cp.async`` into the ring, each slot once the
     consumers handed it back; a slot is full when every copy into it has landed."""
@@ -607,8 +544,8 @@ def _dkdv_gather(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
      empty) = buffers
     (segment, first, last, block, query_base, index_head, steps, diagonal_steps, scale_log2,
      stride_q_t, stride_q_h, stride_do_t, stride_do_h) = work
-    LAG: gl.constexpr = 1 if PIPELINED else 0
-    # One row per thread (per 32 rows): a row's 16-byte pieces share one address register.
+    ROWS: gl.constexpr = 32
+    # One row per thread: a row's 16-byte pieces share one address register.
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
     row_layout: gl.constexpr = gl.SliceLayout(1, io_layout)
     rows = gl.arange(0, ROWS, layout=row_layout)
@@ -619,9 +556,9 @@ def _dkdv_gather(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
         slot = j % STAGES
         valid = tokens < (1 << 30)
         token = gl.where(valid, tokens, 0).to(gl.int64)
-        # Slot j % STAGES is free once step j - STAGES is done (pipelined, slot STAGES - 1
-        # also once the zeros of step -1 are): completion (j + LAG) // STAGES of its barrier.
-        mbarrier.wait(empty.index(slot), (((j + LAG) // STAGES) & 1) ^ 1)
+        # Slot j % STAGES is free once step j - STAGES is done (slot STAGES - 1 also once
+        # the zeros of step -1 are): completion (j + 1) // STAGES of its empty barrier.
+        mbarrier.wait(empty.index(slot), (((j + 1) // STAGES) & 1) ^ 1)
         q_row = Q + token * stride_q_t + head * stride_q_h
         async_copy.async_copy_global_to_shared(q_smem.index(slot),
                                                q_row[:, None] + dims[None, :],
@@ -650,14 +587,14 @@ def _sparse_attn_dkdv_hopper_kernel(
     stride_q_t, stride_q_h, stride_do_t, stride_do_h, scale_log2,
     HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
     BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, SEGMENT_PAIRS: gl.constexpr,
-    STAGES: gl.constexpr, ROWS: gl.constexpr, PIPELINED: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, GATHER_REGS: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, GATHER_REGS: gl.constexpr,
 ):
     """Key-outer dK, dV of one segment, warp-specialized: one warp gathers the steps' rows
     (``_dkdv_gather``) and each warpgroup (launched with 4 warps, the second one a worker)
     computes 64 keys of the block (``_dkdv_key_rows``) with no barrier between the two, so
     that one's products run while the other's exponentials do."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = 32
     io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
     vector_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -693,12 +630,11 @@ def _sparse_attn_dkdv_hopper_kernel(
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [row, kv_col], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [row, kv_col], kv_ready, v_smem)
-    if PIPELINED:
-        # Step -1's slot: zeros, which the first iteration's dV and dK products multiply.
-        no_rows = gl.zeros((ROWS, HEAD_DIM), Q.dtype.element_ty, layout=io_layout)
-        q_smem.index(STAGES - 1).store(no_rows)
-        do_smem.index(STAGES - 1).store(no_rows)
-        fence_async_shared()
+    # Step -1's slot: zeros, which the first iteration's dV and dK products multiply by zeros.
+    no_rows = gl.zeros((ROWS, HEAD_DIM), Q.dtype.element_ty, layout=io_layout)
+    q_smem.index(STAGES - 1).store(no_rows)
+    do_smem.index(STAGES - 1).store(no_rows)
+    fence_async_shared()
     diagonal_steps = (_diagonal_pairs(PAIR_TOKEN, first, last, query_base, block, BLOCK,
                                       row_layout) + TOK - 1) // TOK
     pointers = (Q, DOUT, LSE, DELTA, DK_PART, DV_PART, PAIR_TOKEN)
@@ -709,19 +645,14 @@ def _sparse_attn_dkdv_hopper_kernel(
     # The constants go in literally: a tuple bound to a name would turn them into tensors.
     if BLOCK == 128:
         gl.warp_specialize([
-            (_dkdv_lower_keys, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES,
-                              ROWS, PIPELINED)),
-            (_dkdv_upper_keys, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES,
-                              ROWS, PIPELINED)),
-            (_dkdv_gather, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES,
-                              ROWS, PIPELINED)),
+            (_dkdv_lower_keys, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES)),
+            (_dkdv_upper_keys, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES)),
+            (_dkdv_gather, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, GATHER_REGS])
     else:
         gl.warp_specialize([
-            (_dkdv_lower_keys, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES,
-                              ROWS, PIPELINED)),
-            (_dkdv_gather, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES,
-                              ROWS, PIPELINED)),
+            (_dkdv_lower_keys, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES)),
+            (_dkdv_gather, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES)),
         ], [1], [GATHER_REGS])
 
 
@@ -1010,7 +941,6 @@ def supported(q, k, v, p) -> bool:
 
 
 KEY_STEP_ROWS = 32  # dK/dV: rows (pairs x heads) per step
-KEY_STEP_PIPELINED = True  # dK/dV: step j - 1's dV, dK products during step j's exponentials
 KEY_STEP_STAGES = 4  # dK/dV: steps of q and dO rows in shared memory
 # dK/dV: registers per thread of the second consumer warpgroup and of the gather warp's (the
 # first consumer warpgroup gets 232 too): no spills at any supported shape with 40 for the
@@ -1018,11 +948,11 @@ KEY_STEP_STAGES = 4  # dK/dV: steps of q and dO rows in shared memory
 KEY_STEP_REGISTERS = (232, 40)
 
 
-def key_step_tokens(heads_per_token: int, rows: int = KEY_STEP_ROWS) -> int | None:
-    """Pairs per dK/dV step (``rows`` rows of their padded heads), or None when one pair's
-    heads exceed a step."""
+def key_step_tokens(heads_per_token: int) -> int | None:
+    """Pairs per dK/dV step (KEY_STEP_ROWS rows of their padded heads), or None when one
+    pair's heads exceed a step."""
     padded = 1 << (heads_per_token - 1).bit_length()
-    return rows // padded if padded <= rows else None
+    return KEY_STEP_ROWS // padded if padded <= KEY_STEP_ROWS else None
 
 
 def supported_key_outer(q, k, v, dout, p) -> bool:
@@ -1087,8 +1017,7 @@ def _dkdv_maxnreg(block_size: int, registers: tuple = KEY_STEP_REGISTERS) -> int
 
 
 def attention_dkdv_parts(q, k, v, dout, lse, delta, p, scale_log2: float,
-                         stages: int = KEY_STEP_STAGES, registers: tuple = KEY_STEP_REGISTERS,
-                         rows: int = KEY_STEP_ROWS, pipelined: bool = KEY_STEP_PIPELINED):
+                         stages: int = KEY_STEP_STAGES, registers: tuple = KEY_STEP_REGISTERS):
     """fp32 dK (unscaled) and dV partials per segment of ``p``'s key-block list, as the Triton
     kernel writes them; ``supported_key_outer(q, k, v, dout, p)`` must hold."""
     work = p.block_work
@@ -1102,9 +1031,8 @@ def attention_dkdv_parts(q, k, v, dout, lse, delta, p, scale_log2: float,
         work.bucket_start, work.bucket_count, work.block_sequence, work.block_local,
         p.cu_seqlens, p.query_start, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1),
         scale_log2, HI=shared["HI"], GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"],
-        TOK=key_step_tokens(p.gq, rows), BLOCK=p.block_size, HEAD_DIM=p.head_dim,
-        SEGMENT_PAIRS=work.segment_pairs, STAGES=stages, ROWS=rows, PIPELINED=pipelined,
-        CONSUMER_REGS=registers[0],
+        TOK=key_step_tokens(p.gq), BLOCK=p.block_size, HEAD_DIM=p.head_dim,
+        SEGMENT_PAIRS=work.segment_pairs, STAGES=stages, CONSUMER_REGS=registers[0],
         GATHER_REGS=registers[1], num_warps=4, maxnreg=_dkdv_maxnreg(p.block_size, registers))
     return dk_part, dv_part
 
@@ -1161,9 +1089,8 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
     if kernel == "dkdv":  # 32-row steps, warp-specialized (attention_dkdv_parts' launch)
         consumer, gather = KEY_STEP_REGISTERS
         constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1,
-                         TOK=key_step_tokens(heads_per_token, KEY_STEP_ROWS), BLOCK=block_size,
+                         TOK=key_step_tokens(heads_per_token), BLOCK=block_size,
                          HEAD_DIM=head_dim, SEGMENT_PAIRS=2048, STAGES=KEY_STEP_STAGES,
-                         ROWS=KEY_STEP_ROWS, PIPELINED=KEY_STEP_PIPELINED,
                          CONSUMER_REGS=consumer, GATHER_REGS=gather)
         options = dict(num_warps=4, maxnreg=_dkdv_maxnreg(block_size, KEY_STEP_REGISTERS))
     if kernel == "kl":  # with its query side and value
