@@ -816,12 +816,17 @@ def attention_delta(out, dout, p: SparseAttentionProblem):
     return delta
 
 
+def _hopper_dq(q, k, v, dout, p: SparseAttentionProblem, use_hopper: bool | None) -> bool:
+    """Whether dq runs on the Gluon kernel."""
+    return use_hopper is not False and hopper.supported(q, k, v, p) and dout.stride(2) == 1
+
+
 def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
                  num_warps=DQ_CONFIG["num_warps"], num_stages=DQ_CONFIG["num_stages"],
                  use_hopper: bool | None = None):
     """dq, query-outer: on a Hopper GPU the Gluon kernel (``openmsa.ops.hopper``) where it
     supports the inputs, else (or with ``use_hopper=False``) the Triton kernel."""
-    if use_hopper is not False and hopper.supported(q, k, v, p) and dout.stride(2) == 1:
+    if _hopper_dq(q, k, v, dout, p, use_hopper):
         return hopper.attention_dq(q, k, v, dout, lse, delta, p, p.scale * LOG2_E)
     dq = torch.empty_like(q)
     _launch(_sparse_attn_dq_kernel, p.query_grid(),
@@ -833,10 +838,15 @@ def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
 
 def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
                        use_hopper: bool | None = None):
-    """dq, dk, dv of the main attention: delta, the query-outer dQ, the key-outer dK/dV."""
+    """dq, dk, dv of the main attention: delta, the query-outer dQ, the key-outer dK/dV. The
+    Gluon dQ computes the deltas itself (one pass over out and dout less)."""
     dout = dout.contiguous()
-    delta = attention_delta(out, dout, p)
-    dq = attention_dq(q, k, v, dout, lse, delta, p, use_hopper=use_hopper)
+    if _hopper_dq(q, k, v, dout, p, use_hopper) and out.stride(2) == 1:
+        delta = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
+        dq = hopper.attention_dq(q, k, v, dout, lse, delta, p, p.scale * LOG2_E, out=out)
+    else:
+        delta = attention_delta(out, dout, p)
+        dq = attention_dq(q, k, v, dout, lse, delta, p, use_hopper=use_hopper)
     return (dq,) + attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=use_hopper)
 
 

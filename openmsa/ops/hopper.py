@@ -286,14 +286,17 @@ def _masked_probs(scores, u, lse, blocks, members_of, first_position, all_member
 
 @gluon.jit
 def _sparse_attn_dq_hopper_kernel(
-    Q, DOUT, LSE, DELTA, DQ, k_desc, v_desc, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT,
+    Q, DOUT, OUT, LSE, DELTA, DQ, k_desc, v_desc, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT,
     CU_SEQLENS, query_start, query_end, stride_q_t, stride_q_h, stride_do_t, stride_do_h,
-    stride_dq_t, stride_dq_h, scale, scale_log2,
+    stride_o_t, stride_o_h, stride_dq_t, stride_dq_h, scale, scale_log2,
     HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
     BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, UNION_SLOTS: gl.constexpr,
+    WRITE_DELTA: gl.constexpr,
 ):
     """dQ, query-outer: the forward's walk with the three backward products. The exponentials
-    of block u run while the tensor cores compute dQ += dS K of block u - 1."""
+    of block u run while the tensor cores compute dQ += dS K of block u - 1. With WRITE_DELTA
+    the tile's deltas (sum_d dO * O) are computed here from OUT and written to DELTA for the
+    dK/dV kernel, instead of read from it."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = 128
     K_STAGES: gl.constexpr = 3  # K(u - 1) is still read by dS K while K(u + 1) arrives
@@ -324,13 +327,22 @@ def _sparse_attn_dq_hopper_kernel(
                    + dims[None, :], mask=io_valid[:, None], other=0.0)
     do_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [ROWS, HEAD_DIM], row_layout_smem,
                                         dout)
+    if WRITE_DELTA:
+        out = gl.load(OUT + io_token[:, None] * stride_o_t + io_head[:, None] * stride_o_h
+                      + dims[None, :], mask=io_valid[:, None], other=0.0)
+        tile_delta = gl.sum(out.to(gl.float32) * dout.to(gl.float32), axis=1)
 
     rows, row_bit, row_valid, row_position = _mma_rows(first_position, first_query, end_query,
                                                        GQ, TOK, ROWS, rows_layout)
     row_index = ((query_base + row_position).to(gl.int64) * (HI * GQ) + index_head * GQ
                  + rows // TOK)
     lse = gl.load(LSE + row_index, mask=row_valid, other=0.0)
-    delta = gl.load(DELTA + row_index, mask=row_valid, other=0.0)
+    if WRITE_DELTA:
+        # Row r of the io tile is row r of the products (the same rows of q_smem).
+        delta = gl.convert_layout(tile_delta, rows_layout)
+        gl.store(DELTA + row_index, delta, mask=row_valid)
+    else:
+        delta = gl.load(DELTA + row_index, mask=row_valid, other=0.0)
     blocks, members_of, walk_length = _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry,
                                                index_head, HI, UNION_SLOTS)
     kv_col = (index_head // KV_GROUP) * HEAD_DIM
@@ -990,20 +1002,24 @@ def sparse_attention_fwd(q, k, v, p, scale_log2: float):
     return out, lse
 
 
-def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float):
+def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float, out=None):
     """dq of the main branch (q's dtype); ``supported(q, k, v, p)`` must hold and dout's last
-    dimension be contiguous."""
+    dimension be contiguous. Given ``out`` (last dimension contiguous), the kernel computes the
+    deltas (``attention.attention_delta``'s) itself and writes them into ``delta`` ([T, H]
+    fp32), which it then does not read."""
     dq = torch.empty_like(q)
     work = p.query_work
     shared = p.shared
+    source = dout if out is None else out  # unread without WRITE_DELTA
     _sparse_attn_dq_hopper_kernel[p.query_grid()](
-        q, dout, lse, delta, dq, _block_descriptor(k, p.block_size),
+        q, dout, source, lse, delta, dq, _block_descriptor(k, p.block_size),
         _block_descriptor(v, p.block_size), work.schedule, work.union, work.union_members,
         work.union_count, p.cu_seqlens, p.query_start, p.query_start + p.total, q.stride(0),
-        q.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), p.scale,
-        scale_log2, HI=shared["HI"], GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"],
-        TOK=p.query_tokens, BLOCK=p.block_size, HEAD_DIM=p.head_dim,
-        UNION_SLOTS=work.union.shape[-1], num_warps=NUM_WARPS)
+        q.stride(1), dout.stride(0), dout.stride(1), source.stride(0), source.stride(1),
+        dq.stride(0), dq.stride(1), p.scale, scale_log2, HI=shared["HI"], GQ=shared["GQ"],
+        KV_GROUP=shared["KV_GROUP"], TOK=p.query_tokens, BLOCK=p.block_size,
+        HEAD_DIM=p.head_dim, UNION_SLOTS=work.union.shape[-1], WRITE_DELTA=out is not None,
+        num_warps=NUM_WARPS)
     return dq
 
 
@@ -1071,8 +1087,8 @@ def kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, part, rows, d_i
 
 def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "bf16",
                      kernel: str = "forward", heads_per_token: int = 16):
-    """The ``kernel`` ("forward", "dq" or "dkdv") compiled for sm_90a on any machine, GPU or not
-    (nothing runs): the compiled kernel, whose ``asm["ptx"]`` ``ptxas_report`` reports on
+    """The ``kernel`` ("forward", "dq", "dkdv" or "kl") compiled for sm_90a on any machine, GPU
+    or not (nothing runs): the compiled kernel, whose ``asm["ptx"]`` ``ptxas_report`` reports on
     (benchmarks/inspect_kernels.py, tests/test_hopper.py)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -1085,6 +1101,8 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
     tile_tokens = ROWS // (1 << (heads_per_token - 1).bit_length())  # 128-row query tiles
     constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, TOK=tile_tokens, BLOCK=block_size,
                      HEAD_DIM=head_dim, UNION_SLOTS=tile_tokens * 16)
+    if kernel == "dq":  # as the backward launches it: computing the deltas
+        constants["WRITE_DELTA"] = True
     options = dict(num_warps=NUM_WARPS)
     if kernel == "dkdv":  # 32-row steps, warp-specialized (attention_dkdv_parts' launch)
         consumer, gather = KEY_STEP_REGISTERS

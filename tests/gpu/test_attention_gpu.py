@@ -10,8 +10,9 @@ import torch
 from openmsa import msa_attention, select_blocks, sparse_attention
 from openmsa.cli import TOLERANCE
 from openmsa.ops import hopper
-from openmsa.ops.attention import (SparseAttentionProblem, attention_delta, attention_dkdv,
-                                   attention_dq, kl_key_walk, sparse_attention_fwd)
+from openmsa.ops.attention import (LOG2_E, SparseAttentionProblem, attention_delta,
+                                   attention_dkdv, attention_dq, kl_key_walk,
+                                   sparse_attention_fwd)
 from openmsa.ops.select import select_blocks_fwd
 from openmsa.testing import (MSACase, compare_with_reference, random_inputs, rel_rms_error,
                              run_with_grads)
@@ -178,6 +179,27 @@ def test_hopper_kernels_equal_the_triton_kernels(case, query_range):
                                  use_hopper=False)
     assert torch.equal(both[0], fused[0]) and torch.equal(both[1], fused[1])
     assert rel_rms_error(both[2], fused[2]) < 1e-6
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
+@pytest.mark.parametrize("query_range", [False, True])
+def test_hopper_dq_writes_the_deltas(case, query_range):
+    """Given ``out``, the Gluon dQ computes every row's delta (sum_d dO * O) itself: it writes
+    all of them (none of the NaNs it starts from is left), equal to ``attention_delta``'s up to
+    fp32 summation order, and dq equals the one computed from ``attention_delta``'s deltas up to
+    the 16-bit rounding of dS."""
+    q, k, v, _, _, cu, start, ids, _ = _hopper_inputs(case, query_range, seed=17)
+    problem = SparseAttentionProblem(q, k, ids, cu, case.options["block_size"],
+                                     q.shape[-1] ** -0.5, query_start=start)
+    out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
+    dout = torch.randn_like(q)
+    expected = attention_delta(out, dout, problem)
+    delta = torch.full_like(expected, float("nan"))
+    dq = hopper.attention_dq(q, k, v, dout, lse, delta, problem, problem.scale * LOG2_E,
+                             out=out)
+    assert not delta.isnan().any()
+    torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-5)
+    assert rel_rms_error(dq, attention_dq(q, k, v, dout, lse, expected, problem)) < 1e-3
 
 
 @pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)

@@ -1,7 +1,7 @@
 """dK/dV: the warp-specialized Gluon kernel (register splits, ring depths) against the
-lock-step Gluon kernel and the Triton kernel, same problems (coherent selections),
-interleaved. dk and dv (reduced) are compared with the Triton kernel's; the warp-specialized
-kernel is also run twice and compared bitwise."""
+lock-step Gluon kernel (the ``warp_specialized=False`` option of commit a5fd3f8) and the Triton
+kernel, same problems (coherent selections), interleaved. dk and dv (reduced) are compared
+with the Triton kernel's; each variant is also run twice and compared bitwise."""
 import json
 import os
 

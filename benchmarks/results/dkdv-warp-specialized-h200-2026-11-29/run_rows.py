@@ -1,8 +1,8 @@
-"""dK/dV: the warp-specialized Gluon kernel, its steps of 32 rows pipelined (step j - 1's dV and
-dK during step j's exponentials) or of 32 or 64 rows one after the other, against the Triton
-kernel, same problems (coherent selections),
-interleaved. dk and dv (reduced) are compared with the Triton kernel's; the warp-specialized
-kernel is also run twice and compared bitwise."""
+"""dK/dV: the warp-specialized Gluon kernel with steps of 32 rows pipelined (step j - 1's dV and
+dK during step j's exponentials) or of 32 or 64 rows one after the other (the ``rows`` and
+``pipelined`` options of commit 0839805), against the Triton kernel, same problems (coherent
+selections), interleaved. dk and dv (reduced) are compared with the Triton kernel's; each
+variant is also run twice and compared bitwise."""
 import json
 import os
 
