@@ -51,5 +51,6 @@ best["backward_tflops"] = 2.5 * 4.0 * D * kept_triples(ids, 128, H // Hi) / best
 print(json.dumps(best), flush=True)
 with open(os.path.join(out_dir, "backward_parts.json"), "w") as handle:
     json.dump(best, handle, indent=1)
+units = dict(seed="", backward_tflops="TFLOP/s")
 for name, value in best.items():
-    print(f"{name:>22} {value:8.2f} {'TFLOP/s' if name.endswith('tflops') else 'ms'}")
+    print(f"{name:>22} {value:8.2f} {units.get(name, 'ms')}")
