@@ -602,9 +602,9 @@ def _sparse_attn_dkdv_hopper_kernel(
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, GATHER_REGS: gl.constexpr,
 ):
     """Key-outer dK, dV of one segment, warp-specialized: one warp gathers the steps' rows
-    (``_dkdv_gather``) and each warpgroup (launched with 4 warps, the second one a worker)
-    computes 64 keys of the block (``_dkdv_key_rows``) with no barrier between the two, so
-    that one's products run while the other's exponentials do."""
+    (``_dkdv_gather``) and each warpgroup computes 64 keys of the block (``_dkdv_key_rows``;
+    the first is the launch's 4 warps, the second a worker partition) with no barrier between
+    the two, so that one's products run while the other's exponentials do."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = 32
     io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
