@@ -74,11 +74,12 @@ def _block_row(blocks, u, walk_length, seq_start, BLOCK: gl.constexpr):
 @gluon.jit
 def _tile_rows(index_head, first_position, first_query, end_query, query_base,
                GQ: gl.constexpr, TOK: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-               layout: gl.constexpr):
+               layout: gl.constexpr, FIRST_ROW: gl.constexpr = 0):
     """Per row of a [ROWS, HEAD_DIM] tile in ``layout``: whether it is a query, its token's
     row in the query tensors, its head; and the column indices. Computed where needed (before
-    the walk, and again after it) rather than held in registers across it."""
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    the walk, and again after it) rather than held in registers across it. The tile's rows
+    [FIRST_ROW, FIRST_ROW + ROWS)."""
+    rows = FIRST_ROW + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     valid = (rows // TOK < GQ) & (rows % TOK >= first_query) & (rows % TOK < end_query)
     token = (query_base + first_position + rows % TOK).to(gl.int64)
@@ -104,10 +105,11 @@ def _tile_of(CU_SEQLENS, sequence, tile, query_start, query_end, TOK: gl.constex
 
 @gluon.jit
 def _mma_rows(first_position, first_query, end_query, GQ: gl.constexpr, TOK: gl.constexpr,
-              ROWS: gl.constexpr, layout: gl.constexpr):
-    """Per MMA row (in ``layout``, a row slice of the products): its index, its token's bit in
-    a members mask, whether it is a query, its position."""
-    rows = gl.arange(0, ROWS, layout=layout)
+              ROWS: gl.constexpr, layout: gl.constexpr, FIRST_ROW: gl.constexpr = 0):
+    """Per MMA row (in ``layout``, a row slice of the products; the tile's rows [FIRST_ROW,
+    FIRST_ROW + ROWS)): its index, its token's bit in a members mask, whether it is a query,
+    its position."""
+    rows = FIRST_ROW + gl.arange(0, ROWS, layout=layout)
     row_valid = (rows // TOK < GQ) & (rows % TOK >= first_query) & (rows % TOK < end_query)
     return rows, (rows % TOK).to(gl.int64), row_valid, first_position + rows % TOK
 
@@ -267,6 +269,179 @@ def _sparse_attn_fwd_hopper_kernel(
     row_head = index_head * GQ + rows // TOK
     gl.store(LSE + (query_base + row_position).to(gl.int64) * (HI * GQ) + row_head,
              running_max + gl.log2(running_sum), mask=row_valid)
+
+
+@gluon.jit
+def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
+                    blocks, members_of, walk_length, tile, index_head, stride_o_t, stride_o_h,
+                    scale_log2, HI: gl.constexpr, GQ: gl.constexpr, TOK: gl.constexpr,
+                    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, HALF: gl.constexpr):
+    """One consumer warpgroup of the warp-specialized forward: rows [64 HALF, 64 HALF + 64) of
+    the tile through its walk (the loader's K and V rings; each stage handed back once its
+    product is done), then their out and log-sum-exp."""
+    (seq_start, seq_len, first_position, first_query, end_query, all_members,
+     query_base) = tile
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = 64
+    s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)  # scores [ROWS, BLOCK]
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # [ROWS, D] accumulator
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q_rows = q_smem.slice(HALF * ROWS, ROWS)
+    rows, row_bit, row_valid, row_position = _mma_rows(first_position, first_query, end_query,
+                                                       GQ, TOK, ROWS, rows_layout, HALF * ROWS)
+    running_max = gl.full((ROWS,), float("-inf"), gl.float32, layout=rows_layout)
+    running_sum = gl.zeros((ROWS,), gl.float32, layout=rows_layout)
+    acc = gl.zeros((ROWS, HEAD_DIM), gl.float32, layout=o_layout)
+    no_scores = gl.zeros((ROWS, BLOCK), gl.float32, layout=s_layout)
+    if walk_length > 0:
+        # Walk entry u: stage u % 2 of both rings, phase (u // 2) % 2.
+        mbarrier.wait(k_full.index(0), 0)
+        scores = warpgroup_mma(q_rows, k_smem.index(0).permute((1, 0)), no_scores,
+                               use_acc=False, is_async=True)
+        scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        probs, rescale, running_max, running_sum = _online_softmax(
+            scores, 0, running_max, running_sum, blocks, members_of, first_position,
+            all_members, row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK, s_layout)
+        p = gl.convert_layout(probs.to(Q.dtype.element_ty), p_layout)
+        for u in range(1, walk_length):
+            stage = u % 2
+            previous = 1 - stage
+            mbarrier.wait(k_full.index(stage), (u // 2) & 1)
+            scores = warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), no_scores,
+                                   use_acc=False, is_async=True)
+            mbarrier.wait(v_full.index(previous), ((u - 1) // 2) & 1)
+            pv = warpgroup_mma(p, v_smem.index(previous), acc, is_async=True)
+            # Q K^T of block u is done; its exponentials run while P V of block u - 1 does.
+            scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            probs, rescale, running_max, running_sum = _online_softmax(
+                scores, u, running_max, running_sum, blocks, members_of, first_position,
+                all_members, row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK,
+                s_layout)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+            mbarrier.arrive(v_empty.index(previous), count=1)
+            acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
+            p = gl.convert_layout(probs.to(Q.dtype.element_ty), p_layout)
+        last = (walk_length - 1) % 2
+        mbarrier.wait(v_full.index(last), ((walk_length - 1) // 2) & 1)
+        acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+    running_sum = gl.where(row_valid, running_sum, 1.0)
+    out = acc / gl.convert_layout(running_sum, gl.SliceLayout(1, o_layout))[:, None]
+    out = gl.convert_layout(out.to(OUT.dtype.element_ty), io_layout)
+    io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
+                                                   end_query, query_base, GQ, TOK, ROWS,
+                                                   HEAD_DIM, io_layout, HALF * ROWS)
+    gl.store(OUT + io_token[:, None] * stride_o_t + io_head[:, None] * stride_o_h
+             + dims[None, :], out, mask=io_valid[:, None])
+    row_head = index_head * GQ + rows // TOK
+    gl.store(LSE + (query_base + row_position).to(gl.int64) * (HI * GQ) + row_head,
+             running_max + gl.log2(running_sum), mask=row_valid)
+
+
+@gluon.jit
+def _fwd_lower_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
+                    blocks, members_of, walk_length, tile, index_head, stride_o_t, stride_o_h,
+                    scale_log2, k_desc, v_desc, kv_col, HI: gl.constexpr, GQ: gl.constexpr,
+                    TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
+    _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
+                    blocks, members_of, walk_length, tile, index_head, stride_o_t, stride_o_h,
+                    scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, 0)
+
+
+@gluon.jit
+def _fwd_upper_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
+                    blocks, members_of, walk_length, tile, index_head, stride_o_t, stride_o_h,
+                    scale_log2, k_desc, v_desc, kv_col, HI: gl.constexpr, GQ: gl.constexpr,
+                    TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
+    _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
+                    blocks, members_of, walk_length, tile, index_head, stride_o_t, stride_o_h,
+                    scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, 1)
+
+
+@gluon.jit
+def _fwd_loads(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
+               blocks, members_of, walk_length, tile, index_head, stride_o_t, stride_o_h,
+               scale_log2, k_desc, v_desc, kv_col, HI: gl.constexpr, GQ: gl.constexpr,
+               TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The loader (one warp) of the warp-specialized forward: each walk entry's K and V blocks
+    by TMA into two-stage rings, each stage once both consumers handed it back."""
+    seq_start = tile[0]
+    for u in range(0, walk_length):
+        stage = u % 2
+        row = _block_row(blocks, u, walk_length, seq_start, BLOCK)
+        mbarrier.wait(k_empty.index(stage), ((u // 2) & 1) ^ 1)
+        _issue_block_load(k_desc, k_full.index(stage), k_smem.index(stage), row, kv_col, True)
+        mbarrier.wait(v_empty.index(stage), ((u // 2) & 1) ^ 1)
+        _issue_block_load(v_desc, v_full.index(stage), v_smem.index(stage), row, kv_col, True)
+
+
+@gluon.jit
+def _sparse_attn_fwd_ws_kernel(
+    Q, k_desc, v_desc, OUT, LSE, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT, CU_SEQLENS,
+    query_start, query_end, stride_q_t, stride_q_h, stride_o_t, stride_o_h, scale_log2,
+    HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
+    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, UNION_SLOTS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):
+    """The forward warp-specialized: one warp loads the walk's K and V blocks (``_fwd_loads``)
+    and each warpgroup computes 64 of the tile's 128 rows (``_fwd_query_rows``; the first is the
+    launch's 4 warps, the second a worker partition), with no barrier between the two."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = 128
+    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
+
+    entry = gl.program_id(0)
+    index_head = gl.program_id(1)
+    sequence = gl.load(SCHEDULE + 2 * entry)
+    if sequence < 0:  # padding entry
+        return
+    tile = _tile_of(CU_SEQLENS, sequence, gl.load(SCHEDULE + 2 * entry + 1), query_start,
+                    query_end, TOK)
+    (seq_start, seq_len, first_position, first_query, end_query, all_members,
+     query_base) = tile
+    io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
+                                                   end_query, query_base, GQ, TOK, ROWS,
+                                                   HEAD_DIM, io_layout)
+    q = gl.load(Q + io_token[:, None] * stride_q_t + io_head[:, None] * stride_q_h
+                + dims[None, :], mask=io_valid[:, None], other=0.0)
+    q_smem = gl.allocate_shared_memory(
+        Q.dtype.element_ty, [ROWS, HEAD_DIM],
+        gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], Q.dtype.element_ty), q)
+    blocks, members_of, walk_length = _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry,
+                                               index_head, HI, UNION_SLOTS)
+    kv_col = (index_head // KV_GROUP) * HEAD_DIM
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK, HEAD_DIM], v_desc.layout)
+    k_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for stage in gl.static_range(2):
+        mbarrier.init(k_full.index(stage), count=1)
+        mbarrier.init(v_full.index(stage), count=1)
+        mbarrier.init(k_empty.index(stage), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(stage), count=2)
+    fence_async_shared()
+    # The constants go in literally: a tuple bound to a name would turn them into tensors.
+    gl.warp_specialize([
+        (_fwd_lower_rows, (Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full,
+                           v_empty, blocks, members_of, walk_length, tile, index_head,
+                           stride_o_t, stride_o_h, scale_log2, k_desc, v_desc, kv_col, HI, GQ,
+                           TOK, BLOCK, HEAD_DIM)),
+        (_fwd_upper_rows, (Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full,
+                           v_empty, blocks, members_of, walk_length, tile, index_head,
+                           stride_o_t, stride_o_h, scale_log2, k_desc, v_desc, kv_col, HI, GQ,
+                           TOK, BLOCK, HEAD_DIM)),
+        (_fwd_loads, (Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
+                      blocks, members_of, walk_length, tile, index_head, stride_o_t,
+                      stride_o_h, scale_log2, k_desc, v_desc, kv_col, HI, GQ, TOK, BLOCK,
+                      HEAD_DIM)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 @gluon.jit
@@ -985,20 +1160,33 @@ def _block_descriptor(t: torch.Tensor, block_size: int) -> TensorDescriptor:
                             layout)
 
 
-def sparse_attention_fwd(q, k, v, p, scale_log2: float):
+FORWARD_WARP_SPECIALIZED = True
+FORWARD_REGISTERS = (232, 40)  # the second consumer warpgroup's, the loader warp's
+
+
+def sparse_attention_fwd(q, k, v, p, scale_log2: float,
+                         warp_specialized: bool | None = None,
+                         registers: tuple = FORWARD_REGISTERS):
     """out [Tq, H, D] and lse2 [Tq, H] of the main branch; ``supported(q, k, v, p)`` must
     hold."""
     out = torch.empty_like(q)
     lse = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
     work = p.query_work
     shared = p.shared
-    _sparse_attn_fwd_hopper_kernel[p.query_grid()](
-        q, _block_descriptor(k, p.block_size), _block_descriptor(v, p.block_size), out, lse,
-        work.schedule, work.union, work.union_members, work.union_count, p.cu_seqlens,
-        p.query_start, p.query_start + p.total, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), scale_log2, HI=shared["HI"], GQ=shared["GQ"],
-        KV_GROUP=shared["KV_GROUP"], TOK=p.query_tokens, BLOCK=p.block_size,
-        HEAD_DIM=p.head_dim, UNION_SLOTS=work.union.shape[-1], num_warps=NUM_WARPS)
+    args = (q, _block_descriptor(k, p.block_size), _block_descriptor(v, p.block_size), out,
+            lse, work.schedule, work.union, work.union_members, work.union_count, p.cu_seqlens,
+            p.query_start, p.query_start + p.total, q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1), scale_log2)
+    constants = dict(HI=shared["HI"], GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"],
+                     TOK=p.query_tokens, BLOCK=p.block_size, HEAD_DIM=p.head_dim,
+                     UNION_SLOTS=work.union.shape[-1])
+    if FORWARD_WARP_SPECIALIZED if warp_specialized is None else warp_specialized:
+        _sparse_attn_fwd_ws_kernel[p.query_grid()](
+            *args, **constants, CONSUMER_REGS=registers[0], LOADER_REGS=registers[1],
+            num_warps=4, maxnreg=(sum(registers) + 240) // 3 // 8 * 8)
+    else:
+        _sparse_attn_fwd_hopper_kernel[p.query_grid()](*args, **constants,
+                                                       num_warps=NUM_WARPS)
     return out, lse
 
 
