@@ -17,8 +17,9 @@ What the Triton kernels cannot express:
   ``dS K`` (dQ) of block u - 1 during block u's, dV and dK of step j - 1 during step j's,
   head g + 1's scores during head g's (KL). This is the intra-warpgroup overlap of
   FlashAttention-3;
-- warp specialization (dK/dV): one warp gathers the rows while each of two warpgroups computes
-  half of the key block, synchronized by mbarriers instead of CTA-wide barriers, so that one
+- warp specialization (forward, dK/dV): one warp loads the key blocks (forward, by TMA) or
+  gathers the query rows (dK/dV) while each of two warpgroups computes half of the tile's rows
+  or of the key block, synchronized by mbarriers instead of CTA-wide barriers, so that one
   warpgroup's products run while the other's exponentials do.
 
 The forward and dQ are bitwise equal to the Triton kernels (same products, same order); dK/dV
@@ -155,123 +156,6 @@ def _online_softmax(scores, u, running_max, running_sum, blocks, members_of, fir
 
 
 @gluon.jit
-def _sparse_attn_fwd_hopper_kernel(
-    Q, k_desc, v_desc, OUT, LSE, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT, CU_SEQLENS,
-    query_start, query_end, stride_q_t, stride_q_h, stride_o_t, stride_o_h, scale_log2,
-    HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
-    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, UNION_SLOTS: gl.constexpr,
-):
-    """One program per (query tile, index head): TOK tokens x GQ heads, head-major rows (row =
-    g * TOK + t, ROWS of them), as in the Triton kernel."""
-    NUM_WARPS: gl.constexpr = gl.num_warps()
-    ROWS: gl.constexpr = 128
-    s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)  # scores [ROWS, BLOCK]
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # [ROWS, D] accumulator
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
-    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    entry = gl.program_id(0)
-    index_head = gl.program_id(1)
-    sequence = gl.load(SCHEDULE + 2 * entry)
-    if sequence < 0:  # padding entry
-        return
-    (seq_start, seq_len, first_position, first_query, end_query, all_members,
-     query_base) = _tile_of(CU_SEQLENS, sequence, gl.load(SCHEDULE + 2 * entry + 1),
-                            query_start, query_end, TOK)
-
-    # Q [ROWS, D] goes to shared memory once; out leaves from the same layout.
-    io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
-                                                   end_query, query_base, GQ, TOK, ROWS,
-                                                   HEAD_DIM, io_layout)
-    q = gl.load(Q + io_token[:, None] * stride_q_t + io_head[:, None] * stride_q_h
-                + dims[None, :], mask=io_valid[:, None], other=0.0)
-    q_smem = gl.allocate_shared_memory(
-        Q.dtype.element_ty, [ROWS, HEAD_DIM],
-        gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], Q.dtype.element_ty), q)
-
-    rows, row_bit, row_valid, row_position = _mma_rows(first_position, first_query, end_query,
-                                                       GQ, TOK, ROWS, rows_layout)
-    blocks, members_of, walk_length = _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry,
-                                               index_head, HI, UNION_SLOTS)
-    kv_col = (index_head // KV_GROUP) * HEAD_DIM
-
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK, HEAD_DIM], v_desc.layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for slot in gl.static_range(2):
-        mbarrier.init(k_ready.index(slot), count=1)
-        mbarrier.init(v_ready.index(slot), count=1)
-    fence_async_shared()
-
-    running_max = gl.full((ROWS,), float("-inf"), gl.float32, layout=rows_layout)
-    running_sum = gl.zeros((ROWS,), gl.float32, layout=rows_layout)
-    acc = gl.zeros((ROWS, HEAD_DIM), gl.float32, layout=o_layout)
-    no_scores = gl.zeros((ROWS, BLOCK), gl.float32, layout=s_layout)
-    if walk_length > 0:
-        # Walk entry u uses stage u % 2 of the K and V rings, barrier phase (u // 2) % 2.
-        for slot in gl.static_range(2):
-            row = _block_row(blocks, slot, walk_length, seq_start, BLOCK)
-            _issue_block_load(k_desc, k_ready.index(slot), k_smem.index(slot), row, kv_col,
-                              slot < walk_length)
-            _issue_block_load(v_desc, v_ready.index(slot), v_smem.index(slot), row, kv_col,
-                              slot < walk_length)
-        mbarrier.wait(k_ready.index(0), 0)
-        scores = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), no_scores,
-                               use_acc=False, is_async=True)
-        scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
-        probs, rescale, running_max, running_sum = _online_softmax(
-            scores, 0, running_max, running_sum, blocks, members_of, first_position,
-            all_members, row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK, s_layout)
-        p = gl.convert_layout(probs.to(Q.dtype.element_ty), p_layout)
-        for u in range(1, walk_length):
-            stage = u % 2
-            previous = 1 - stage
-            # K(u - 1) is consumed: its stage takes K(u + 1).
-            _issue_block_load(k_desc, k_ready.index(previous), k_smem.index(previous),
-                              _block_row(blocks, u + 1, walk_length, seq_start, BLOCK),
-                              kv_col, u + 1 < walk_length)
-            mbarrier.wait(k_ready.index(stage), (u // 2) & 1)
-            scores = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), no_scores,
-                                   use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(previous), ((u - 1) // 2) & 1)
-            pv = warpgroup_mma(p, v_smem.index(previous), acc, is_async=True)
-            # Q K^T of block u is done; its exponentials run while P V of block u - 1 does.
-            scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
-            probs, rescale, running_max, running_sum = _online_softmax(
-                scores, u, running_max, running_sum, blocks, members_of, first_position,
-                all_members, row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK,
-                s_layout)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-            # V(u - 1) is consumed: its stage takes V(u + 1).
-            _issue_block_load(v_desc, v_ready.index(previous), v_smem.index(previous),
-                              _block_row(blocks, u + 1, walk_length, seq_start, BLOCK),
-                              kv_col, u + 1 < walk_length)
-            acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
-            p = gl.convert_layout(probs.to(Q.dtype.element_ty), p_layout)
-        last = (walk_length - 1) % 2
-        mbarrier.wait(v_ready.index(last), ((walk_length - 1) // 2) & 1)
-        acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    for slot in gl.static_range(2):
-        mbarrier.invalidate(k_ready.index(slot))
-        mbarrier.invalidate(v_ready.index(slot))
-
-    running_sum = gl.where(row_valid, running_sum, 1.0)
-    out = acc / gl.convert_layout(running_sum, gl.SliceLayout(1, o_layout))[:, None]
-    out = gl.convert_layout(out.to(OUT.dtype.element_ty), io_layout)
-    io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
-                                                   end_query, query_base, GQ, TOK, ROWS,
-                                                   HEAD_DIM, io_layout)
-    gl.store(OUT + io_token[:, None] * stride_o_t + io_head[:, None] * stride_o_h
-             + dims[None, :], out, mask=io_valid[:, None])
-    row_head = index_head * GQ + rows // TOK
-    gl.store(LSE + (query_base + row_position).to(gl.int64) * (HI * GQ) + row_head,
-             running_max + gl.log2(running_sum), mask=row_valid)
-
-
-@gluon.jit
 def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
                     blocks, members_of, walk_length, tile, index_head, stride_o_t, stride_o_h,
                     scale_log2, HI: gl.constexpr, GQ: gl.constexpr, TOK: gl.constexpr,
@@ -381,7 +265,7 @@ def _fwd_loads(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_e
 
 
 @gluon.jit
-def _sparse_attn_fwd_ws_kernel(
+def _sparse_attn_fwd_hopper_kernel(
     Q, k_desc, v_desc, OUT, LSE, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT, CU_SEQLENS,
     query_start, query_end, stride_q_t, stride_q_h, stride_o_t, stride_o_h, scale_log2,
     HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
@@ -1160,33 +1044,34 @@ def _block_descriptor(t: torch.Tensor, block_size: int) -> TensorDescriptor:
                             layout)
 
 
-FORWARD_WARP_SPECIALIZED = True
-FORWARD_REGISTERS = (232, 40)  # the second consumer warpgroup's, the loader warp's
+# Forward: registers per thread of the second consumer warpgroup and of the loader warp's (the
+# first consumer warpgroup gets 232 too); (240, 24) measured the same.
+FORWARD_REGISTERS = (232, 40)
 
 
-def sparse_attention_fwd(q, k, v, p, scale_log2: float,
-                         warp_specialized: bool | None = None,
-                         registers: tuple = FORWARD_REGISTERS):
+def _maxnreg(warpgroups: int, workers: tuple) -> int:
+    """A warp-specialized kernel's register limit per thread: its ``warpgroups`` share the
+    register file, and the first one gets what the worker partitions (``workers``, registers
+    per thread of each) leave of the limit times the warpgroups (at most 240)."""
+    return (sum(workers) + 240) // warpgroups // 8 * 8
+
+
+def sparse_attention_fwd(q, k, v, p, scale_log2: float):
     """out [Tq, H, D] and lse2 [Tq, H] of the main branch; ``supported(q, k, v, p)`` must
     hold."""
     out = torch.empty_like(q)
     lse = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
     work = p.query_work
     shared = p.shared
-    args = (q, _block_descriptor(k, p.block_size), _block_descriptor(v, p.block_size), out,
-            lse, work.schedule, work.union, work.union_members, work.union_count, p.cu_seqlens,
-            p.query_start, p.query_start + p.total, q.stride(0), q.stride(1), out.stride(0),
-            out.stride(1), scale_log2)
-    constants = dict(HI=shared["HI"], GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"],
-                     TOK=p.query_tokens, BLOCK=p.block_size, HEAD_DIM=p.head_dim,
-                     UNION_SLOTS=work.union.shape[-1])
-    if FORWARD_WARP_SPECIALIZED if warp_specialized is None else warp_specialized:
-        _sparse_attn_fwd_ws_kernel[p.query_grid()](
-            *args, **constants, CONSUMER_REGS=registers[0], LOADER_REGS=registers[1],
-            num_warps=4, maxnreg=(sum(registers) + 240) // 3 // 8 * 8)
-    else:
-        _sparse_attn_fwd_hopper_kernel[p.query_grid()](*args, **constants,
-                                                       num_warps=NUM_WARPS)
+    _sparse_attn_fwd_hopper_kernel[p.query_grid()](
+        q, _block_descriptor(k, p.block_size), _block_descriptor(v, p.block_size), out, lse,
+        work.schedule, work.union, work.union_members, work.union_count, p.cu_seqlens,
+        p.query_start, p.query_start + p.total, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), scale_log2, HI=shared["HI"], GQ=shared["GQ"],
+        KV_GROUP=shared["KV_GROUP"], TOK=p.query_tokens, BLOCK=p.block_size,
+        HEAD_DIM=p.head_dim, UNION_SLOTS=work.union.shape[-1],
+        CONSUMER_REGS=FORWARD_REGISTERS[0], LOADER_REGS=FORWARD_REGISTERS[1], num_warps=4,
+        maxnreg=_maxnreg(3, FORWARD_REGISTERS))
     return out, lse
 
 
@@ -1211,13 +1096,10 @@ def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float, out=None):
     return dq
 
 
-def _dkdv_maxnreg(block_size: int, registers: tuple = KEY_STEP_REGISTERS) -> int:
-    """The dK/dV kernel's register limit per thread: its warpgroups (one per 64 keys, one for
-    the gather warp) share the register file, and the first one gets what the others
-    (``registers``) leave of the limit times the warpgroups (at most 240)."""
-    consumer, gather = registers
-    warpgroups = block_size // 64 + 1
-    return (consumer * (warpgroups - 2) + gather + 240) // warpgroups // 8 * 8
+def _dkdv_maxnreg(block_size: int, registers: tuple) -> int:
+    """The dK/dV kernel's register limit: a consumer warpgroup per 64 keys, the gather warp."""
+    workers = registers if block_size == 128 else registers[1:]
+    return _maxnreg(len(workers) + 1, workers)
 
 
 def attention_dkdv_parts(q, k, v, dout, lse, delta, p, scale_log2: float,
@@ -1292,6 +1174,9 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
     if kernel == "dq":  # as the backward launches it: computing the deltas
         constants["WRITE_DELTA"] = True
     options = dict(num_warps=NUM_WARPS)
+    if kernel == "forward":  # warp-specialized (sparse_attention_fwd's launch)
+        constants.update(CONSUMER_REGS=FORWARD_REGISTERS[0], LOADER_REGS=FORWARD_REGISTERS[1])
+        options = dict(num_warps=4, maxnreg=_maxnreg(3, FORWARD_REGISTERS))
     if kernel == "dkdv":  # 32-row steps, warp-specialized (attention_dkdv_parts' launch)
         consumer, gather = KEY_STEP_REGISTERS
         constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1,
