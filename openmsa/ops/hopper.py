@@ -227,6 +227,8 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
              running_max + gl.log2(running_sum), mask=row_valid)
 
 
+# The partitions' entry points take the same arguments (gl.warp_specialize's rule for the
+# workers); these two pick the half of the rows.
 @gluon.jit
 def _fwd_lower_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
                     blocks, members_of, walk_length, tile, index_head, stride_o_t, stride_o_h,
@@ -589,6 +591,8 @@ def _dkdv_key_rows(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
     gl.store(DV_PART + offsets, dv)
 
 
+# The partitions' entry points take the same arguments (gl.warp_specialize's rule for the
+# workers); these two pick the half of the keys.
 @gluon.jit
 def _dkdv_lower_keys(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
                      TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
