@@ -139,6 +139,11 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--max-seqlen", type=int, default=131072)
+    parser.add_argument("--min-seqlen", type=int, default=0, help="skip shorter shapes")
+    parser.add_argument("--kinds", default="random,coherent",
+                        help="which selections to run (their inputs stay those of a full run; "
+                             "a case runs after the ones before it, in the GPU's power state "
+                             "they leave)")
     parser.add_argument("--sweep", action="store_true",
                         help="first sweep tile rows x warps x stages per kernel at S=32k")
     args = parser.parse_args()
@@ -146,7 +151,7 @@ def main() -> None:
     rows = []
     best_configs, sweep = tune(args) if args.sweep else ({}, [])
     for name, seqlen, heads, kv_heads, index_heads, head_dim in SHAPES:
-        if seqlen > args.max_seqlen:
+        if not args.min_seqlen <= seqlen <= args.max_seqlen:
             continue
         generator = torch.Generator(device="cuda").manual_seed(seqlen + heads)
         q = torch.randn(seqlen, heads, head_dim, device="cuda", generator=generator).bfloat16()
@@ -170,7 +175,11 @@ def main() -> None:
         del qd, kd, vd, dense_out
 
         for kind in ("random", "coherent"):
+            # Drawn for every kind, run or not: the generator's state, and so each case's
+            # inputs, do not depend on --kinds.
             index_q, index_k = index_inputs(kind, seqlen, index_heads, head_dim, generator)
+            if kind not in args.kinds.split(","):
+                continue
             ids = select_blocks_fwd(index_q, index_k, cu, top_k=args.top_k,
                                     block_size=args.block_size, index_softmax_scale=scale,
                                     num_local_blocks=1, num_sink_blocks=0)

@@ -1,7 +1,8 @@
 """The main backward at 128k, H64 (coherent selection): the whole of attention_backward against
 its parts timed alone (delta, dQ, dK/dV with its reduction), and the dK/dV kernel with rings
 of 3, 4 and 5 steps. All with triton.testing.do_bench (median), interleaved, twice. The
-inputs' seed is $SEED (default 131072; bench_attention.py's for this shape is 131136)."""
+inputs' seed is $SEED (default 131072; bench_attention.py's for this shape is 131136, where
+the coherent index inputs are drawn after the random case's: another selection)."""
 import json
 import os
 

@@ -21,7 +21,7 @@ VARIANTS = {"previous": dict(warp_specialized=False),
 rows = []
 for S, H, Hkv in ((131072, 64, 4), (32768, 64, 4), (16384, 16, 2)):
     D, Hi = 128, 4
-    g = torch.Generator(device="cuda").manual_seed(S + H)  # bench_attention.py's inputs
+    g = torch.Generator(device="cuda").manual_seed(S + H)  # bench_attention.py's seed
     q, k, v = (torch.randn(S, h, D, device="cuda", generator=g).bfloat16()
                for h in (H, Hkv, Hkv))
     iq, ik = index_inputs("coherent", S, Hi, D, g)
