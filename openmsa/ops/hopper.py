@@ -227,36 +227,11 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
              running_max + gl.log2(running_sum), mask=row_valid)
 
 
-# The partitions' entry points take the same arguments (gl.warp_specialize's rule for the
-# workers); these two pick the half of the rows.
 @gluon.jit
-def _fwd_lower_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
-                    blocks, members_of, walk_length, tile, index_head, stride_o_t, stride_o_h,
-                    scale_log2, k_desc, v_desc, kv_col, HI: gl.constexpr, GQ: gl.constexpr,
-                    TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
-    _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
-                    blocks, members_of, walk_length, tile, index_head, stride_o_t, stride_o_h,
-                    scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, 0)
-
-
-@gluon.jit
-def _fwd_upper_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
-                    blocks, members_of, walk_length, tile, index_head, stride_o_t, stride_o_h,
-                    scale_log2, k_desc, v_desc, kv_col, HI: gl.constexpr, GQ: gl.constexpr,
-                    TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
-    _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
-                    blocks, members_of, walk_length, tile, index_head, stride_o_t, stride_o_h,
-                    scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, 1)
-
-
-@gluon.jit
-def _fwd_loads(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
-               blocks, members_of, walk_length, tile, index_head, stride_o_t, stride_o_h,
-               scale_log2, k_desc, v_desc, kv_col, HI: gl.constexpr, GQ: gl.constexpr,
-               TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _fwd_loads(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, blocks,
+               walk_length, seq_start, kv_col, BLOCK: gl.constexpr):
     """The loader (one warp) of the warp-specialized forward: each walk entry's K and V blocks
     by TMA into two-stage rings, each stage once both consumers handed it back."""
-    seq_start = tile[0]
     for u in range(0, walk_length):
         stage = u % 2
         row = _block_row(blocks, u, walk_length, seq_start, BLOCK)
@@ -315,18 +290,14 @@ def _sparse_attn_fwd_hopper_kernel(
     fence_async_shared()
     # The constants go in literally: a tuple bound to a name would turn them into tensors.
     gl.warp_specialize([
-        (_fwd_lower_rows, (Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full,
+        (_fwd_query_rows, (Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full,
                            v_empty, blocks, members_of, walk_length, tile, index_head,
-                           stride_o_t, stride_o_h, scale_log2, k_desc, v_desc, kv_col, HI, GQ,
-                           TOK, BLOCK, HEAD_DIM)),
-        (_fwd_upper_rows, (Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full,
+                           stride_o_t, stride_o_h, scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, 0)),
+        (_fwd_query_rows, (Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full,
                            v_empty, blocks, members_of, walk_length, tile, index_head,
-                           stride_o_t, stride_o_h, scale_log2, k_desc, v_desc, kv_col, HI, GQ,
-                           TOK, BLOCK, HEAD_DIM)),
-        (_fwd_loads, (Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
-                      blocks, members_of, walk_length, tile, index_head, stride_o_t,
-                      stride_o_h, scale_log2, k_desc, v_desc, kv_col, HI, GQ, TOK, BLOCK,
-                      HEAD_DIM)),
+                           stride_o_t, stride_o_h, scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, 1)),
+        (_fwd_loads, (k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, blocks,
+                      walk_length, seq_start, kv_col, BLOCK)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -591,22 +562,6 @@ def _dkdv_key_rows(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
     gl.store(DV_PART + offsets, dv)
 
 
-# The partitions' entry points take the same arguments (gl.warp_specialize's rule for the
-# workers); these two pick the half of the keys.
-@gluon.jit
-def _dkdv_lower_keys(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
-                     TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr):
-    _dkdv_key_rows(pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES, 0)
-
-
-@gluon.jit
-def _dkdv_upper_keys(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
-                     TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr):
-    _dkdv_key_rows(pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES, 1)
-
-
 @gluon.jit
 def _dkdv_gather(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
                  TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -720,13 +675,13 @@ def _sparse_attn_dkdv_hopper_kernel(
     # The constants go in literally: a tuple bound to a name would turn them into tensors.
     if BLOCK == 128:
         gl.warp_specialize([
-            (_dkdv_lower_keys, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES)),
-            (_dkdv_upper_keys, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES)),
+            (_dkdv_key_rows, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES, 0)),
+            (_dkdv_key_rows, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES, 1)),
             (_dkdv_gather, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, GATHER_REGS])
     else:
         gl.warp_specialize([
-            (_dkdv_lower_keys, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES)),
+            (_dkdv_key_rows, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES, 0)),
             (_dkdv_gather, (pointers, buffers, work, HI, GQ, TOK, BLOCK, HEAD_DIM, STAGES)),
         ], [1], [GATHER_REGS])
 
