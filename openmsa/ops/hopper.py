@@ -228,10 +228,10 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
 
 
 @gluon.jit
-def _fwd_loads(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, blocks,
+def _block_loads(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, blocks,
                walk_length, seq_start, kv_col, BLOCK: gl.constexpr):
-    """The loader (one warp) of the warp-specialized forward: each walk entry's K and V blocks
-    by TMA into two-stage rings, each stage once both consumers handed it back."""
+    """The loader (one warp) of the warp-specialized forward and dQ: each walk entry's K and V
+    blocks by TMA into two-stage rings, each stage once both consumers handed it back."""
     for u in range(0, walk_length):
         stage = u % 2
         row = _block_row(blocks, u, walk_length, seq_start, BLOCK)
@@ -249,7 +249,7 @@ def _sparse_attn_fwd_hopper_kernel(
     BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, UNION_SLOTS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):
-    """The forward warp-specialized: one warp loads the walk's K and V blocks (``_fwd_loads``)
+    """The forward warp-specialized: one warp loads the walk's K and V blocks (``_block_loads``)
     and each warpgroup computes 64 of the tile's 128 rows (``_fwd_query_rows``; the first is the
     launch's 4 warps, the second a worker partition), with no barrier between the two."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -296,8 +296,8 @@ def _sparse_attn_fwd_hopper_kernel(
         (_fwd_query_rows, (Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full,
                            v_empty, blocks, members_of, walk_length, tile, index_head,
                            stride_o_t, stride_o_h, scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, 1)),
-        (_fwd_loads, (k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, blocks,
-                      walk_length, seq_start, kv_col, BLOCK)),
+        (_block_loads, (k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
+                        blocks, walk_length, seq_start, kv_col, BLOCK)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -317,7 +317,7 @@ def _masked_probs(scores, u, lse, blocks, members_of, first_position, all_member
 
 
 @gluon.jit
-def _sparse_attn_dq_hopper_kernel(
+def _sparse_attn_dq_lockstep_kernel(
     Q, DOUT, OUT, LSE, DELTA, DQ, k_desc, v_desc, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT,
     CU_SEQLENS, query_start, query_end, stride_q_t, stride_q_h, stride_do_t, stride_do_h,
     stride_o_t, stride_o_h, stride_dq_t, stride_dq_h, scale, scale_log2,
@@ -451,6 +451,166 @@ def _sparse_attn_dq_hopper_kernel(
                                                    HEAD_DIM, io_layout)
     gl.store(DQ + io_token[:, None] * stride_dq_t + io_head[:, None] * stride_dq_h
              + dims[None, :], dq, mask=io_valid[:, None])
+
+
+@gluon.jit
+def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem, k_full,
+                   k_empty, v_full, v_empty, blocks, members_of, walk_length, tile, index_head,
+                   stride_q_t, stride_q_h, stride_do_t, stride_do_h, stride_o_t, stride_o_h,
+                   stride_dq_t, stride_dq_h, scale, scale_log2, HI: gl.constexpr,
+                   GQ: gl.constexpr, TOK: gl.constexpr, BLOCK: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, WRITE_DELTA: gl.constexpr, HALF: gl.constexpr):
+    """One consumer warpgroup of the warp-specialized dQ: rows [64 HALF, 64 HALF + 64) of the
+    tile. It brings its q and dO rows into shared memory (and, with WRITE_DELTA, computes and
+    writes their deltas), walks the loader's K and V rings, and stores its rows of dq.
+
+    Per walk entry u: ``dQ += dS_{u-1} K_{u-1}`` and ``S_u = Q K_u^T`` are issued together;
+    K(u - 1) goes back to the loader as soon as the first is done (so a ring of two K blocks
+    keeps the loader a whole entry ahead), then ``dP_u = dO V_u^T`` is issued and block u's
+    exponentials run while it is computed."""
+    (seq_start, seq_len, first_position, first_query, end_query, all_members,
+     query_base) = tile
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = 64
+    s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)  # scores [ROWS, BLOCK]
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # [ROWS, D] accumulator
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q_rows = q_smem.slice(HALF * ROWS, ROWS)
+    do_rows = do_smem.slice(HALF * ROWS, ROWS)
+
+    io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
+                                                   end_query, query_base, GQ, TOK, ROWS,
+                                                   HEAD_DIM, io_layout, HALF * ROWS)
+    q_rows.store(gl.load(Q + io_token[:, None] * stride_q_t + io_head[:, None] * stride_q_h
+                         + dims[None, :], mask=io_valid[:, None], other=0.0))
+    dout = gl.load(DOUT + io_token[:, None] * stride_do_t + io_head[:, None] * stride_do_h
+                   + dims[None, :], mask=io_valid[:, None], other=0.0)
+    do_rows.store(dout)
+    if WRITE_DELTA:
+        out = gl.load(OUT + io_token[:, None] * stride_o_t + io_head[:, None] * stride_o_h
+                      + dims[None, :], mask=io_valid[:, None], other=0.0)
+        tile_delta = gl.sum(out.to(gl.float32) * dout.to(gl.float32), axis=1)
+    fence_async_shared()  # the products read q and dO through the async proxy
+
+    rows, row_bit, row_valid, row_position = _mma_rows(first_position, first_query, end_query,
+                                                       GQ, TOK, ROWS, rows_layout, HALF * ROWS)
+    row_index = ((query_base + row_position).to(gl.int64) * (HI * GQ) + index_head * GQ
+                 + rows // TOK)
+    lse = gl.load(LSE + row_index, mask=row_valid, other=0.0)
+    if WRITE_DELTA:
+        # Row r of the io rows is row r of the products (the same rows of q_rows).
+        delta = gl.convert_layout(tile_delta, rows_layout)
+        gl.store(DELTA + row_index, delta, mask=row_valid)
+    else:
+        delta = gl.load(DELTA + row_index, mask=row_valid, other=0.0)
+
+    dq = gl.zeros((ROWS, HEAD_DIM), gl.float32, layout=o_layout)
+    no_scores = gl.zeros((ROWS, BLOCK), gl.float32, layout=s_layout)
+    if walk_length > 0:
+        # Walk entry u: stage u % 2 of both rings, phase (u // 2) % 2.
+        mbarrier.wait(k_full.index(0), 0)
+        scores = warpgroup_mma(q_rows, k_smem.index(0).permute((1, 0)), no_scores,
+                               use_acc=False, is_async=True)
+        mbarrier.wait(v_full.index(0), 0)
+        dprobs = warpgroup_mma(do_rows, v_smem.index(0).permute((1, 0)), no_scores,
+                               use_acc=False, is_async=True)
+        scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
+        probs = _masked_probs(scores, 0, lse, blocks, members_of, first_position, all_members,
+                              row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK,
+                              s_layout)
+        dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(dprobs,))
+        mbarrier.arrive(v_empty.index(0), count=1)
+        dscores = gl.convert_layout((probs * (dprobs - delta[:, None])).to(Q.dtype.element_ty),
+                                    ds_layout)
+        for u in range(1, walk_length):
+            stage = u % 2
+            previous = 1 - stage
+            mbarrier.wait(k_full.index(stage), (u // 2) & 1)
+            dq = warpgroup_mma(dscores, k_smem.index(previous), dq, is_async=True)
+            scores = warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), no_scores,
+                                   use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))
+            mbarrier.arrive(k_empty.index(previous), count=1)
+            mbarrier.wait(v_full.index(stage), (u // 2) & 1)
+            dprobs = warpgroup_mma(do_rows, v_smem.index(stage).permute((1, 0)), no_scores,
+                                   use_acc=False, is_async=True)
+            # Q K^T of block u is done; its exponentials run while dO V^T does.
+            scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
+            probs = _masked_probs(scores, u, lse, blocks, members_of, first_position,
+                                  all_members, row_bit, row_valid, row_position, seq_len,
+                                  scale_log2, BLOCK, s_layout)
+            dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(dprobs,))
+            mbarrier.arrive(v_empty.index(stage), count=1)
+            dscores = gl.convert_layout(
+                (probs * (dprobs - delta[:, None])).to(Q.dtype.element_ty), ds_layout)
+        dq = warpgroup_mma(dscores, k_smem.index((walk_length - 1) % 2), dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+
+    dq = gl.convert_layout((dq * scale).to(DQ.dtype.element_ty), io_layout)
+    io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
+                                                   end_query, query_base, GQ, TOK, ROWS,
+                                                   HEAD_DIM, io_layout, HALF * ROWS)
+    gl.store(DQ + io_token[:, None] * stride_dq_t + io_head[:, None] * stride_dq_h
+             + dims[None, :], dq, mask=io_valid[:, None])
+
+
+@gluon.jit
+def _sparse_attn_dq_hopper_kernel(
+    Q, DOUT, OUT, LSE, DELTA, DQ, k_desc, v_desc, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT,
+    CU_SEQLENS, query_start, query_end, stride_q_t, stride_q_h, stride_do_t, stride_do_h,
+    stride_o_t, stride_o_h, stride_dq_t, stride_dq_h, scale, scale_log2,
+    HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
+    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, UNION_SLOTS: gl.constexpr,
+    WRITE_DELTA: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):
+    """dQ, query-outer and warp-specialized as the forward: the forward's loader
+    (``_block_loads``) and two warpgroups of 64 rows each (``_dq_query_rows``). With
+    WRITE_DELTA the deltas (sum_d dO * O) are computed here from OUT and written to DELTA for
+    the dK/dV kernel, instead of read from it."""
+    entry = gl.program_id(0)
+    index_head = gl.program_id(1)
+    sequence = gl.load(SCHEDULE + 2 * entry)
+    if sequence < 0:  # padding entry
+        return
+    tile = _tile_of(CU_SEQLENS, sequence, gl.load(SCHEDULE + 2 * entry + 1), query_start,
+                    query_end, TOK)
+    seq_start = tile[0]
+    blocks, members_of, walk_length = _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry,
+                                               index_head, HI, UNION_SLOTS)
+    kv_col = (index_head // KV_GROUP) * HEAD_DIM
+    rows_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, HEAD_DIM],
+                                                                   Q.dtype.element_ty)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [128, HEAD_DIM], rows_smem)
+    do_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [128, HEAD_DIM], rows_smem)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK, HEAD_DIM], v_desc.layout)
+    k_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for stage in gl.static_range(2):
+        mbarrier.init(k_full.index(stage), count=1)
+        mbarrier.init(v_full.index(stage), count=1)
+        mbarrier.init(k_empty.index(stage), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(stage), count=2)
+    fence_async_shared()
+    # The constants go in literally: a tuple bound to a name would turn them into tensors.
+    gl.warp_specialize([
+        (_dq_query_rows, (Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem,
+                          k_full, k_empty, v_full, v_empty, blocks, members_of, walk_length,
+                          tile, index_head, stride_q_t, stride_q_h, stride_do_t, stride_do_h,
+                          stride_o_t, stride_o_h, stride_dq_t, stride_dq_h, scale, scale_log2,
+                          HI, GQ, TOK, BLOCK, HEAD_DIM, WRITE_DELTA, 0)),
+        (_dq_query_rows, (Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem,
+                          k_full, k_empty, v_full, v_empty, blocks, members_of, walk_length,
+                          tile, index_head, stride_q_t, stride_q_h, stride_do_t, stride_do_h,
+                          stride_o_t, stride_o_h, stride_dq_t, stride_dq_h, scale, scale_log2,
+                          HI, GQ, TOK, BLOCK, HEAD_DIM, WRITE_DELTA, 1)),
+        (_block_loads, (k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
+                        blocks, walk_length, seq_start, kv_col, BLOCK)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 @gluon.jit
@@ -1034,7 +1194,12 @@ def sparse_attention_fwd(q, k, v, p, scale_log2: float):
     return out, lse
 
 
-def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float, out=None):
+# dQ: registers per thread of the second consumer warpgroup and of the loader warp's.
+DQ_REGISTERS = (240, 24)
+
+
+def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float, out=None,
+                 warp_specialized=True, registers=DQ_REGISTERS):
     """dq of the main branch (q's dtype); ``supported(q, k, v, p)`` must hold and dout's last
     dimension be contiguous. Given ``out`` (last dimension contiguous), the kernel computes the
     deltas (``attention.attention_delta``'s) itself and writes them into ``delta`` ([T, H]
@@ -1043,7 +1208,14 @@ def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float, out=None):
     work = p.query_work
     shared = p.shared
     source = dout if out is None else out  # unread without WRITE_DELTA
-    _sparse_attn_dq_hopper_kernel[p.query_grid()](
+    if warp_specialized:
+        kernel = _sparse_attn_dq_hopper_kernel
+        launch = dict(CONSUMER_REGS=registers[0], LOADER_REGS=registers[1], num_warps=4,
+                      maxnreg=_maxnreg(3, registers))
+    else:
+        kernel = _sparse_attn_dq_lockstep_kernel
+        launch = dict(num_warps=NUM_WARPS)
+    kernel[p.query_grid()](
         q, dout, source, lse, delta, dq, _block_descriptor(k, p.block_size),
         _block_descriptor(v, p.block_size), work.schedule, work.union, work.union_members,
         work.union_count, p.cu_seqlens, p.query_start, p.query_start + p.total, q.stride(0),
@@ -1051,7 +1223,7 @@ def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float, out=None):
         dq.stride(0), dq.stride(1), p.scale, scale_log2, HI=shared["HI"], GQ=shared["GQ"],
         KV_GROUP=shared["KV_GROUP"], TOK=p.query_tokens, BLOCK=p.block_size,
         HEAD_DIM=p.head_dim, UNION_SLOTS=work.union.shape[-1], WRITE_DELTA=out is not None,
-        num_warps=NUM_WARPS)
+        **launch)
     return dq
 
 
@@ -1130,9 +1302,11 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
     tile_tokens = ROWS // (1 << (heads_per_token - 1).bit_length())  # 128-row query tiles
     constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, TOK=tile_tokens, BLOCK=block_size,
                      HEAD_DIM=head_dim, UNION_SLOTS=tile_tokens * 16)
-    if kernel == "dq":  # as the backward launches it: computing the deltas
-        constants["WRITE_DELTA"] = True
     options = dict(num_warps=NUM_WARPS)
+    if kernel == "dq":  # as the backward launches it: computing the deltas, warp-specialized
+        constants.update(WRITE_DELTA=True, CONSUMER_REGS=DQ_REGISTERS[0],
+                         LOADER_REGS=DQ_REGISTERS[1])
+        options = dict(num_warps=4, maxnreg=_maxnreg(3, DQ_REGISTERS))
     if kernel == "forward":  # warp-specialized (sparse_attention_fwd's launch)
         constants.update(CONSUMER_REGS=FORWARD_REGISTERS[0], LOADER_REGS=FORWARD_REGISTERS[1])
         options = dict(num_warps=4, maxnreg=_maxnreg(3, FORWARD_REGISTERS))
