@@ -14,11 +14,12 @@ import pytest
 from openmsa.ops import hopper
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # per block on the H100/H200
-# dQ holds dS of block u - 1 (in flight), the scores and dO V^T of block u and the dq
-# accumulator: ptxas spills 48 bytes of its 255 registers at D = 128, outside the products. The
-# KL's step end (student, d index_q and their addresses next to the d index_k accumulator)
-# spills 24-64 bytes.
-SPILL_BYTES = {"forward": 0, "dq": 64, "dkdv": 0, "kl": 64}
+# dQ's consumers hold the scores and dO V^T of block u next to the dq accumulator: at D = 128
+# with 4 heads per index head ptxas spills 136 bytes, values kept across the partitions'
+# register reallocation (two reloads per walk entry; none at the other shapes). The KL's step
+# end (student, d index_q and their addresses next to the d index_k accumulator) spills 24-64
+# bytes.
+SPILL_BYTES = {"forward": 0, "dq": 136, "dkdv": 0, "kl": 64}
 # Compiled in a process of its own: with TRITON_INTERPRET=1 (the README's test command) Triton
 # swaps its language functions for interpreted ones, which the Gluon compiler then refuses.
 COMPILE = """
@@ -45,7 +46,8 @@ def _compile(kernel, head_dim, block_size, dtype, heads_per_token, tmp_path):
 
 @pytest.mark.parametrize("kernel", ["forward", "dq", "dkdv", "kl"])
 @pytest.mark.parametrize("head_dim,block_size,dtype,heads_per_token", [
-    (128, 128, "bf16", 16), (64, 64, "fp16", 4), (128, 64, "bf16", 3), (64, 128, "bf16", 16)])
+    (128, 128, "bf16", 16), (128, 128, "bf16", 4), (64, 64, "fp16", 4), (128, 64, "bf16", 3),
+    (64, 128, "bf16", 16)])
 def test_kernels_compile_with_asynchronous_products(kernel, head_dim, block_size, dtype,
                                                      heads_per_token, tmp_path):
     report, shared = _compile(kernel, head_dim, block_size, dtype, heads_per_token, tmp_path)

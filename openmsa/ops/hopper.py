@@ -14,13 +14,13 @@ What the Triton kernels cannot express:
   dO and index_q rows by ``cp.async`` (key-outer), the next ones while these are computed;
 - the tensor-core products are issued asynchronously and waited for explicitly, so that
   exponentials run while the tensor cores compute another product: ``P V`` (forward) or
-  ``dS K`` (dQ) of block u - 1 during block u's, dV and dK of step j - 1 during step j's,
-  head g + 1's scores during head g's (KL). This is the intra-warpgroup overlap of
+  ``dO V^T`` (dQ) of block u - 1 or u during block u's, dV and dK of step j - 1 during step
+  j's, head g + 1's scores during head g's (KL). This is the intra-warpgroup overlap of
   FlashAttention-3;
-- warp specialization (forward, dK/dV): one warp loads the key blocks (forward, by TMA) or
-  gathers the query rows (dK/dV) while each of two warpgroups computes half of the tile's rows
-  or of the key block, synchronized by mbarriers instead of CTA-wide barriers, so that one
-  warpgroup's products run while the other's exponentials do.
+- warp specialization (forward, dQ, dK/dV): one warp loads the key blocks (forward and dQ, by
+  TMA) or gathers the query rows (dK/dV) while each of two warpgroups computes half of the
+  tile's rows or of the key block, synchronized by mbarriers instead of CTA-wide barriers, so
+  that one warpgroup's products run while the other's exponentials do.
 
 The forward and dQ are bitwise equal to the Triton kernels (same products, same order); dK/dV
 and the KL sum the same terms in other groupings, equal up to fp32 rounding (all tested on the
@@ -314,143 +314,6 @@ def _masked_probs(scores, u, lse, blocks, members_of, first_position, all_member
         probs = gl.where(_visible(block, members, row_bit, row_valid, row_position, seq_len,
                                   BLOCK, layout), probs, 0.0)
     return probs
-
-
-@gluon.jit
-def _sparse_attn_dq_lockstep_kernel(
-    Q, DOUT, OUT, LSE, DELTA, DQ, k_desc, v_desc, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT,
-    CU_SEQLENS, query_start, query_end, stride_q_t, stride_q_h, stride_do_t, stride_do_h,
-    stride_o_t, stride_o_h, stride_dq_t, stride_dq_h, scale, scale_log2,
-    HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
-    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, UNION_SLOTS: gl.constexpr,
-    WRITE_DELTA: gl.constexpr,
-):
-    """dQ, query-outer: the forward's walk with the three backward products. The exponentials
-    of block u run while the tensor cores compute dQ += dS K of block u - 1. With WRITE_DELTA
-    the tile's deltas (sum_d dO * O) are computed here from OUT and written to DELTA for the
-    dK/dV kernel, instead of read from it."""
-    NUM_WARPS: gl.constexpr = gl.num_warps()
-    ROWS: gl.constexpr = 128
-    K_STAGES: gl.constexpr = 3  # K(u - 1) is still read by dS K while K(u + 1) arrives
-    s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)  # scores [ROWS, BLOCK]
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # [ROWS, D] accumulator
-    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
-    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    entry = gl.program_id(0)
-    index_head = gl.program_id(1)
-    sequence = gl.load(SCHEDULE + 2 * entry)
-    if sequence < 0:  # padding entry
-        return
-    (seq_start, seq_len, first_position, first_query, end_query, all_members,
-     query_base) = _tile_of(CU_SEQLENS, sequence, gl.load(SCHEDULE + 2 * entry + 1),
-                            query_start, query_end, TOK)
-
-    io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
-                                                   end_query, query_base, GQ, TOK, ROWS,
-                                                   HEAD_DIM, io_layout)
-    row_layout_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM],
-                                                                         Q.dtype.element_ty)
-    q = gl.load(Q + io_token[:, None] * stride_q_t + io_head[:, None] * stride_q_h
-                + dims[None, :], mask=io_valid[:, None], other=0.0)
-    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [ROWS, HEAD_DIM], row_layout_smem, q)
-    dout = gl.load(DOUT + io_token[:, None] * stride_do_t + io_head[:, None] * stride_do_h
-                   + dims[None, :], mask=io_valid[:, None], other=0.0)
-    do_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [ROWS, HEAD_DIM], row_layout_smem,
-                                        dout)
-    if WRITE_DELTA:
-        out = gl.load(OUT + io_token[:, None] * stride_o_t + io_head[:, None] * stride_o_h
-                      + dims[None, :], mask=io_valid[:, None], other=0.0)
-        tile_delta = gl.sum(out.to(gl.float32) * dout.to(gl.float32), axis=1)
-
-    rows, row_bit, row_valid, row_position = _mma_rows(first_position, first_query, end_query,
-                                                       GQ, TOK, ROWS, rows_layout)
-    row_index = ((query_base + row_position).to(gl.int64) * (HI * GQ) + index_head * GQ
-                 + rows // TOK)
-    lse = gl.load(LSE + row_index, mask=row_valid, other=0.0)
-    if WRITE_DELTA:
-        # Row r of the io tile is row r of the products (the same rows of q_smem).
-        delta = gl.convert_layout(tile_delta, rows_layout)
-        gl.store(DELTA + row_index, delta, mask=row_valid)
-    else:
-        delta = gl.load(DELTA + row_index, mask=row_valid, other=0.0)
-    blocks, members_of, walk_length = _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry,
-                                               index_head, HI, UNION_SLOTS)
-    kv_col = (index_head // KV_GROUP) * HEAD_DIM
-
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES, BLOCK, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK, HEAD_DIM], v_desc.layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for slot in gl.static_range(K_STAGES):
-        mbarrier.init(k_ready.index(slot), count=1)
-    for slot in gl.static_range(2):
-        mbarrier.init(v_ready.index(slot), count=1)
-    fence_async_shared()
-
-    dq = gl.zeros((ROWS, HEAD_DIM), gl.float32, layout=o_layout)
-    no_scores = gl.zeros((ROWS, BLOCK), gl.float32, layout=s_layout)
-    if walk_length > 0:
-        # Walk entry u: K stage u % 3 (phase (u // 3) % 2), V stage u % 2 (phase (u // 2) % 2).
-        for slot in gl.static_range(2):
-            row = _block_row(blocks, slot, walk_length, seq_start, BLOCK)
-            _issue_block_load(k_desc, k_ready.index(slot), k_smem.index(slot), row, kv_col,
-                              slot < walk_length)
-            _issue_block_load(v_desc, v_ready.index(slot), v_smem.index(slot), row, kv_col,
-                              slot < walk_length)
-        mbarrier.wait(k_ready.index(0), 0)
-        scores = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), no_scores,
-                               use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(0), 0)
-        dprobs = warpgroup_mma(do_smem, v_smem.index(0).permute((1, 0)), no_scores,
-                               use_acc=False, is_async=True)
-        scores, dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(scores, dprobs))
-        probs = _masked_probs(scores, 0, lse, blocks, members_of, first_position, all_members,
-                              row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK,
-                              s_layout)
-        dscores = gl.convert_layout((probs * (dprobs - delta[:, None])).to(Q.dtype.element_ty),
-                                    ds_layout)
-        for u in range(1, walk_length):
-            k_stage = u % K_STAGES
-            k_previous = (u - 1) % K_STAGES
-            v_stage = u % 2
-            # K(u - 2) and V(u - 1) are consumed: their stages take K(u + 1) and V(u + 1).
-            next_row = _block_row(blocks, u + 1, walk_length, seq_start, BLOCK)
-            _issue_block_load(k_desc, k_ready.index((u + 1) % K_STAGES),
-                              k_smem.index((u + 1) % K_STAGES), next_row, kv_col,
-                              u + 1 < walk_length)
-            _issue_block_load(v_desc, v_ready.index(1 - v_stage), v_smem.index(1 - v_stage),
-                              next_row, kv_col, u + 1 < walk_length)
-            mbarrier.wait(k_ready.index(k_stage), (u // K_STAGES) & 1)
-            scores = warpgroup_mma(q_smem, k_smem.index(k_stage).permute((1, 0)), no_scores,
-                                   use_acc=False, is_async=True)
-            dq_token = warpgroup_mma(dscores, k_smem.index(k_previous), dq, is_async=True)
-            # Q K^T of block u is done; its exponentials run while dS K of block u - 1 does.
-            scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
-            probs = _masked_probs(scores, u, lse, blocks, members_of, first_position,
-                                  all_members, row_bit, row_valid, row_position, seq_len,
-                                  scale_log2, BLOCK, s_layout)
-            mbarrier.wait(v_ready.index(v_stage), (u // 2) & 1)
-            dprobs = warpgroup_mma(do_smem, v_smem.index(v_stage).permute((1, 0)), no_scores,
-                                   use_acc=False, is_async=True)
-            dq, dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(dq_token, dprobs))
-            dscores = gl.convert_layout(
-                (probs * (dprobs - delta[:, None])).to(Q.dtype.element_ty), ds_layout)
-        last = (walk_length - 1) % K_STAGES
-        dq = warpgroup_mma(dscores, k_smem.index(last), dq, is_async=True)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-    for slot in gl.static_range(K_STAGES):
-        mbarrier.invalidate(k_ready.index(slot))
-    for slot in gl.static_range(2):
-        mbarrier.invalidate(v_ready.index(slot))
-
-    dq = gl.convert_layout((dq * scale).to(DQ.dtype.element_ty), io_layout)
-    io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
-                                                   end_query, query_base, GQ, TOK, ROWS,
-                                                   HEAD_DIM, io_layout)
-    gl.store(DQ + io_token[:, None] * stride_dq_t + io_head[:, None] * stride_dq_h
-             + dims[None, :], dq, mask=io_valid[:, None])
 
 
 @gluon.jit
@@ -1194,12 +1057,11 @@ def sparse_attention_fwd(q, k, v, p, scale_log2: float):
     return out, lse
 
 
-# dQ: registers per thread of the second consumer warpgroup and of the loader warp's.
-DQ_REGISTERS = (240, 24)
+# dQ: as the forward's; (240, 24) measured the same.
+DQ_REGISTERS = (232, 40)
 
 
-def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float, out=None,
-                 warp_specialized=True, registers=DQ_REGISTERS):
+def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float, out=None):
     """dq of the main branch (q's dtype); ``supported(q, k, v, p)`` must hold and dout's last
     dimension be contiguous. Given ``out`` (last dimension contiguous), the kernel computes the
     deltas (``attention.attention_delta``'s) itself and writes them into ``delta`` ([T, H]
@@ -1208,14 +1070,7 @@ def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float, out=None,
     work = p.query_work
     shared = p.shared
     source = dout if out is None else out  # unread without WRITE_DELTA
-    if warp_specialized:
-        kernel = _sparse_attn_dq_hopper_kernel
-        launch = dict(CONSUMER_REGS=registers[0], LOADER_REGS=registers[1], num_warps=4,
-                      maxnreg=_maxnreg(3, registers))
-    else:
-        kernel = _sparse_attn_dq_lockstep_kernel
-        launch = dict(num_warps=NUM_WARPS)
-    kernel[p.query_grid()](
+    _sparse_attn_dq_hopper_kernel[p.query_grid()](
         q, dout, source, lse, delta, dq, _block_descriptor(k, p.block_size),
         _block_descriptor(v, p.block_size), work.schedule, work.union, work.union_members,
         work.union_count, p.cu_seqlens, p.query_start, p.query_start + p.total, q.stride(0),
@@ -1223,7 +1078,8 @@ def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float, out=None,
         dq.stride(0), dq.stride(1), p.scale, scale_log2, HI=shared["HI"], GQ=shared["GQ"],
         KV_GROUP=shared["KV_GROUP"], TOK=p.query_tokens, BLOCK=p.block_size,
         HEAD_DIM=p.head_dim, UNION_SLOTS=work.union.shape[-1], WRITE_DELTA=out is not None,
-        **launch)
+        CONSUMER_REGS=DQ_REGISTERS[0], LOADER_REGS=DQ_REGISTERS[1], num_warps=4,
+        maxnreg=_maxnreg(3, DQ_REGISTERS))
     return dq
 
 
