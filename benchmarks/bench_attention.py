@@ -22,10 +22,10 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
-import triton.testing
 
 from openmsa.bench.flops import kept_triples
 from openmsa.bench.run import index_inputs
+from openmsa.bench.timing import median_ms
 from openmsa.ops.attention import (SparseAttentionProblem, attention_backward, attention_delta,
                                    attention_dkdv, attention_dq, kl_key_walk, kl_query_side,
                                    sparse_attention_fwd)
@@ -129,8 +129,7 @@ def kernel_times(fn, top=16):
     return dict(sorted(times.items(), key=lambda item: -item[1])[:top])
 
 
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+bench = median_ms
 
 
 def main() -> None:

@@ -25,10 +25,10 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
-import triton.testing
 
 from bench_attention import kernel_times
 from openmsa.bench.run import index_inputs
+from openmsa.bench.timing import median_ms
 from openmsa import msa_attention
 from openmsa.ops import hopper
 
@@ -52,8 +52,7 @@ def triton_kernels_only():
         hopper.supported, hopper.supported_key_outer, hopper.supported_kl = supported
 
 
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+bench = median_ms
 
 
 def graphed(fn):

@@ -142,11 +142,10 @@ def make_inputs(row, seqlen, selection, device="cuda", seed=0):
 
 
 def measure(row, args) -> dict:
-    import triton.testing
-
     from ..cli import TOLERANCE
     from ..ops.msa import msa_attention, select_blocks, sparse_attention
     from ..testing import MSACase, compare_with_reference
+    from .timing import median_ms
 
     seqlen = row["seqlen"]
     options = dict(top_k=args.top_k, block_size=args.block_size)
@@ -160,8 +159,7 @@ def measure(row, args) -> dict:
         result["status"] = "correctness check failed: not timed"
         return result
 
-    def bench(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    bench = median_ms
 
     inputs = make_inputs(row, seqlen, args.selection)
     q, k, v, index_q, index_k = inputs

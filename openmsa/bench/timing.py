@@ -1,0 +1,16 @@
+"""GPU timing shared by the benchmarks (GPU only)."""
+
+import triton.testing
+
+# Each timing runs the function for about WARMUP_MS before it times REPEAT_MS of calls (at least
+# one call each; triton.testing.do_bench clears the L2 cache before each timed call). A 60 ms
+# call thus gets 8 warmup calls and 16 timed ones. With 25 / 200 ms it got 1 and 3, and the
+# first timing of a new 128k problem's backward measured 8% slower than the next one on the
+# same problem (benchmarks/results/dq-warp-specialized-h200-2026-11-29/sequence/).
+WARMUP_MS = 500
+REPEAT_MS = 1000
+
+
+def median_ms(fn) -> float:
+    """Median milliseconds per call of ``fn`` (which launches GPU work)."""
+    return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REPEAT_MS, return_mode="median")
