@@ -13,10 +13,10 @@ What the Triton kernels cannot express:
 - K and V blocks arrive by TMA into rings of shared memory (query-outer), or the gathered q,
   dO and index_q rows by ``cp.async`` (key-outer), the next ones while these are computed;
 - the tensor-core products are issued asynchronously and waited for explicitly, so that
-  exponentials run while the tensor cores compute another product: ``P V`` (forward) or
-  ``dO V^T`` (dQ) of block u - 1 or u during block u's, dV and dK of step j - 1 during step
-  j's, head g + 1's scores during head g's (KL). This is the intra-warpgroup overlap of
-  FlashAttention-3;
+  exponentials run while the tensor cores compute another product: block u's exponentials
+  during ``P V`` of block u - 1 (forward) or ``dO V_u^T`` (dQ), step j's during dV and dK of
+  step j - 1 (dK/dV), head g's during head g + 1's scores (KL). This is the intra-warpgroup
+  overlap of FlashAttention-3;
 - warp specialization (forward, dQ, dK/dV): one warp loads the key blocks (forward and dQ, by
   TMA) or gathers the query rows (dK/dV) while each of two warpgroups computes half of the
   tile's rows or of the key block, synchronized by mbarriers instead of CTA-wide barriers, so
@@ -229,7 +229,7 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
 
 @gluon.jit
 def _block_loads(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, blocks,
-               walk_length, seq_start, kv_col, BLOCK: gl.constexpr):
+                 walk_length, seq_start, kv_col, BLOCK: gl.constexpr):
     """The loader (one warp) of the warp-specialized forward and dQ: each walk entry's K and V
     blocks by TMA into two-stage rings, each stage once both consumers handed it back."""
     for u in range(0, walk_length):
