@@ -242,6 +242,25 @@ def _block_loads(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empt
 
 
 @gluon.jit
+def _block_rings(k_desc, v_desc, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """``_block_loads``' two-stage K and V rings in shared memory and their barriers: full
+    (the TMA landed) and empty (both consumer warpgroups handed the stage back)."""
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK, HEAD_DIM], v_desc.layout)
+    k_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for stage in gl.static_range(2):
+        mbarrier.init(k_full.index(stage), count=1)
+        mbarrier.init(v_full.index(stage), count=1)
+        mbarrier.init(k_empty.index(stage), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(stage), count=2)
+    fence_async_shared()
+    return k_smem, v_smem, k_full, k_empty, v_full, v_empty
+
+
+@gluon.jit
 def _sparse_attn_fwd_hopper_kernel(
     Q, k_desc, v_desc, OUT, LSE, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT, CU_SEQLENS,
     query_start, query_end, stride_q_t, stride_q_h, stride_o_t, stride_o_h, scale_log2,
@@ -276,18 +295,8 @@ def _sparse_attn_fwd_hopper_kernel(
     blocks, members_of, walk_length = _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry,
                                                index_head, HI, UNION_SLOTS)
     kv_col = (index_head // KV_GROUP) * HEAD_DIM
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK, HEAD_DIM], v_desc.layout)
-    k_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    v_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for stage in gl.static_range(2):
-        mbarrier.init(k_full.index(stage), count=1)
-        mbarrier.init(v_full.index(stage), count=1)
-        mbarrier.init(k_empty.index(stage), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_empty.index(stage), count=2)
-    fence_async_shared()
+    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _block_rings(k_desc, v_desc, BLOCK,
+                                                                    HEAD_DIM)
     # The constants go in literally: a tuple bound to a name would turn them into tensors.
     gl.warp_specialize([
         (_fwd_query_rows, (Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full,
@@ -447,18 +456,8 @@ def _sparse_attn_dq_hopper_kernel(
                                                                    Q.dtype.element_ty)
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [128, HEAD_DIM], rows_smem)
     do_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [128, HEAD_DIM], rows_smem)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK, HEAD_DIM], v_desc.layout)
-    k_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    v_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for stage in gl.static_range(2):
-        mbarrier.init(k_full.index(stage), count=1)
-        mbarrier.init(v_full.index(stage), count=1)
-        mbarrier.init(k_empty.index(stage), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_empty.index(stage), count=2)
-    fence_async_shared()
+    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _block_rings(k_desc, v_desc, BLOCK,
+                                                                    HEAD_DIM)
     # The constants go in literally: a tuple bound to a name would turn them into tensors.
     gl.warp_specialize([
         (_dq_query_rows, (Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem,
