@@ -967,22 +967,26 @@ def _kl_key_rows(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
     """One consumer warpgroup of the warp-specialized KL: keys [64 HALF, 64 HALF + 64) of the
     block. Per step, each main head's ``K q_g^T`` and exponentials into the teacher (head g's
     exponentials while head g + 1's product runs; each unit's slot handed back once read),
-    then the step's end as in the lock-step kernel, for its keys: d index_k of its keys in
-    registers, and its keys' share of d index_q and of the value added by atomics."""
+    then the step's end as in the lock-step kernel: d index_k of its keys in registers, its keys'
+    share of the value and, once both consumers' (s - t) rows are in shared memory, its half
+    of d index_q's columns, added by atomics."""
     KL_ROWS, DIQ, DIK_PART = pointers
     (k_smem, ik_smem, q_smem, lse_smem, iq_smem, lse_index_smem, token_smem, dz_smem, kv_ready,
-     full, empty, step_full, step_empty) = buffers
+     full, empty, step_full, step_empty, dz_ready) = buffers
     (segment, first, last, block, query_base, index_head, steps, diagonal_steps, scale_log2,
      index_scale) = work
     NUM_WARPS: gl.constexpr = gl.num_warps()
     KEYS: gl.constexpr = 64
     CHUNK: gl.constexpr = 2 if GQ % 2 == 0 else 1
     s_layout: gl.constexpr = _mma_layout(PAIRS, NUM_WARPS)  # teacher, student [KEYS, PAIRS]
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # d index_k, d index_q
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # d index_k [KEYS, D]
+    # d index_q's columns per consumer: in slices of 64 (swizzle-aligned), so that with D = 64
+    # and two consumers the first computes them all.
+    COLUMNS: gl.constexpr = HEAD_DIM // (BLOCK // KEYS) if HEAD_DIM > 64 else 64
+    q_layout: gl.constexpr = _mma_layout(COLUMNS, NUM_WARPS)  # d index_q [PAIRS, COLUMNS]
     cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     k_rows = k_smem.slice(HALF * KEYS, KEYS)
     ik_rows = ik_smem.slice(HALF * KEYS, KEYS)
-    dz_rows = dz_smem.slice(HALF * KEYS, KEYS)
     key_pos = (block * BLOCK + HALF * KEYS
                + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout)))
     cols = gl.arange(0, PAIRS, layout=cols_layout)
@@ -1039,17 +1043,24 @@ def _kl_key_rows(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
                           mask=col_valid, sem="relaxed")
         # (s - t) lies in [-1, 1]; its tiny factor is applied in the backward (as in Triton).
         # Both products read it from shared memory, d index_q transposed.
+        dz_rows = dz_smem.index(step % 2).slice(HALF * KEYS, KEYS)
         dz_rows.store((student - teacher).to(dz_smem.dtype))
         fence_async_shared()
         gl.thread_barrier()
         d_index_k = warpgroup_mma(dz_rows, iq_smem.index(slot), d_index_k)
         if QUERY_SIDE:
-            d_index_q = warpgroup_mma(dz_rows.permute((1, 0)), ik_rows,
-                                      gl.zeros((PAIRS, HEAD_DIM), gl.float32, layout=o_layout),
-                                      use_acc=False)
-            pair_rows = gl.arange(0, PAIRS, layout=gl.SliceLayout(1, o_layout))
-            dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            token = token_smem.index(slot).load(gl.SliceLayout(1, o_layout))
+            # d index_q sums over all the block's keys: once every consumer's rows of dz are
+            # in, each computes its share of the columns.
+            mbarrier.arrive(dz_ready.index(step % 2), count=1)
+        if QUERY_SIDE and HALF * COLUMNS < HEAD_DIM:
+            mbarrier.wait(dz_ready.index(step % 2), (step // 2) & 1)
+            d_index_q = warpgroup_mma(
+                dz_smem.index(step % 2).permute((1, 0)),
+                ik_smem.slice(HALF * COLUMNS, COLUMNS, dim=1),
+                gl.zeros((PAIRS, COLUMNS), gl.float32, layout=q_layout), use_acc=False)
+            pair_rows = gl.arange(0, PAIRS, layout=gl.SliceLayout(1, q_layout))
+            dims = HALF * COLUMNS + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, q_layout))
+            token = token_smem.index(slot).load(gl.SliceLayout(1, q_layout))
             rows = (token * HI + index_head).to(gl.int64)
             gl.atomic_add(DIQ + rows[:, None] * HEAD_DIM + dims[None, :], d_index_q,
                           mask=(first + step * PAIRS + pair_rows < last)[:, None],
@@ -1070,7 +1081,7 @@ def _kl_gather(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
     into their rings, each slot once the consumers handed it back."""
     Q, LSE, IQ, LSE_INDEX, PAIR_TOKEN = pointers
     (k_smem, ik_smem, q_smem, lse_smem, iq_smem, lse_index_smem, token_smem, dz_smem, kv_ready,
-     full, empty, step_full, step_empty) = buffers
+     full, empty, step_full, step_empty, dz_ready) = buffers
     (first, last, index_head, steps, stride_q_t, stride_q_h, stride_iq_t, stride_iq_h) = work
     # Rows of a thread: a row's 16-byte pieces share one address register.
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
@@ -1146,9 +1157,11 @@ def _kl_hopper_kernel(
                                         rows_smem)
     lse_index_smem = gl.allocate_shared_memory(gl.float32, [STEP_SLOTS, PAIRS], vector_smem)
     token_smem = gl.allocate_shared_memory(gl.int32, [STEP_SLOTS, PAIRS], vector_smem)
+    # (s - t) of steps of both parities: one may still be read by the other consumer.
     dz_smem = gl.allocate_shared_memory(
-        Q.dtype.element_ty, [BLOCK, PAIRS],
+        Q.dtype.element_ty, [2, BLOCK, PAIRS],
         gl.NVMMASharedLayout.get_default_for([BLOCK, PAIRS], Q.dtype.element_ty))
+    dz_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1162,6 +1175,8 @@ def _kl_hopper_kernel(
     for stage in gl.static_range(STEP_SLOTS):
         mbarrier.init(step_full.index(stage), count=32)
         mbarrier.init(step_empty.index(stage), count=BLOCK // 64)
+    for parity in gl.static_range(2):
+        mbarrier.init(dz_ready.index(parity), count=BLOCK // 64)
     fence_async_shared()
     row = (seq_start + block * BLOCK).to(gl.int32)
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + ik_desc.block_type.nbytes)
@@ -1172,7 +1187,7 @@ def _kl_hopper_kernel(
     diagonal_steps = (_diagonal_pairs(PAIR_TOKEN, first, last, query_base, block, BLOCK,
                                       row_layout) + PAIRS - 1) // PAIRS
     buffers = (k_smem, ik_smem, q_smem, lse_smem, iq_smem, lse_index_smem, token_smem, dz_smem,
-               kv_ready, full, empty, step_full, step_empty)
+               kv_ready, full, empty, step_full, step_empty, dz_ready)
     consumer_pointers = (KL_ROWS, DIQ, DIK_PART)
     consumer_work = (segment, first, last, block, query_base, index_head, steps,
                      diagonal_steps, scale_log2, index_scale)
