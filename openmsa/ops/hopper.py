@@ -829,7 +829,7 @@ def _kl_step_end(teacher, d_index_k, step, first, last, diagonal_steps, key_pos,
 
 
 @gluon.jit
-def _kl_lockstep_kernel(
+def _kl_hopper_kernel(
     Q, IQ, LSE, LSE_INDEX, DIK_PART, KL_ROWS, DIQ, k_desc, ik_desc,
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start,
@@ -957,260 +957,6 @@ def _kl_lockstep_kernel(
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dik_layout))
     gl.store(DIK_PART + (segment.to(gl.int64) * BLOCK + keys)[:, None] * HEAD_DIM
              + dims[None, :], d_index_k)
-
-
-@gluon.jit
-def _kl_key_rows(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
-                 PAIRS: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, STEP_SLOTS: gl.constexpr, QUERY_SIDE: gl.constexpr,
-                 WITH_VALUE: gl.constexpr, HALF: gl.constexpr):
-    """One consumer warpgroup of the warp-specialized KL: keys [64 HALF, 64 HALF + 64) of the
-    block. Per step, each main head's ``K q_g^T`` and exponentials into the teacher (head g's
-    exponentials while head g + 1's product runs; each unit's slot handed back once read),
-    then the step's end as in the lock-step kernel: d index_k of its keys in registers, its keys'
-    share of the value and, once both consumers' (s - t) rows are in shared memory, its half
-    of d index_q's columns, added by atomics."""
-    KL_ROWS, DIQ, DIK_PART = pointers
-    (k_smem, ik_smem, q_smem, lse_smem, iq_smem, lse_index_smem, token_smem, dz_smem, kv_ready,
-     full, empty, step_full, step_empty, dz_ready) = buffers
-    (segment, first, last, block, query_base, index_head, steps, diagonal_steps, scale_log2,
-     index_scale) = work
-    NUM_WARPS: gl.constexpr = gl.num_warps()
-    KEYS: gl.constexpr = 64
-    CHUNK: gl.constexpr = 2 if GQ % 2 == 0 else 1
-    s_layout: gl.constexpr = _mma_layout(PAIRS, NUM_WARPS)  # teacher, student [KEYS, PAIRS]
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # d index_k [KEYS, D]
-    # d index_q's columns per consumer: in slices of 64 (swizzle-aligned), so that with D = 64
-    # and two consumers the first computes them all.
-    COLUMNS: gl.constexpr = HEAD_DIM // (BLOCK // KEYS) if HEAD_DIM > 64 else 64
-    q_layout: gl.constexpr = _mma_layout(COLUMNS, NUM_WARPS)  # d index_q [PAIRS, COLUMNS]
-    cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    k_rows = k_smem.slice(HALF * KEYS, KEYS)
-    ik_rows = ik_smem.slice(HALF * KEYS, KEYS)
-    key_pos = (block * BLOCK + HALF * KEYS
-               + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout)))
-    cols = gl.arange(0, PAIRS, layout=cols_layout)
-    no_scores = gl.zeros((KEYS, PAIRS), gl.float32, layout=s_layout)
-    d_index_k = gl.zeros((KEYS, HEAD_DIM), gl.float32, layout=o_layout)
-    mbarrier.wait(kv_ready, 0)
-    for step in range(0, steps):
-        teacher = gl.zeros((KEYS, PAIRS), gl.float32, layout=s_layout)
-        # Unit u (step u // GQ, head u % GQ): slot u % STAGES, phase (u // STAGES) % 2. Heads
-        # in chunks of CHUNK, unrolled (no product in flight across iterations: ptxas would
-        # serialize them).
-        for chunk in range(0, GQ // CHUNK):
-            unit = step * GQ + chunk * CHUNK
-            mbarrier.wait(full.index(unit % STAGES), (unit // STAGES) & 1)
-            fence_async_shared()  # the copies landed through the generic proxy
-            previous = warpgroup_mma(k_rows, q_smem.index(unit % STAGES).permute((1, 0)),
-                                     no_scores, use_acc=False, is_async=True)
-            for g in gl.static_range(1, CHUNK):
-                slot = (unit + g) % STAGES
-                mbarrier.wait(full.index(slot), ((unit + g) // STAGES) & 1)
-                fence_async_shared()
-                scores = warpgroup_mma(k_rows, q_smem.index(slot).permute((1, 0)), no_scores,
-                                       use_acc=False, is_async=True)
-                teacher = _kl_add_head(teacher, previous, 1,
-                                       lse_smem.index((unit + g - 1) % STAGES), scale_log2,
-                                       cols_layout)
-                mbarrier.arrive(empty.index((unit + g - 1) % STAGES), count=1)
-                previous = scores
-            teacher = _kl_add_head(teacher, previous, 0,
-                                   lse_smem.index((unit + CHUNK - 1) % STAGES), scale_log2,
-                                   cols_layout)
-            mbarrier.arrive(empty.index((unit + CHUNK - 1) % STAGES), count=1)
-
-        slot = step % STEP_SLOTS
-        mbarrier.wait(step_full.index(slot), (step // STEP_SLOTS) & 1)
-        fence_async_shared()
-        col_valid = first + step * PAIRS + cols < last
-        student = warpgroup_mma(ik_rows, iq_smem.index(slot).permute((1, 0)), no_scores,
-                                use_acc=False)
-        log_student = (student * index_scale
-                       - lse_index_smem.index(slot).load(cols_layout)[None, :])
-        # Masked column- and (on the diagonal only) key-wise, never as a [KEYS, PAIRS] mask.
-        teacher = gl.where(col_valid[None, :], teacher / GQ, 0.0)
-        student = gl.where(col_valid[None, :], gl.exp(log_student), 0.0)
-        if step < diagonal_steps:
-            query_pos = token_smem.index(slot).load(cols_layout) - query_base
-            teacher = gl.where(key_pos[:, None] <= query_pos[None, :], teacher, 0.0)
-            student = gl.where(key_pos[:, None] <= query_pos[None, :], student, 0.0)
-        if QUERY_SIDE and WITH_VALUE:
-            terms = gl.where(teacher > 0,
-                             teacher * (gl.log(gl.maximum(teacher, 1e-30)) - log_student), 0.0)
-            token = token_smem.index(slot).load(cols_layout)
-            gl.atomic_add(KL_ROWS + token * HI + index_head, gl.sum(terms, axis=0),
-                          mask=col_valid, sem="relaxed")
-        # (s - t) lies in [-1, 1]; its tiny factor is applied in the backward (as in Triton).
-        # Both products read it from shared memory, d index_q transposed.
-        dz_rows = dz_smem.index(step % 2).slice(HALF * KEYS, KEYS)
-        dz_rows.store((student - teacher).to(dz_smem.dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        d_index_k = warpgroup_mma(dz_rows, iq_smem.index(slot), d_index_k)
-        if QUERY_SIDE:
-            # d index_q sums over all the block's keys: once every consumer's rows of dz are
-            # in, each computes its share of the columns.
-            mbarrier.arrive(dz_ready.index(step % 2), count=1)
-        if QUERY_SIDE and HALF * COLUMNS < HEAD_DIM:
-            mbarrier.wait(dz_ready.index(step % 2), (step // 2) & 1)
-            d_index_q = warpgroup_mma(
-                dz_smem.index(step % 2).permute((1, 0)),
-                ik_smem.slice(HALF * COLUMNS, COLUMNS, dim=1),
-                gl.zeros((PAIRS, COLUMNS), gl.float32, layout=q_layout), use_acc=False)
-            pair_rows = gl.arange(0, PAIRS, layout=gl.SliceLayout(1, q_layout))
-            dims = HALF * COLUMNS + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, q_layout))
-            token = token_smem.index(slot).load(gl.SliceLayout(1, q_layout))
-            rows = (token * HI + index_head).to(gl.int64)
-            gl.atomic_add(DIQ + rows[:, None] * HEAD_DIM + dims[None, :], d_index_q,
-                          mask=(first + step * PAIRS + pair_rows < last)[:, None],
-                          sem="relaxed")
-        mbarrier.arrive(step_empty.index(slot), count=1)
-    keys = HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, o_layout))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(DIK_PART + (segment.to(gl.int64) * BLOCK + keys)[:, None] * HEAD_DIM
-             + dims[None, :], d_index_k)
-
-
-@gluon.jit
-def _kl_gather(pointers, buffers, work, HI: gl.constexpr, GQ: gl.constexpr,
-               PAIRS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-               STEP_SLOTS: gl.constexpr):
-    """The gather partition (one warp) of the warp-specialized KL: each unit's q rows and
-    log-sum-exps and each step's index_q rows, index log-sum-exps and tokens by ``cp.async``
-    into their rings, each slot once the consumers handed it back."""
-    Q, LSE, IQ, LSE_INDEX, PAIR_TOKEN = pointers
-    (k_smem, ik_smem, q_smem, lse_smem, iq_smem, lse_index_smem, token_smem, dz_smem, kv_ready,
-     full, empty, step_full, step_empty, dz_ready) = buffers
-    (first, last, index_head, steps, stride_q_t, stride_q_h, stride_iq_t, stride_iq_h) = work
-    # Rows of a thread: a row's 16-byte pieces share one address register.
-    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
-    row_layout: gl.constexpr = gl.SliceLayout(1, io_layout)
-    rows = gl.arange(0, PAIRS, layout=row_layout)
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
-    tokens = _step_tokens(PAIR_TOKEN, first, last, 1, PAIRS, PAIRS, row_layout)
-    for step in range(0, steps):
-        valid = tokens < (1 << 30)
-        token = gl.where(valid, tokens, 0).to(gl.int64)
-        slot = step % STEP_SLOTS
-        mbarrier.wait(step_empty.index(slot), ((step // STEP_SLOTS) & 1) ^ 1)
-        async_copy.async_copy_global_to_shared(
-            iq_smem.index(slot), IQ + token[:, None] * stride_iq_t + index_head * stride_iq_h
-            + dims[None, :], mask=valid[:, None])
-        async_copy.async_copy_global_to_shared(lse_index_smem.index(slot),
-                                               LSE_INDEX + token * HI + index_head, mask=valid)
-        async_copy.async_copy_global_to_shared(token_smem.index(slot),
-                                               PAIR_TOKEN + first + step * PAIRS + rows,
-                                               mask=valid)
-        async_copy.mbarrier_arrive(step_full.index(slot), increment_count=False)
-        for g in range(0, GQ):
-            unit = step * GQ + g
-            head = index_head * GQ + g
-            mbarrier.wait(empty.index(unit % STAGES), ((unit // STAGES) & 1) ^ 1)
-            async_copy.async_copy_global_to_shared(
-                q_smem.index(unit % STAGES), Q + token[:, None] * stride_q_t + head * stride_q_h
-                + dims[None, :], mask=valid[:, None])
-            async_copy.async_copy_global_to_shared(lse_smem.index(unit % STAGES),
-                                                   LSE + token * (HI * GQ) + head, mask=valid)
-            async_copy.mbarrier_arrive(full.index(unit % STAGES), increment_count=False)
-        # The next step's tokens, read while this one's rows arrive.
-        tokens = _step_tokens(PAIR_TOKEN, first + (step + 1) * PAIRS, last, 1, PAIRS, PAIRS,
-                              row_layout)
-
-
-@gluon.jit
-def _kl_hopper_kernel(
-    Q, IQ, LSE, LSE_INDEX, DIK_PART, KL_ROWS, DIQ, k_desc, ik_desc,
-    SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
-    BLOCK_LOCAL, CU_SEQLENS, query_start,
-    stride_q_t, stride_q_h, stride_iq_t, stride_iq_h, scale_log2, index_scale,
-    HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, INDEX_GROUP: gl.constexpr,
-    PAIRS: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-    SEGMENT_PAIRS: gl.constexpr, QUERY_SIDE: gl.constexpr, WITH_VALUE: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, GATHER_REGS: gl.constexpr,
-):
-    """The KL of one segment, warp-specialized as dK/dV: one warp gathers the units' q rows
-    and the steps' index rows (``_kl_gather``) and each warpgroup computes the teacher,
-    student and gradients of 64 keys of the block (``_kl_key_rows``), with no barrier between
-    the two."""
-    NUM_WARPS: gl.constexpr = gl.num_warps()
-    STEP_SLOTS: gl.constexpr = 2  # index_q rows of steps s and s + 1
-    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    vector_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-
-    segment = gl.load(SEGMENT_ORDER + gl.program_id(0))
-    bucket = gl.load(SEGMENTS + 2 * segment)
-    if bucket < 0:  # padding segment
-        return
-    first, last, index_head, block, seq_start, query_base = _segment_of(
-        SEGMENTS, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
-        query_start, segment, bucket, HI, SEGMENT_PAIRS)
-    steps = (last - first + PAIRS - 1) // PAIRS
-
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK, HEAD_DIM], k_desc.layout)
-    ik_smem = gl.allocate_shared_memory(ik_desc.dtype, [BLOCK, HEAD_DIM], ik_desc.layout)
-    rows_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAIRS, HEAD_DIM],
-                                                                   Q.dtype.element_ty)
-    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, PAIRS, HEAD_DIM], rows_smem)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, PAIRS], vector_smem)
-    iq_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STEP_SLOTS, PAIRS, HEAD_DIM],
-                                        rows_smem)
-    lse_index_smem = gl.allocate_shared_memory(gl.float32, [STEP_SLOTS, PAIRS], vector_smem)
-    token_smem = gl.allocate_shared_memory(gl.int32, [STEP_SLOTS, PAIRS], vector_smem)
-    # (s - t) of steps of both parities: one may still be read by the other consumer.
-    dz_smem = gl.allocate_shared_memory(
-        Q.dtype.element_ty, [2, BLOCK, PAIRS],
-        gl.NVMMASharedLayout.get_default_for([BLOCK, PAIRS], Q.dtype.element_ty))
-    dz_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    step_full = gl.allocate_shared_memory(gl.int64, [STEP_SLOTS, 1], mbarrier.MBarrierLayout())
-    step_empty = gl.allocate_shared_memory(gl.int64, [STEP_SLOTS, 1],
-                                           mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    for stage in gl.static_range(STAGES):
-        mbarrier.init(full.index(stage), count=32)  # one arrival per gathering thread
-        mbarrier.init(empty.index(stage), count=BLOCK // 64)  # one per consumer warpgroup
-    for stage in gl.static_range(STEP_SLOTS):
-        mbarrier.init(step_full.index(stage), count=32)
-        mbarrier.init(step_empty.index(stage), count=BLOCK // 64)
-    for parity in gl.static_range(2):
-        mbarrier.init(dz_ready.index(parity), count=BLOCK // 64)
-    fence_async_shared()
-    row = (seq_start + block * BLOCK).to(gl.int32)
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + ik_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row, (index_head // KV_GROUP) * HEAD_DIM],
-                                    kv_ready, k_smem)
-    tma.async_copy_global_to_shared(ik_desc, [row, (index_head // INDEX_GROUP) * HEAD_DIM],
-                                    kv_ready, ik_smem)
-    diagonal_steps = (_diagonal_pairs(PAIR_TOKEN, first, last, query_base, block, BLOCK,
-                                      row_layout) + PAIRS - 1) // PAIRS
-    buffers = (k_smem, ik_smem, q_smem, lse_smem, iq_smem, lse_index_smem, token_smem, dz_smem,
-               kv_ready, full, empty, step_full, step_empty, dz_ready)
-    consumer_pointers = (KL_ROWS, DIQ, DIK_PART)
-    consumer_work = (segment, first, last, block, query_base, index_head, steps,
-                     diagonal_steps, scale_log2, index_scale)
-    gather_pointers = (Q, LSE, IQ, LSE_INDEX, PAIR_TOKEN)
-    gather_work = (first, last, index_head, steps, stride_q_t, stride_q_h, stride_iq_t,
-                   stride_iq_h)
-    # The constants go in literally: a tuple bound to a name would turn them into tensors.
-    if BLOCK == 128:
-        gl.warp_specialize([
-            (_kl_key_rows, (consumer_pointers, buffers, consumer_work, HI, GQ, PAIRS, BLOCK,
-                            HEAD_DIM, STAGES, STEP_SLOTS, QUERY_SIDE, WITH_VALUE, 0)),
-            (_kl_key_rows, (consumer_pointers, buffers, consumer_work, HI, GQ, PAIRS, BLOCK,
-                            HEAD_DIM, STAGES, STEP_SLOTS, QUERY_SIDE, WITH_VALUE, 1)),
-            (_kl_gather, (gather_pointers, buffers, gather_work, HI, GQ, PAIRS, HEAD_DIM,
-                          STAGES, STEP_SLOTS)),
-        ], [4, 1], [CONSUMER_REGS, GATHER_REGS])
-    else:
-        gl.warp_specialize([
-            (_kl_key_rows, (consumer_pointers, buffers, consumer_work, HI, GQ, PAIRS, BLOCK,
-                            HEAD_DIM, STAGES, STEP_SLOTS, QUERY_SIDE, WITH_VALUE, 0)),
-            (_kl_gather, (gather_pointers, buffers, gather_work, HI, GQ, PAIRS, HEAD_DIM,
-                          STAGES, STEP_SLOTS)),
-        ], [1], [GATHER_REGS])
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -1376,25 +1122,14 @@ def supported_kl(q, k, index_q, index_k, p) -> bool:
 KL_STAGES = 4  # units of q rows in shared memory (two ahead)
 
 
-KL_REGISTERS = (232, 40)
-
-
 def kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, part, rows, d_index_q,
-                      query_side: bool, with_value: bool, scale_log2: float, pairs: int,
-                      warp_specialized=True, registers=KL_REGISTERS):
+                      query_side: bool, with_value: bool, scale_log2: float, pairs: int):
     """attention.kl_key_walk's kernel, ``pairs`` pairs a step: d index_k partials per segment
     into ``part`` and, with ``query_side``, the KL rows and d index_q added into ``rows`` and
     ``d_index_q``; ``supported_kl(q, k, index_q, index_k, p)`` must hold."""
     work = p.block_work
     shared = p.shared
-    if warp_specialized:
-        kernel = _kl_hopper_kernel
-        launch = dict(CONSUMER_REGS=registers[0], GATHER_REGS=registers[1], num_warps=4,
-                      maxnreg=_dkdv_maxnreg(p.block_size, registers))
-    else:
-        kernel = _kl_lockstep_kernel
-        launch = dict(num_warps=NUM_WARPS)
-    kernel[(work.segments.shape[0],)](
+    _kl_hopper_kernel[(work.segments.shape[0],)](
         q, index_q, lse, lse_index, part, rows, d_index_q, _block_descriptor(k, p.block_size),
         _block_descriptor(index_k, p.block_size), work.segments, work.segment_order,
         work.pair_token, work.bucket_start, work.bucket_count, work.block_sequence,
@@ -1403,7 +1138,7 @@ def kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, part, rows, d_i
         GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"], INDEX_GROUP=shared["INDEX_GROUP"],
         PAIRS=pairs, BLOCK=p.block_size, HEAD_DIM=p.head_dim,
         SEGMENT_PAIRS=work.segment_pairs, QUERY_SIDE=query_side, WITH_VALUE=with_value,
-        STAGES=KL_STAGES, **launch)
+        STAGES=KL_STAGES, num_warps=NUM_WARPS)
 
 
 def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "bf16",
@@ -1437,12 +1172,10 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
                          HEAD_DIM=head_dim, SEGMENT_PAIRS=2048, STAGES=KEY_STEP_STAGES,
                          CONSUMER_REGS=consumer, GATHER_REGS=gather)
         options = dict(num_warps=4, maxnreg=_dkdv_maxnreg(block_size, KEY_STEP_REGISTERS))
-    if kernel == "kl":  # with its query side and value, warp-specialized
+    if kernel == "kl":  # with its query side and value
         constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, INDEX_GROUP=4, PAIRS=64,
                          BLOCK=block_size, HEAD_DIM=head_dim, SEGMENT_PAIRS=2048,
-                         QUERY_SIDE=True, WITH_VALUE=True, STAGES=KL_STAGES,
-                         CONSUMER_REGS=KL_REGISTERS[0], GATHER_REGS=KL_REGISTERS[1])
-        options = dict(num_warps=4, maxnreg=_dkdv_maxnreg(block_size, KL_REGISTERS))
+                         QUERY_SIDE=True, WITH_VALUE=True, STAGES=KL_STAGES)
     pointers = dict(Q=f"*{dtype}", OUT=f"*{dtype}", DOUT=f"*{dtype}", DQ=f"*{dtype}",
                     LSE="*fp32", DELTA="*fp32", DK_PART="*fp32", DV_PART="*fp32",
                     UNION_MEMBERS="*i64", IQ=f"*{dtype}", LSE_INDEX="*fp32", DIK_PART="*fp32",

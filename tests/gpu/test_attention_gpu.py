@@ -37,6 +37,12 @@ CASES = [
             num_index_heads=2, head_dim=128, index_head_dim=128,
             options=dict(block_size=128, warmup=True)),
 ]
+# The Gluon kernels against the Triton ones: the first four cases, and head dim 64 with blocks of
+# 128 (the KL's d index_q then has one consumer warpgroup writing all its columns).
+HOPPER_CASES = CASES[:4] + [
+    MSACase("packed_d64_block128", seqlens=(900, 2100), num_heads=8, num_kv_heads=2,
+            num_index_heads=2, options=dict(top_k=6, block_size=128)),
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -104,7 +110,7 @@ def _sparse_inputs(case, seed):
     return q, k, v, ids, cu_seqlens
 
 
-@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: c.name)
 def test_sparse_attention_bf16_within_twice_the_reference_error(case):
     """The decomposed API (its forward on the Hopper kernel where supported) against the fp32
     reference on the same kept blocks: out, dq, dk, dv."""
@@ -149,7 +155,7 @@ def _hopper_inputs(case, query_range, seed=12):
     return q, k, v, index_q, index_k, cu, start, ids, index_max
 
 
-@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("query_range", [False, True])
 def test_hopper_kernels_equal_the_triton_kernels(case, query_range):
     """Same products in the same order: bitwise equal out, log-sum-exp and dq (also for a range
@@ -181,7 +187,7 @@ def test_hopper_kernels_equal_the_triton_kernels(case, query_range):
     assert rel_rms_error(both[2], fused[2]) < 1e-6
 
 
-@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("query_range", [False, True])
 def test_hopper_dq_writes_the_deltas(case, query_range):
     """Given ``out``, the Gluon dQ computes every row's delta (sum_d dO * O) itself: it writes
@@ -202,7 +208,7 @@ def test_hopper_dq_writes_the_deltas(case, query_range):
     assert rel_rms_error(dq, attention_dq(q, k, v, dout, lse, expected, problem)) < 1e-3
 
 
-@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("query_range", [False, True])
 def test_hopper_dkdv_matches_the_triton_dkdv(case, query_range):
     """The Gluon dK/dV takes 32-row steps where the Triton kernel takes 64: the same sums in
@@ -220,7 +226,7 @@ def test_hopper_dkdv_matches_the_triton_dkdv(case, query_range):
     assert rel_rms_error(dv, triton_dv) < 2e-3
 
 
-@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("query_range", [False, True])
 @pytest.mark.parametrize("query_side,with_value", [(True, True), (True, False), (False, False)])
 def test_hopper_kl_matches_the_triton_kl(case, query_range, query_side, with_value):
