@@ -392,6 +392,11 @@ BAD += [
     Bad("block_indices_without_own_block", ValueError,
         r"^block_indices: expected the query's own block in every row .*received a row without it$",
         base=BLOCKS, edit=setitem(block_indices=lambda: block_ids()().fill_(-1))),
+    Bad("block_indices_repeated_block", ValueError,
+        r"^block_indices: expected each block at most once in a row \(-1 may repeat\), "
+        r"received a row holding a block twice$",
+        base=BLOCKS, edit=setitem(block_indices=lambda: block_ids(shape=(1, 2, 70, 3))()
+                                  .index_fill_(3, torch.tensor([1]), 0))),
     Bad("block_indices_on_another_device", ValueError,
         r"^block_indices: expected device cpu \(the device of q\), received meta$", base=BLOCKS,
         edit=setitem(block_indices=lambda: torch.empty(1, 2, 70, 2, dtype=torch.int32,
@@ -584,9 +589,8 @@ def test_valid_inputs_are_not_modified_in_place(entry, name):
     if "cu_seqlens" in spec:
         call["cu_seqlens"] = torch.tensor(spec["cu_seqlens"], dtype=torch.int32)
     if spec.get("block_indices"):
-        ids = torch.zeros(1, 2, 70, 2, dtype=torch.int64)
-        ids[..., 1] = torch.arange(70).div(64, rounding_mode="floor")
-        ids[0, 1, :10, 1] = -1
+        own = torch.arange(70).div(64, rounding_mode="floor")
+        ids = torch.stack([own, torch.where(own > 0, 0, -1)], -1).expand(1, 2, 70, 2).clone()
         call["block_indices"] = ids
     leaves = _nonleaf_inputs(call)
     watched = {key: val for key, val in call.items() if isinstance(val, torch.Tensor)}

@@ -33,13 +33,19 @@ SEQLENS = (70, 1, 200, 129)  # 400 tokens
 RANGES = [(0, 400), (37, 300), (100, 250)]
 
 
-@pytest.mark.parametrize("tile_tokens,query_range", [
-    (1, RANGES[0]), (4, RANGES[0]), (8, RANGES[0]), (64, RANGES[0]), (8, RANGES[1]),
-    (64, RANGES[2])])
-def test_query_tile_unions_and_members(tile_tokens, query_range):
+TILE_CASES = [(1, RANGES[0]), (4, RANGES[0]), (8, RANGES[0]), (64, RANGES[0]), (8, RANGES[1]),
+              (64, RANGES[2])]
+
+
+@pytest.mark.parametrize("use_triton,tile_tokens,query_range",
+                         [(False, *case) for case in TILE_CASES]
+                         + [(True, *case) for case in TILE_CASES[3:]])
+def test_query_tile_unions_and_members(use_triton, tile_tokens, query_range):
+    """Both builders: torch operations, and the Triton kernel (the default on a GPU)."""
     first, end = query_range
     ids, cu = random_block_ids(SEQLENS, 3, 4, 16, seed=tile_tokens)
-    work = build_query_tile_work(ids[first:end], cu, tile_tokens, query_start=first)
+    work = build_query_tile_work(ids[first:end], cu, tile_tokens, query_start=first,
+                                 use_triton=use_triton)
     seen_tiles = set()
     for entry, (sequence, tile) in enumerate(work.schedule.tolist()):
         if sequence < 0:
@@ -68,10 +74,23 @@ def test_query_tile_unions_and_members(tile_tokens, query_range):
     assert seen_tiles == expected_tiles
 
 
-def test_tiles_beyond_the_members_mask_are_refused():
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_tiles_beyond_the_members_mask_are_refused(use_triton):
     ids, cu = random_block_ids((10,), 1, 1, 16, seed=0)
     with pytest.raises(ValueError, match="tile_tokens"):
-        build_query_tile_work(ids, cu, 128)
+        build_query_tile_work(ids, cu, 128, use_triton=use_triton)
+
+
+def test_query_tile_builders_give_equal_lists():
+    """The Triton kernel's lists equal the torch operations', padding entries included, with
+    an odd top_k (entries padded to a power of two inside the kernel)."""
+    ids, cu = random_block_ids(SEQLENS, 2, 3, 16, seed=5)
+    lists = [build_query_tile_work(ids[37:300], cu, 8, query_start=37, use_triton=use_triton)
+             for use_triton in (False, True)]
+    for name in ("schedule", "union", "union_members", "union_count"):
+        torch_list, triton_list = (getattr(work, name) for work in lists)
+        assert triton_list.dtype == torch_list.dtype, name
+        assert torch.equal(triton_list, torch_list), name
 
 
 @pytest.mark.parametrize("segment_pairs,query_range", [

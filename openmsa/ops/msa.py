@@ -88,7 +88,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (the eager reference, any device;
             also accepts float64).
         block_indices: optional kept block ids in the layout ``return_indices`` gives (any number
-            of slots, ``-1`` unused); used instead of the index branch's own selection.
+            of slots, ``-1`` unused, each block at most once per row, the query's own block
+            always); used instead of the index branch's own selection.
         kl_value: compute the KL's value. With False, ``kl`` is a zero-valued carrier: its
             value is 0 and its gradient is exactly the KL's. The value rides on a pass the
             gradient needs anyway, so skipping it saves little (2% of a step at 128k tokens).

@@ -155,6 +155,11 @@ def validate_block_indices(block_indices, problem: MSAProblem, cu_seqlens,
     if not bool((block_indices == query_block).any(dim=-1).all()):
         raise _fail("block_indices", "the query's own block in every row (it is always kept)",
                     "a row without it")
+    # The work lists count a (query, block) pair once per entry: a repeat would count it twice.
+    ordered = block_indices.sort(dim=-1).values
+    if bool(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any()):
+        raise _fail("block_indices", "each block at most once in a row (-1 may repeat)",
+                    "a row holding a block twice")
 
 
 def query_positions(problem: MSAProblem, cu_seqlens, device) -> torch.Tensor:
