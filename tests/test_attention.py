@@ -120,6 +120,30 @@ def test_log_sum_exps_match_the_kept_logits():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("query_range", [(0, 400), (45, 330)])
+def test_index_log_sum_exp_alone_on_wider_tiles(query_range):
+    """Next to the Hopper forward the index log-sum-exp runs alone on tiles of
+    INDEX_TILE_TOKENS tokens (the main tiles hold 8 at 16 heads per index head): the same
+    values as the forward's index part on the main tiles, also for a query range."""
+    first, end = query_range
+    case = MSACase("sixteen_heads_per_index_head", seqlens=(150, 1, 249), num_heads=16,
+                   num_kv_heads=1, num_index_heads=1)
+    inputs, cu = random_inputs(case, torch.float32, "cpu", seed=6)
+    q, k, v, index_q, index_k = (t.detach().reshape(-1, *t.shape[-2:]) for t in inputs)
+    q, index_q = q[first:end], index_q[first:end]
+    ids, row_max = select_module.select_blocks_fwd(
+        index_q, index_k, cu, top_k=3, block_size=64, index_softmax_scale=0.3,
+        num_local_blocks=1, num_sink_blocks=0, query_start=first, return_max=True)
+    problem = attention_module.SparseAttentionProblem(q, k, ids, cu, 64, 64 ** -0.5, index_k,
+                                                      0.3, query_start=first)
+    assert problem.query_tokens < attention_module.INDEX_TILE_TOKENS
+    assert problem.index_tile_work.tile_tokens == attention_module.INDEX_TILE_TOKENS
+    _, _, expected = attention_module.sparse_attention_fwd(q, k, v, index_q, index_k, problem,
+                                                           row_max)
+    alone = attention_module.index_log_sum_exp(index_q, index_k, row_max, problem)
+    torch.testing.assert_close(alone, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_kl_value_false_gives_a_zero_carrier_with_the_same_gradient():
     case = CASES[1]
     inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=10)

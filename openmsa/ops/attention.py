@@ -613,9 +613,13 @@ DQ_CONFIG = dict(num_warps=8, num_stages=2)
 DKDV_CONFIG = dict(num_warps=8, num_stages=2)
 KL_QUERY_CONFIG = dict(num_warps=8, num_stages=2)
 KL_CONFIG = dict(num_warps=8, num_stages=2)
-# The index log-sum-exp alone (next to the Hopper forward): a [16, block] product per block; 4
-# warps beat 8 (H200: 23.96 against 24.58 ms for the whole forward at 128k, H64).
+# The index log-sum-exp alone (next to the Hopper forward): 4 warps beat 8 (H200: 23.96
+# against 24.58 ms for the whole forward at 128k, H64).
 INDEX_ALONE_CONFIG = dict(num_warps=4, num_stages=2)
+# ...on tiles of at least this many tokens: the main tiles hold 128 / GQ tokens (8 at GQ = 16),
+# and each block an index tile walks costs one [block, Di] load of index keys whatever its
+# token count, while neighbouring tokens mostly keep the same blocks.
+INDEX_TILE_TOKENS = 32
 KL_PAIRS = 64  # pairs per step of the key-outer KL kernel (the teacher is [block, KL_PAIRS])
 # Pairs per dK/dV program: bounds a program's work when many queries keep the same block.
 SEGMENT_PAIRS = 2048
@@ -670,6 +674,15 @@ class SparseAttentionProblem:
         self.all_causal = all_causal
         if block_work is not None:  # given when the forward built it already
             self.block_work = block_work
+
+    @functools.cached_property
+    def index_tile_work(self) -> QueryTileWork:
+        """The index log-sum-exp's walk lists when it runs alone (``index_log_sum_exp``): tiles
+        of INDEX_TILE_TOKENS tokens, or the main tiles when those are as wide."""
+        if self.query_tokens >= INDEX_TILE_TOKENS:
+            return self.query_work
+        return build_query_tile_work(self.block_ids, self.cu_seqlens, INDEX_TILE_TOKENS,
+                                     self.query_start)
 
     @functools.cached_property
     def block_work(self) -> BlockWork:
@@ -762,31 +775,49 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
     On a Hopper GPU the main branch runs on the Gluon kernel (``openmsa.ops.hopper``) where it
     supports the inputs, else on the Triton kernel; ``use_hopper=False`` forces the Triton
     kernel (benchmarks compare the two). ``num_warps``, ``num_stages``: the Triton launch's
-    (default FWD_CONFIG, or INDEX_ALONE_CONFIG next to the Hopper kernel)."""
+    (default FWD_CONFIG)."""
     given = p.with_index and index_max is not None
     # The Hopper kernel has no index branch: with one, it runs next to the Triton kernel's
     # index part alone (when selection gives the row maxima; else the Triton kernel does all).
-    main_on_hopper = (use_hopper is not False and (given or not p.with_index)
-                      and hopper.supported(q, k, v, p))
-    if main_on_hopper:
+    if (use_hopper is not False and (given or not p.with_index)
+            and hopper.supported(q, k, v, p)):
         out, lse = hopper.sparse_attention_fwd(q, k, v, p, p.scale * LOG2_E)
         if not p.with_index:
             return out, lse, None
-    config = INDEX_ALONE_CONFIG if main_on_hopper else FWD_CONFIG
-    num_warps = num_warps or config["num_warps"]
-    num_stages = num_stages or config["num_stages"]
-    if not main_on_hopper:
-        out = torch.empty_like(q)
-        lse = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
+        return out, lse, index_log_sum_exp(index_q, index_k, index_max, p)
+    out = torch.empty_like(q)
+    lse = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
     lse_index = (torch.empty(p.total, p.num_index_heads, dtype=torch.float32, device=q.device)
                  if p.with_index else lse)
     iq, ik = (index_q, index_k) if p.with_index else (q, k)  # unused placeholders otherwise
     _launch(_sparse_attn_fwd_kernel, p.query_grid(),
         q, k, v, iq, ik, out, lse, lse_index, index_max if given else lse,
         *p.query_work_args(), *_strides(q, k, v, out, iq, ik), p.scale * LOG2_E, p.index_scale,
-        **p.query_constants(), WITH_MAIN=not main_on_hopper, WITH_INDEX=p.with_index,
-        INDEX_MAX_GIVEN=given, num_warps=num_warps, num_stages=num_stages)
+        **p.query_constants(), WITH_MAIN=True, WITH_INDEX=p.with_index,
+        INDEX_MAX_GIVEN=given, num_warps=num_warps or FWD_CONFIG["num_warps"],
+        num_stages=num_stages or FWD_CONFIG["num_stages"])
     return out, lse, (lse_index if p.with_index else None)
+
+
+def index_log_sum_exp(index_q, index_k, index_max, p: SparseAttentionProblem):
+    """The index log-sum-exp over the kept tokens alone (natural log, fp32 [T, Hi]), given each
+    row's largest kept index score ``index_max`` (selection's): the forward's index part on
+    the tiles of ``p.index_tile_work``."""
+    work = p.index_tile_work
+    lse_index = torch.empty(p.total, p.num_index_heads, dtype=torch.float32,
+                            device=index_q.device)
+    tokens = work.tile_tokens
+    padded = max(16, tokens)
+    # Without the main branch the kernel reads no q, k, v, out or lse: index tensors stand in.
+    _launch(_sparse_attn_fwd_kernel, (work.schedule.shape[0], p.num_index_heads),
+        index_q, index_k, index_k, index_q, index_k, index_q, lse_index, lse_index, index_max,
+        work.schedule, work.union, work.union_members, work.union_count, p.cu_seqlens,
+        p.query_start, p.query_start + p.total,
+        *_strides(index_q, index_k, index_k, index_q, index_q, index_k), 0.0, p.index_scale,
+        **dict(p.query_constants(), TOK=tokens, TOKP=padded, ROWS=padded,
+               UNION_SLOTS=work.union.shape[-1]),
+        WITH_MAIN=False, WITH_INDEX=True, INDEX_MAX_GIVEN=True, **INDEX_ALONE_CONFIG)
+    return lse_index
 
 
 def kl_query_side(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProblem,
