@@ -613,12 +613,14 @@ DQ_CONFIG = dict(num_warps=8, num_stages=2)
 DKDV_CONFIG = dict(num_warps=8, num_stages=2)
 KL_QUERY_CONFIG = dict(num_warps=8, num_stages=2)
 KL_CONFIG = dict(num_warps=8, num_stages=2)
-# The index log-sum-exp alone (next to the Hopper forward): 4 warps beat 8 (H200: 23.96
-# against 24.58 ms for the whole forward at 128k, H64).
+# The index log-sum-exp alone (next to the Hopper forward: index_log_sum_exp). On the main
+# tiles' 8 tokens (128k, H64, H200) 4 warps beat 8 and 2 (3.65 against 4.15 and 3.78 ms), 2
+# stages beat 1, 3 and 4; not swept again on its own wider tiles.
 INDEX_ALONE_CONFIG = dict(num_warps=4, num_stages=2)
-# ...on tiles of at least this many tokens: the main tiles hold 128 / GQ tokens (8 at GQ = 16),
-# and each block an index tile walks costs one [block, Di] load of index keys whatever its
-# token count, while neighbouring tokens mostly keep the same blocks.
+# Its tiles hold at least this many tokens: every block a tile walks costs one [block, Di] load
+# of index keys whatever its token count, and neighbouring tokens mostly keep the same blocks.
+# The main tiles hold 128 / GQ tokens: on their 8 at GQ = 16 it took 3.66 ms at 128k, on 32
+# tokens 1.49 (H200).
 INDEX_TILE_TOKENS = 32
 KL_PAIRS = 64  # pairs per step of the key-outer KL kernel (the teacher is [block, KL_PAIRS])
 # Pairs per dK/dV program: bounds a program's work when many queries keep the same block.
