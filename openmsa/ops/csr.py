@@ -253,13 +253,18 @@ class QueryTileWork:
 MAX_TILE_TOKENS = 64  # the bits of a union_members entry
 
 
+def _check_tile_tokens(tile_tokens: int) -> None:
+    """A tile's tokens must fit the bits of its members masks."""
+    if not 1 <= tile_tokens <= MAX_TILE_TOKENS:
+        raise ValueError(f"tile_tokens: expected 1 to {MAX_TILE_TOKENS}, received {tile_tokens}")
+
+
 def _tile_queries(cu_seqlens: torch.Tensor, num_queries: int, tile_tokens: int,
                   query_start: int):
     """The query tiles' schedule, each entry's tile index (int64 ``[E]``), which of its
     ``tile_tokens`` tokens are queries (bool ``[E, tile_tokens]``) and their rows in the query
     tensors (int64, meaningful where they are queries)."""
-    if not 1 <= tile_tokens <= MAX_TILE_TOKENS:
-        raise ValueError(f"tile_tokens: expected 1 to {MAX_TILE_TOKENS}, received {tile_tokens}")
+    _check_tile_tokens(tile_tokens)
     schedule = query_tile_schedule(cu_seqlens, num_queries, tile_tokens, query_start)
     sequence, tile = schedule[:, 0].long(), schedule[:, 1].long()
     real = sequence >= 0
@@ -342,8 +347,7 @@ def build_query_tile_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor,
         use_triton = block_ids.is_cuda
     if not use_triton:
         return _query_tile_work_torch(block_ids, cu_seqlens, tile_tokens, query_start)
-    if not 1 <= tile_tokens <= MAX_TILE_TOKENS:
-        raise ValueError(f"tile_tokens: expected 1 to {MAX_TILE_TOKENS}, received {tile_tokens}")
+    _check_tile_tokens(tile_tokens)
     total, num_index_heads, top_k = block_ids.shape
     if block_ids.stride(-1) != 1:
         block_ids = block_ids.contiguous()
