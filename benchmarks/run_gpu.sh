@@ -3,6 +3,8 @@
 #   bash benchmarks/run_gpu.sh OUTDIR [PARTS]   PARTS: all (default) or a comma-separated list
 #   of select, attention, kl, msa (the benchmark scripts), train, bench (the user-facing commands
 #   `openmsa train --preset gpu` and `openmsa bench`), cli (= train,bench)
+# OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
+# over calls of a time-limited machine.
 # Where only a few result files can be copied back, write to a scratch folder and tar it:
 #   bash benchmarks/run_gpu.sh /tmp/run cli; tar czf "$OUT/run.tgz" -C /tmp/run .
 # Runs from the repository root with the machine's own torch and triton (nothing is installed).
@@ -22,7 +24,7 @@ export OPENMSA_GPU_RECORD="$out/gpu_tests.jsonl"
   # A copied working tree may carry a stale .git: the caller can name the commit instead.
   echo "commit ${OPENMSA_COMMIT:-$(git log -1 --format=%H 2>/dev/null)}"
 } 2>&1 | tee "$out/env.txt"
-python3 -m pytest -q -rA tests/gpu 2>&1 | tee "$out/pytest_gpu.log" | grep -E "passed|failed|error" | tail -30
+python3 -m pytest -q -rA ${OPENMSA_GPU_TESTS:-tests/gpu} 2>&1 | tee "$out/pytest_gpu.log" | grep -E "passed|failed|error" | tail -30
 python3 -m openmsa.cli check 2>&1 | tee "$out/check.txt"
 if wants select; then
   python3 benchmarks/bench_select.py --out "$out" 2>&1 | tee "$out/bench_select.log" | tail -8

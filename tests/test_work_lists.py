@@ -208,11 +208,13 @@ def test_warmup_key_block_lists_built_directly_equal_the_sorted_ones(segment_pai
     assert direct.num_global_blocks == sorted_work.num_global_blocks
 
 
-def test_key_block_lists_survive_packing_into_one_tensor():
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_key_block_lists_survive_packing_into_one_tensor(use_triton):
     """The custom operators carry the key-block lists as one int32 tensor; its size comes from
-    the shapes alone (the fake implementation's), and unpacking gives the lists back."""
+    the shapes alone (the fake implementation's), and unpacking gives the lists back. (The
+    Triton builder writes them into one tensor from the start.)"""
     ids, cu = random_block_ids(SEQLENS, 2, 4, 16, seed=3)
-    work = build_block_work(ids, cu, 16, 5)
+    work = build_block_work(ids, cu, 16, 5, use_triton=use_triton)
     sizes = block_work_sizes(400, 2, 4, 400, len(SEQLENS), 16, 5)
     flat = work.packed()
     pairs, blocks, segments = sizes
@@ -223,3 +225,54 @@ def test_key_block_lists_survive_packing_into_one_tensor():
                  "block_sequence", "block_local", "segments", "segment_order"):
         assert torch.equal(getattr(back, name), getattr(work, name)), name
     assert (back.num_global_blocks, back.segment_pairs) == (work.num_global_blocks, 5)
+
+
+@pytest.mark.parametrize("segment_order", ["pairs", "rows", "head_rows"])
+@pytest.mark.parametrize("num_index_heads,top_k,block_size,segment_pairs,query_range", [
+    (2, 4, 16, 3, RANGES[0]), (3, 5, 16, 2048, RANGES[1]), (1, 1, 64, 5, RANGES[2])])
+def test_key_block_builders_give_equal_lists(segment_order, num_index_heads, top_k,
+                                             block_size, segment_pairs, query_range):
+    """The Triton kernels' key-block lists (the default on a GPU) equal the torch operations'
+    (checked against per-token loops above), padding segments and blocks included."""
+    first, end = query_range
+    ids, cu = random_block_ids(SEQLENS, num_index_heads, top_k, block_size, seed=first + top_k)
+    lists = [build_block_work(ids[first:end], cu, block_size, segment_pairs, query_start=first,
+                              num_keys=400, segment_order=segment_order, use_triton=use_triton)
+             for use_triton in (False, True)]
+    pairs = int((ids[first:end] >= 0).sum())
+    assert lists[0].pair_token.shape == lists[1].pair_token.shape
+    assert torch.equal(lists[0].pair_token[:pairs], lists[1].pair_token[:pairs])
+    for name in ("bucket_start", "bucket_count", "bucket_segments_end", "block_sequence",
+                 "block_local", "segments", "segment_order"):
+        torch_list, triton_list = (getattr(work, name) for work in lists)
+        assert triton_list.dtype == torch_list.dtype, name
+        assert torch.equal(triton_list, torch_list), name
+    assert lists[0].num_global_blocks == lists[1].num_global_blocks
+
+
+@pytest.mark.parametrize("seqlens", [SEQLENS, (400,), (0, 0, 5), (17,) * 20])
+@pytest.mark.parametrize("tile_tokens", [1, 8, 64])
+def test_query_tile_schedule_kernel_equals_torch(seqlens, tile_tokens):
+    """The schedule's Triton kernel (the default on a GPU) against the torch operations, over
+    the whole packing and over query ranges starting and ending inside sequences."""
+    from openmsa.ops.schedule import query_tile_schedule
+
+    cu = torch.tensor([0] + torch.tensor(seqlens).cumsum(0).tolist(), dtype=torch.int32)
+    total = cu[-1].item()
+    for first, end in ((0, total), (min(37, total), max(total - 20, min(37, total))),
+                       (total // 2, total)):
+        lists = [query_tile_schedule(cu, end - first, tile_tokens, first, use_triton=use)
+                 for use in (False, True)]
+        assert torch.equal(lists[0], lists[1]), (first, end)
+
+
+def test_segment_order_by_sort_equals_the_rank_kernel(monkeypatch):
+    """Past RANK_MAX_SEGMENTS segments a torch sort orders them instead of the rank kernel:
+    the same order."""
+    from openmsa.ops import csr
+
+    ids, cu = random_block_ids(SEQLENS, 2, 4, 16, seed=9)
+    by_rank = build_block_work(ids, cu, 16, 3, use_triton=True)
+    monkeypatch.setattr(csr, "RANK_MAX_SEGMENTS", 0)
+    by_sort = build_block_work(ids, cu, 16, 3, use_triton=True)
+    assert torch.equal(by_rank.segment_order, by_sort.segment_order)

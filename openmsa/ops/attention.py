@@ -558,9 +558,10 @@ def _kl_kernel(
 def _reduce_segments_kernel(
     PART, OUT, BUCKET_SEGMENTS_END, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, stride_t, stride_h,
     scale, HI: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    KEYS: tl.constexpr,
 ):
-    """One (key block, output head) of dK, dV or d index_k: ``scale`` x the sum, in order, of
-    the partials of the segments of its GROUP index heads (contiguous buckets)."""
+    """KEYS keys of one (key block, output head) of dK, dV or d index_k: ``scale`` x the sum, in
+    order, of the partials of the segments of its GROUP index heads (contiguous buckets)."""
     global_block = tl.program_id(0).to(tl.int64)
     out_head = tl.program_id(1).to(tl.int64)
     sequence = tl.load(BLOCK_SEQUENCE + global_block).to(tl.int64)
@@ -574,14 +575,50 @@ def _reduce_segments_kernel(
                             other=0).to(tl.int64)
     end_segment = tl.load(BUCKET_SEGMENTS_END + first_bucket + GROUP - 1).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
-    keys = tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+    keys = tl.program_id(2) * KEYS + tl.arange(0, KEYS)
+    acc = tl.zeros((KEYS, HEAD_DIM), tl.float32)
     for segment in range(first_segment, end_segment):
         acc += tl.load(PART + (segment * BLOCK + keys)[:, None] * HEAD_DIM + dims[None, :])
     key_pos = block * BLOCK + keys.to(tl.int64)
     tl.store(OUT + (seq_start + key_pos)[:, None] * stride_t + out_head * stride_h
              + dims[None, :], (acc * scale).to(OUT.dtype.element_ty),
              mask=(key_pos < seq_len)[:, None])
+
+
+@triton.jit
+def _scale_gradients_kernel(GRAD_A, OUT_A, size_a, GRAD_B, OUT_B, size_b, KL_GRAD, scale,
+                            CHUNK: tl.constexpr):
+    """OUT = GRAD * (KL_GRAD * scale) in OUT's dtype, for two tensors in one launch: the first
+    cdiv(size_a, CHUNK) programs take A, the others B."""
+    programs_a = tl.cdiv(size_a, CHUNK)
+    on_a = tl.program_id(0) < programs_a
+    program = tl.where(on_a, tl.program_id(0), tl.program_id(0) - programs_a).to(tl.int64)
+    index = program * CHUNK + tl.arange(0, CHUNK)
+    factor = tl.load(KL_GRAD).to(tl.float32) * scale
+    if on_a:
+        valid = index < size_a
+        grad = tl.load(GRAD_A + index, mask=valid)
+        tl.store(OUT_A + index, (grad * factor).to(OUT_A.dtype.element_ty), mask=valid)
+    else:
+        valid = index < size_b
+        grad = tl.load(GRAD_B + index, mask=valid)
+        tl.store(OUT_B + index, (grad * factor).to(OUT_B.dtype.element_ty), mask=valid)
+
+
+def scaled_kl_gradients(d_index_q, d_index_k, kl_grad, p: "SparseAttentionProblem", dtype_q,
+                        dtype_k):
+    """The KL's gradients of index_q and index_k in the given dtypes: the unscaled fp32 ones
+    (contiguous) times ``p.kl_gradient_factor(kl_grad)``, in one launch without a host
+    synchronization (``kl_grad``: a 0-dim tensor on their device)."""
+    out_q = torch.empty(d_index_q.shape, dtype=dtype_q, device=d_index_q.device)
+    out_k = torch.empty(d_index_k.shape, dtype=dtype_k, device=d_index_k.device)
+    chunk = 4096
+    programs = triton.cdiv(d_index_q.numel(), chunk) + triton.cdiv(d_index_k.numel(), chunk)
+    if programs:
+        _scale_gradients_kernel[(programs,)](
+            d_index_q, out_q, d_index_q.numel(), d_index_k, out_k, d_index_k.numel(), kl_grad,
+            p.kl_gradient_scale(), CHUNK=chunk, num_warps=4)
+    return out_q, out_k
 
 
 def _precision(tensor) -> str:
@@ -626,6 +663,7 @@ KL_PAIRS = 64  # pairs per step of the key-outer KL kernel (the teacher is [bloc
 # Pairs per dK/dV program: bounds a program's work when many queries keep the same block.
 SEGMENT_PAIRS = 2048
 QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
+REDUCE_KEYS = 32  # keys per program of the segment reductions
 # Top-k selections run the key-outer segments by query row (their queries then come from L2)
 # once there are this many segments' worth of pairs per SM, and most pairs first below (the
 # longest segments then do not start last). H200: by rows 4-8% faster at 32k and 128k tokens
@@ -741,7 +779,11 @@ class SparseAttentionProblem:
     def kl_gradient_factor(self, kl_grad):
         """d kl / d z = (s - t) * kl_grad / (Nq * Hi), times the index scale for the chain rule
         through z = index_scale * index_q . index_k."""
-        return kl_grad * (self.index_scale / (self.kl_num_queries * self.num_index_heads))
+        return kl_grad * self.kl_gradient_scale()
+
+    def kl_gradient_scale(self) -> float:
+        """``kl_gradient_factor`` for a gradient of 1 reaching kl."""
+        return self.index_scale / (self.kl_num_queries * self.num_index_heads)
 
 
 def _strides(*tensors):
@@ -886,10 +928,13 @@ def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
 def _reduce_segments(part, out, scale, group, p: SparseAttentionProblem):
     """Sums the per-segment partials of every (key block, output head) into ``out``."""
     blocks = p.block_work
-    _reduce_segments_kernel[(blocks.num_global_blocks, out.shape[1])](
+    # A program per REDUCE_KEYS keys of a (key block, head): with whole blocks, 16k tokens at
+    # 2 KV heads made 258 programs, and each reduction took 37 us on an H200.
+    keys = min(REDUCE_KEYS, p.block_size)
+    _reduce_segments_kernel[(blocks.num_global_blocks, out.shape[1], p.block_size // keys)](
         part, out, blocks.bucket_segments_end, blocks.block_sequence, blocks.block_local,
         p.cu_seqlens, out.stride(0), out.stride(1), scale, HI=p.num_index_heads,
-        GROUP=group, BLOCK=p.block_size, HEAD_DIM=out.shape[2], num_warps=4)
+        GROUP=group, BLOCK=p.block_size, HEAD_DIM=out.shape[2], KEYS=keys, num_warps=4)
     return out
 
 

@@ -48,9 +48,12 @@ class BlockWork:
     segment_order: torch.Tensor  # int32 [num_segments]: the order programs take the segments
     num_global_blocks: int  # NB, an upper bound (padding blocks have sequence -1)
     segment_pairs: int
+    flat: torch.Tensor | None = None  # the storage all of the above are views of, if one
 
     def packed(self) -> torch.Tensor:
         """The lists as one flat int32 tensor (a custom operator's output)."""
+        if self.flat is not None:
+            return self.flat
         return torch.cat([self.pair_token, self.bucket_start, self.bucket_count,
                           self.bucket_segments_end, self.block_sequence, self.block_local,
                           self.segments.flatten(), self.segment_order])
@@ -64,7 +67,7 @@ class BlockWork:
                             num_global_blocks, 2 * num_segments, num_segments])
         return BlockWork(*parts[:6], segments=parts[6].view(num_segments, 2),
                          segment_order=parts[7], num_global_blocks=num_global_blocks,
-                         segment_pairs=segment_pairs)
+                         segment_pairs=segment_pairs, flat=flat)
 
 
 def sequence_of_tokens(cu_seqlens: torch.Tensor, num_tokens: int,
@@ -100,16 +103,24 @@ def _global_blocks(cu_seqlens: torch.Tensor, block_size: int, num_global_blocks:
     return first_block, torch.where(padding_block, -1, block_sequence), block_local
 
 
-def _layout(cu_seqlens: torch.Tensor, num_queries: int, num_index_heads: int, slots: int,
-            block_size: int, segment_pairs: int, num_keys: int | None, name: str):
-    """Both builders' shared start: ``block_work_sizes`` (pair numbers are int32 in the
-    kernels, so their count is checked, naming ``name``) and ``_global_blocks``."""
+def _checked_sizes(cu_seqlens: torch.Tensor, num_queries: int, num_index_heads: int,
+                   slots: int, block_size: int, segment_pairs: int, num_keys: int | None,
+                   name: str):
+    """``block_work_sizes``; pair numbers are int32 in the kernels, so their count is checked,
+    naming ``name``."""
     if num_queries * num_index_heads * slots >= 2**31:
         raise ValueError(f"{name}: expected fewer than 2^31 (token, index head, slot) "
                          f"entries, received {num_queries} x {num_index_heads} x {slots}")
-    sizes = block_work_sizes(num_queries, num_index_heads, slots,
-                             num_queries if num_keys is None else num_keys,
-                             cu_seqlens.numel() - 1, block_size, segment_pairs)
+    return block_work_sizes(num_queries, num_index_heads, slots,
+                            num_queries if num_keys is None else num_keys,
+                            cu_seqlens.numel() - 1, block_size, segment_pairs)
+
+
+def _layout(cu_seqlens: torch.Tensor, num_queries: int, num_index_heads: int, slots: int,
+            block_size: int, segment_pairs: int, num_keys: int | None, name: str):
+    """The torch builders' shared start: ``_checked_sizes`` and ``_global_blocks``."""
+    sizes = _checked_sizes(cu_seqlens, num_queries, num_index_heads, slots, block_size,
+                           segment_pairs, num_keys, name)
     return sizes, _global_blocks(cu_seqlens, block_size, sizes[1])
 
 
@@ -176,10 +187,221 @@ def _block_work(pair_token, starts, counts, block_sequence, block_local, num_seg
 
 def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
                      segment_pairs: int, query_start: int = 0,
-                     num_keys: int | None = None, segment_order: str = "pairs") -> BlockWork:
+                     num_keys: int | None = None, segment_order: str = "pairs",
+                     use_triton: bool | None = None) -> BlockWork:
     """block_ids: int32 ``[Tq, Hi, top_k]`` (``-1`` unused), relative to each sequence's start,
     of the packed tokens ``[query_start, query_start + Tq)``; ``num_keys``: the packing's token
-    count T (default Tq); ``segment_order``: one of SEGMENT_ORDERS."""
+    count T (default Tq); ``segment_order``: one of SEGMENT_ORDERS. ``use_triton``: build the
+    lists with Triton kernels around one radix sort (the default on a GPU, where the ~90 torch
+    operations cost 0.25 ms at 16k tokens) or in torch operations (the default elsewhere)."""
+    if segment_order not in SEGMENT_ORDERS:
+        raise ValueError(f"segment_order: expected one of {SEGMENT_ORDERS}, "
+                         f"received {segment_order!r}")
+    if use_triton is None:
+        use_triton = block_ids.is_cuda
+    if not use_triton:
+        return _block_work_torch(block_ids, cu_seqlens, block_size, segment_pairs, query_start,
+                                 num_keys, segment_order)
+    total, num_index_heads, top_k = block_ids.shape
+    device = block_ids.device
+    num_pairs, num_global_blocks, num_segments = _checked_sizes(
+        cu_seqlens, total, num_index_heads, top_k, block_size, segment_pairs, num_keys,
+        "block_ids")
+    if block_ids.stride(-1) != 1:
+        block_ids = block_ids.contiguous()
+    num_sequences = cu_seqlens.numel() - 1
+    num_buckets = num_global_blocks * num_index_heads
+    flat = torch.empty(num_pairs + 3 * num_buckets + 2 * num_global_blocks + 3 * num_segments,
+                       dtype=torch.int32, device=device)
+    (pair_token, bucket_start, bucket_count, bucket_segments_end, block_sequence, block_local,
+     segments, order) = flat.split([num_pairs, num_buckets, num_buckets, num_buckets,
+                                    num_global_blocks, num_global_blocks, 2 * num_segments,
+                                    num_segments])
+    # The global blocks up to the end of each sequence.
+    block_end = torch.empty(max(num_sequences, 1), dtype=torch.int32, device=device)
+    _sequence_blocks_kernel[(1,)](cu_seqlens, block_end, num_sequences, BLOCK=block_size,
+                                  CHUNK=1024)
+    # Every pair's bucket; unused slots go to a bucket past the end. 16-bit keys where they
+    # fit: the radix sort then makes half the passes.
+    key_dtype = torch.int16 if num_buckets < 2**15 else torch.int32
+    keys = torch.empty(num_pairs, dtype=key_dtype, device=device)
+    search = max(1, num_sequences.bit_length())
+    tokens = 64
+    if total:
+        _pair_buckets_kernel[(triton.cdiv(total, tokens),)](
+            block_ids, cu_seqlens, block_end, keys, total, query_start, num_sequences,
+            block_ids.stride(0), block_ids.stride(1), num_buckets, HI=num_index_heads,
+            TOP_K=top_k, TOKENS=tokens, SLOTS=triton.next_power_of_2(num_index_heads * top_k),
+            SEARCH_STEPS=search)
+    # Stable: pairs of a bucket stay in token order, so the work list is deterministic.
+    sorted_keys, pair_order = torch.sort(keys, stable=True)
+    chunk = 1024
+    segments_per_bucket = torch.empty(num_buckets, dtype=torch.int32, device=device)
+    _bucket_runs_kernel[(triton.cdiv(max(num_pairs, num_buckets), chunk),)](
+        sorted_keys, pair_order, pair_token, block_end, bucket_start, bucket_count,
+        segments_per_bucket, block_sequence, block_local, num_pairs, num_buckets,
+        num_sequences, HI=num_index_heads, PAIR_ENTRIES=num_index_heads * top_k,
+        SEGMENT_PAIRS=segment_pairs, CHUNK=chunk, PAIR_STEPS=max(1, num_pairs.bit_length()),
+        SEARCH_STEPS=search)
+    torch.cumsum(segments_per_bucket, 0, dtype=torch.int32, out=bucket_segments_end)
+    order_key = torch.empty(num_segments, dtype=torch.int64, device=device)
+    _segments_kernel[(triton.cdiv(num_segments, chunk),)](
+        bucket_segments_end, bucket_start, bucket_count, pair_token, segments, order_key,
+        num_segments, num_buckets, total, max(num_pairs - 1, 0), HI=num_index_heads,
+        SEGMENT_PAIRS=segment_pairs, ORDER=SEGMENT_ORDERS.index(segment_order), CHUNK=chunk,
+        SEARCH_STEPS=max(1, num_buckets.bit_length()))
+    if num_segments <= RANK_MAX_SEGMENTS:
+        _stable_rank_kernel[(triton.cdiv(num_segments, 64),)](
+            order_key, order, num_segments, CHUNK=64, OTHERS=128)
+    else:
+        order.copy_(torch.argsort(order_key, stable=True))
+    return BlockWork(pair_token=pair_token, bucket_start=bucket_start,
+                     bucket_count=bucket_count, bucket_segments_end=bucket_segments_end,
+                     block_sequence=block_sequence, block_local=block_local,
+                     segments=segments.view(num_segments, 2), segment_order=order,
+                     num_global_blocks=num_global_blocks, segment_pairs=segment_pairs,
+                     flat=flat)
+
+
+# Up to this many segments one kernel orders them by comparing every pair of keys (a few
+# microseconds); beyond, a torch sort does (its small-input path took 29 us for 1000 keys on an
+# H200).
+RANK_MAX_SEGMENTS = 4096
+
+
+@triton.jit
+def _stable_rank_kernel(KEYS, ORDER, size, CHUNK: tl.constexpr, OTHERS: tl.constexpr):
+    """ORDER[rank(i)] = i, rank(i) = the keys smaller than key i plus the equal ones before it:
+    a stable ascending argsort."""
+    index = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    valid = index < size
+    key = tl.load(KEYS + index, mask=valid, other=0)
+    rank = tl.zeros([CHUNK], tl.int32)
+    for start in range(0, size, OTHERS):
+        other = start + tl.arange(0, OTHERS)
+        other_key = tl.load(KEYS + other, mask=other < size, other=0)
+        before = ((other_key[None, :] < key[:, None])
+                  | ((other_key[None, :] == key[:, None]) & (other[None, :] < index[:, None])))
+        rank += tl.sum((before & (other < size)[None, :]).to(tl.int32), axis=1)
+    tl.store(ORDER + rank, index, mask=valid)
+
+
+@triton.jit
+def _sequence_blocks_kernel(CU_SEQLENS, BLOCK_END, num_sequences, BLOCK: tl.constexpr,
+                            CHUNK: tl.constexpr):
+    """One program: BLOCK_END[s] = the key blocks of sequences 0..s."""
+    carry = tl.full((), 0, tl.int32)
+    for start in range(0, num_sequences, CHUNK):
+        sequence = start + tl.arange(0, CHUNK)
+        valid = sequence < num_sequences
+        length = (tl.load(CU_SEQLENS + sequence + 1, mask=valid, other=0)
+                  - tl.load(CU_SEQLENS + sequence, mask=valid, other=0))
+        blocks = (length + BLOCK - 1) // BLOCK
+        tl.store(BLOCK_END + sequence, carry + tl.cumsum(blocks, 0), mask=valid)
+        carry += tl.sum(blocks, 0)
+
+
+@triton.jit
+def _count_at_most(SORTED, value, size, STEPS: tl.constexpr):
+    """How many of the ascending SORTED[0:size] are <= value (a binary search per lane)."""
+    low = tl.zeros_like(value)
+    high = tl.zeros_like(value) + size
+    for _ in tl.static_range(STEPS + 1):
+        middle = (low + high) // 2
+        active = low < high
+        at_most = tl.load(SORTED + middle, mask=active, other=0) <= value
+        low = tl.where(active & at_most, middle + 1, low)
+        high = tl.where(active & ~at_most, middle, high)
+    return low
+
+
+@triton.jit
+def _pair_buckets_kernel(IDS, CU_SEQLENS, BLOCK_END, KEYS, num_queries, query_start,
+                         num_sequences, stride_ids_t, stride_ids_h, num_buckets,
+                         HI: tl.constexpr, TOP_K: tl.constexpr, TOKENS: tl.constexpr,
+                         SLOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """Each (query row, index head, slot)'s bucket: (its sequence's first global block + the
+    block id) * HI + head; ``num_buckets`` for unused slots."""
+    row = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    row_valid = row < num_queries
+    # The row's sequence: how many sequences end at or before its packed token.
+    sequence = _count_at_most(CU_SEQLENS + 1, row + query_start, num_sequences, SEARCH_STEPS)
+    sequence = tl.minimum(sequence, num_sequences - 1)
+    first_block = tl.load(BLOCK_END + sequence - 1, mask=row_valid & (sequence > 0), other=0)
+    slot = tl.arange(0, SLOTS)
+    head = slot // TOP_K
+    slot_valid = slot < HI * TOP_K
+    valid = row_valid[:, None] & slot_valid[None, :]
+    ids = tl.load(IDS + row[:, None].to(tl.int64) * stride_ids_t + head[None, :] * stride_ids_h
+                  + (slot % TOP_K)[None, :], mask=valid, other=-1)
+    bucket = tl.where(ids >= 0, (first_block[:, None] + ids) * HI + head[None, :], num_buckets)
+    tl.store(KEYS + row[:, None].to(tl.int64) * (HI * TOP_K) + slot[None, :],
+             bucket.to(KEYS.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _bucket_runs_kernel(SORTED, ORDER, PAIR_TOKEN, BLOCK_END, BUCKET_START, BUCKET_COUNT,
+                        BUCKET_SEGMENTS, BLOCK_SEQUENCE, BLOCK_LOCAL, num_pairs, num_buckets,
+                        num_sequences, HI: tl.constexpr, PAIR_ENTRIES: tl.constexpr,
+                        SEGMENT_PAIRS: tl.constexpr, CHUNK: tl.constexpr,
+                        PAIR_STEPS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """From the sorted buckets: each pair's query row; each bucket's run (first pair, count)
+    and its segment count; each global block's sequence (-1: padding) and local index."""
+    index = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    pair_valid = index < num_pairs
+    order = tl.load(ORDER + index, mask=pair_valid, other=0)
+    tl.store(PAIR_TOKEN + index, (order // PAIR_ENTRIES).to(tl.int32), mask=pair_valid)
+    if tl.program_id(0) * CHUNK < num_buckets:  # (the programs past them skip the searches)
+        bucket_valid = index < num_buckets
+        start = _count_at_most(SORTED, index - 1, num_pairs, PAIR_STEPS)
+        count = _count_at_most(SORTED, index, num_pairs, PAIR_STEPS) - start
+        tl.store(BUCKET_START + index, start, mask=bucket_valid)
+        tl.store(BUCKET_COUNT + index, count, mask=bucket_valid)
+        tl.store(BUCKET_SEGMENTS + index, (count + SEGMENT_PAIRS - 1) // SEGMENT_PAIRS,
+                 mask=bucket_valid)
+        block_valid = index < num_buckets // HI
+        sequence = _count_at_most(BLOCK_END, index, num_sequences, SEARCH_STEPS)
+        padding = sequence >= num_sequences
+        first_block = tl.load(BLOCK_END + sequence - 1, mask=~padding & (sequence > 0),
+                              other=0)
+        tl.store(BLOCK_SEQUENCE + index, tl.where(padding, -1, sequence), mask=block_valid)
+        tl.store(BLOCK_LOCAL + index, index - first_block, mask=block_valid)
+
+
+@triton.jit
+def _segments_kernel(SEGMENTS_END, BUCKET_START, BUCKET_COUNT, PAIR_TOKEN, SEGMENTS, ORDER_KEY,
+                     num_segments, num_buckets, num_queries, last_pair, HI: tl.constexpr,
+                     SEGMENT_PAIRS: tl.constexpr, ORDER: tl.constexpr, CHUNK: tl.constexpr,
+                     SEARCH_STEPS: tl.constexpr):
+    """Each segment's (bucket, first pair), -1 and 0 for padding, and the key that orders the
+    segments (ORDER indexes SEGMENT_ORDERS: pairs, rows, head_rows; padding last)."""
+    segment = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    in_range = segment < num_segments
+    bucket = _count_at_most(SEGMENTS_END, segment, num_buckets, SEARCH_STEPS)
+    valid = in_range & (bucket < num_buckets)
+    bucket = tl.where(valid, bucket, 0)
+    start = tl.load(BUCKET_START + bucket)
+    count = tl.load(BUCKET_COUNT + bucket)
+    segments_before = (tl.load(SEGMENTS_END + bucket)
+                       - (count + SEGMENT_PAIRS - 1) // SEGMENT_PAIRS)
+    first_pair = tl.where(valid, start + (segment - segments_before) * SEGMENT_PAIRS, 0)
+    pairs = tl.where(valid, tl.minimum(start + count - first_pair, SEGMENT_PAIRS), 0)
+    tl.store(SEGMENTS + 2 * segment, tl.where(valid, bucket, -1), mask=in_range)
+    tl.store(SEGMENTS + 2 * segment + 1, first_pair, mask=in_range)
+    if ORDER == 0:  # most pairs first
+        key = (SEGMENT_PAIRS - pairs).to(tl.int64)
+    else:
+        row = tl.load(PAIR_TOKEN + tl.minimum(first_pair, last_pair)).to(tl.int64)
+        head = bucket % HI
+        key = row * HI + head if ORDER == 1 else head * num_queries + row
+        key = tl.where(valid, key, HI * num_queries)
+    tl.store(ORDER_KEY + segment, key, mask=in_range)
+
+
+def _block_work_torch(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
+                       segment_pairs: int, query_start: int = 0,
+                      num_keys: int | None = None, segment_order: str = "pairs") -> BlockWork:
+    """``build_block_work`` in torch operations."""
     total, num_index_heads, top_k = block_ids.shape
     device = block_ids.device
     (_, num_global_blocks, num_segments), (first_block, block_sequence, block_local) = _layout(

@@ -25,7 +25,7 @@ import torch
 
 from . import attention
 from .attention import (SparseAttentionProblem, attention_backward, index_branch_kl,
-                        query_tile_shape, sparse_attention_fwd)
+                        query_tile_shape, scaled_kl_gradients, sparse_attention_fwd)
 from .csr import BlockWork, QueryTileWork, block_work_sizes, build_causal_query_tile_work
 from .dense import dense_attention_backward, dense_attention_forward, dense_log_sum_exp
 from .layout import all_causal_block_ids
@@ -177,10 +177,8 @@ def msa_backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torc
     if d_index_q.numel() == 0:  # the forward ran without index gradients
         _, d_index_q, d_index_k = index_branch_kl(q, k, index_q, index_k, lse, lse_index,
                                                   problem, False, True, deterministic)
-    # A device scalar (no host synchronization).
-    factor = problem.kl_gradient_factor(dkl.float())
-    return (dq, dk, dv, (d_index_q * factor).to(index_q.dtype),
-            (d_index_k * factor).to(index_k.dtype))
+    return (dq, dk, dv) + scaled_kl_gradients(d_index_q, d_index_k, dkl, problem,
+                                              index_q.dtype, index_k.dtype)
 
 
 @msa_backward.register_fake
@@ -200,6 +198,9 @@ def _setup_context(ctx, inputs, output):
      query_start, kl_num_queries, dense_batch, deterministic) = inputs
     out, _, *saved = output
     ctx.save_for_backward(q, k, v, index_q, index_k, out, cu_seqlens, *saved)
+    # Gradients of outputs that reach nothing stay None instead of zero-filled tensors (ten
+    # fill kernels a step); _backward handles None for out and kl.
+    ctx.set_materialize_grads(False)
     ctx.options = (block_size, softmax_scale, index_scale)
     # Both operators take them.
     ctx.trailing_options = (query_start, kl_num_queries, dense_batch, deterministic)
