@@ -12,8 +12,9 @@ ids are then those of the packed tokens ``[query_start, query_start + Tq)``, the
 queries by their row in the ids (packed token - query_start) and keys by their packed token.
 
 All sizes that reach the host (grid sizes, buffer sizes) are upper bounds known from the shapes
-alone, so nothing waits for the GPU. On a GPU one Triton kernel builds the query-tile lists;
-the key-block lists, and both lists on the CPU, come from torch operations.
+alone, so nothing waits for the GPU. On a GPU Triton kernels build both lists (the key-block
+lists around one radix sort); on the CPU torch operations do, and the tests check that both
+give the same lists.
 """
 
 from __future__ import annotations
