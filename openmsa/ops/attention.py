@@ -608,7 +608,7 @@ def _scale_gradients_kernel(GRAD_A, OUT_A, size_a, GRAD_B, OUT_B, size_b, KL_GRA
 def scaled_kl_gradients(d_index_q, d_index_k, kl_grad, p: "SparseAttentionProblem", dtype_q,
                         dtype_k):
     """The KL's gradients of index_q and index_k in the given dtypes: the unscaled fp32 ones
-    (contiguous) times ``p.kl_gradient_factor(kl_grad)``, in one launch without a host
+    (contiguous) times ``kl_grad * p.kl_gradient_scale()``, in one launch without a host
     synchronization (``kl_grad``: a 0-dim tensor on their device)."""
     out_q = torch.empty(d_index_q.shape, dtype=dtype_q, device=d_index_q.device)
     out_k = torch.empty(d_index_k.shape, dtype=dtype_k, device=d_index_k.device)
@@ -776,13 +776,10 @@ class SparseAttentionProblem:
         Nq = ``kl_num_queries``."""
         return kl_rows.sum() / (self.kl_num_queries * self.num_index_heads)
 
-    def kl_gradient_factor(self, kl_grad):
-        """d kl / d z = (s - t) * kl_grad / (Nq * Hi), times the index scale for the chain rule
-        through z = index_scale * index_q . index_k."""
-        return kl_grad * self.kl_gradient_scale()
-
     def kl_gradient_scale(self) -> float:
-        """``kl_gradient_factor`` for a gradient of 1 reaching kl."""
+        """d kl / d z = (s - t) * kl_grad * this, kl_grad being the gradient reaching kl: 1 /
+        (Nq * Hi), times the index scale for the chain rule through
+        z = index_scale * index_q . index_k."""
         return self.index_scale / (self.kl_num_queries * self.num_index_heads)
 
 
@@ -869,7 +866,7 @@ def kl_query_side(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProb
                   num_stages=KL_QUERY_CONFIG["num_stages"]):
     """The KL's query-side walk. Returns the KL of every (token, index head), fp32 [T, Hi]
     (None unless ``with_value``), and, unless ``with_grad`` is False, the unscaled KL gradient
-    of index_q, fp32 [T, Hi, Di]: the gradient is ``p.kl_gradient_factor(kl_grad)`` times it."""
+    of index_q, fp32 [T, Hi, Di]: the gradient is ``kl_grad * p.kl_gradient_scale()`` times it."""
     rows = torch.empty(p.total, p.num_index_heads, dtype=torch.float32, device=q.device)
     d_index_q = (torch.empty(p.total, p.num_index_heads, p.index_dim, dtype=torch.float32,
                              device=q.device) if with_grad else rows)
@@ -972,7 +969,7 @@ def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProble
     Returns the unscaled KL gradient of index_k (fp32, index_k's shape) and, with
     ``query_side``, the KL of every (token, index head) (fp32 [T, Hi], None unless
     ``with_value``) and the unscaled gradient of index_q (fp32 [T, Hi, Di]), both summed by
-    atomic adds. The gradients are ``p.kl_gradient_factor(kl_grad)`` times the unscaled
+    atomic adds. The gradients are ``kl_grad * p.kl_gradient_scale()`` times the unscaled
     ones."""
     segments = p.block_work.segments.shape[0]
     part = torch.empty(segments * p.block_size, p.index_dim, dtype=torch.float32,
