@@ -16,8 +16,9 @@ the tensor cores, so rows are stacked from several tokens:
 The KL: the forward walk also computes the index log-sum-exp over the kept tokens (without a
 running maximum when selection gives each row's largest score). A key-outer kernel over the
 dK/dV segments then rebuilds the teacher (the mean of the GQ heads' probabilities, from the final
-main log-sum-exps) and the student, and gives d index_k (ordered partials) and, by atomic adds,
-d index_q and the KL's value; with ``deterministic`` a query-outer walk gives those two instead.
+main log-sum-exps) and the student, and gives d index_k and the KL's value (ordered partials)
+and, by atomic adds, d index_q; with ``deterministic`` a query-outer walk gives d index_q and
+the value instead.
 Both gradients are (s - t) times the index keys or queries, scaled by the upstream gradient of
 kl, a scalar: they do not depend on dout, so the forward computes them along with the value.
 
@@ -477,7 +478,7 @@ def _sparse_attn_dkdv_kernel(
 
 @triton.jit
 def _kl_kernel(
-    Q, K, IQ, IK, LSE, LSE_INDEX, DIK_PART, KL_ROWS, DIQ,
+    Q, K, IQ, IK, LSE, LSE_INDEX, DIK_PART, KL_PARTS, DIQ,
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_iq_t, stride_iq_h,
@@ -493,13 +494,16 @@ def _kl_kernel(
     QK^T and its exponentials per head added up in registers, and the student comes from the
     index scores. Always: sum over the pairs of (s - t)^T index_q, the KL gradient of index_k
     before its scalar factor, as fp32 partials per segment (summed in order afterwards).
-    QUERY_SIDE: also each pair's (s - t) index_k into the unscaled gradient of index_q and, with
-    WITH_VALUE, its terms of KL(t || s) into the (token, index head) rows, by atomic adds, so
-    one pass gives the whole KL (not bitwise reproducible: the adds land in any order)."""
+    QUERY_SIDE: also each pair's (s - t) index_k into the unscaled gradient of index_q, by
+    atomic adds (not bitwise reproducible: they land in any order), and, with WITH_VALUE, the
+    program's terms of KL(t || s), summed in order, into KL_PARTS[program] (0 for padding): one
+    pass gives the whole KL."""
     segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
         CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
     if segment < 0:
+        if QUERY_SIDE and WITH_VALUE:
+            tl.store(KL_PARTS + tl.program_id(0), 0.0)
         return
     key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
     k = _load_rows(K, key_token, key_valid, index_head // KV_GROUP, stride_k_t, stride_k_h,
@@ -509,6 +513,7 @@ def _kl_kernel(
     dims = tl.arange(0, HEAD_DIM)
     index_dims = tl.arange(0, INDEX_DIM)
     d_index_k = tl.zeros((BLOCK, INDEX_DIM), tl.float32)
+    value_keys = tl.zeros((BLOCK,), tl.float32)
     for first_pair in range(first, last, PAIRS):
         pair_valid = first_pair + tl.arange(0, PAIRS) < last
         # int32 rows (fewer live registers; tokens x Hi < 2^31 is checked on the host), int64
@@ -538,8 +543,7 @@ def _kl_kernel(
                          - lse_index[None, :])  # [BLOCK, PAIRS]
         if QUERY_SIDE and WITH_VALUE:
             terms = teacher_t * (tl.log(tl.maximum(teacher_t, 1e-30)) - log_student_t)
-            tl.atomic_add(KL_ROWS + row, tl.sum(tl.where(teacher_t > 0, terms, 0.0), axis=0),
-                          mask=pair_valid, sem="relaxed")
+            value_keys += tl.sum(tl.where(teacher_t > 0, terms, 0.0), axis=1)
         # (s - t) lies in [-1, 1]; its tiny factor is applied in the backward, so the 16-bit
         # MMA operand keeps its precision. Made last, so the teacher and the student's scores
         # are dead before the gradient products (fewer live registers).
@@ -552,6 +556,8 @@ def _kl_kernel(
         d_index_k = tl.dot(dz_t, index_q, d_index_k, input_precision=PRECISION)
     tl.store(DIK_PART + (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * INDEX_DIM
              + index_dims[None, :], d_index_k)
+    if QUERY_SIDE and WITH_VALUE:
+        tl.store(KL_PARTS + tl.program_id(0), tl.sum(value_keys, axis=0))
 
 
 @triton.jit
@@ -771,10 +777,10 @@ class SparseAttentionProblem:
                 work.bucket_count, work.block_sequence, work.block_local, self.cu_seqlens,
                 self.query_start)
 
-    def kl_mean(self, kl_rows):
-        """The KL from its per-(token, index head) terms: their sum over Nq * Hi, with
-        Nq = ``kl_num_queries``."""
-        return kl_rows.sum() / (self.kl_num_queries * self.num_index_heads)
+    def kl_mean(self, kl_parts):
+        """The KL from its terms summed in parts (per (token, index head) or per key-outer
+        program): their sum over Nq * Hi, with Nq = ``kl_num_queries``."""
+        return kl_parts.sum() / (self.kl_num_queries * self.num_index_heads)
 
     def kl_gradient_scale(self) -> float:
         """d kl / d z = (s - t) * kl_grad * this, kl_grad being the gradient reaching kl: 1 /
@@ -967,25 +973,26 @@ def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProble
     kernel where it supports the inputs; else, with ``use_hopper=False`` or with ``pairs`` and
     the launch options, which tune it, the Triton kernel).
     Returns the unscaled KL gradient of index_k (fp32, index_k's shape) and, with
-    ``query_side``, the KL of every (token, index head) (fp32 [T, Hi], None unless
-    ``with_value``) and the unscaled gradient of index_q (fp32 [T, Hi, Di]), both summed by
-    atomic adds. The gradients are ``kl_grad * p.kl_gradient_scale()`` times the unscaled
-    ones."""
+    ``query_side``, the KL's terms summed per program (fp32 [segments]: their sum over
+    Nq * Hi is the KL; None unless ``with_value``) and the unscaled gradient of index_q (fp32
+    [T, Hi, Di], summed by atomic adds). The gradients are ``kl_grad * p.kl_gradient_scale()``
+    times the unscaled ones."""
     segments = p.block_work.segments.shape[0]
     part = torch.empty(segments * p.block_size, p.index_dim, dtype=torch.float32,
                        device=q.device)
-    rows = d_index_q = part  # placeholders unless query_side
+    value_parts = d_index_q = part  # placeholders unless query_side
     if query_side:
-        rows = torch.zeros(p.total, p.num_index_heads, dtype=torch.float32, device=q.device)
+        value_parts = torch.empty(segments, dtype=torch.float32, device=q.device)
         d_index_q = torch.zeros(p.total, p.num_index_heads, p.index_dim, dtype=torch.float32,
                                 device=q.device)
     if (use_hopper is not False and pairs is None
             and hopper.supported_kl(q, k, index_q, index_k, p)):
-        hopper.kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, part, rows,
+        hopper.kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, part, value_parts,
                                  d_index_q, query_side, with_value, p.scale * LOG2_E, KL_PAIRS)
     else:
         _launch(_kl_kernel, (segments,),
-            q, k, index_q, index_k, lse, lse_index, part, rows, d_index_q, *p.key_work_args(),
+            q, k, index_q, index_k, lse, lse_index, part, value_parts, d_index_q,
+            *p.key_work_args(),
             *_strides(q, k, index_q, index_k), p.scale * LOG2_E, p.index_scale,
             **p.kl_constants(pairs or KL_PAIRS), QUERY_SIDE=query_side, WITH_VALUE=with_value,
             num_warps=num_warps, num_stages=num_stages)
@@ -993,32 +1000,33 @@ def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProble
                                                    device=q.device), 1.0, p.index_group, p)
     if not query_side:
         return d_index_k, None, None
-    return d_index_k, (rows if with_value else None), d_index_q
+    return d_index_k, (value_parts if with_value else None), d_index_q
 
 
 def index_branch_kl(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProblem,
                     with_value: bool, with_grad: bool, deterministic: bool):
-    """The KL from the final log-sum-exps: (its rows per (token, index head) or None unless
-    ``with_value``, the unscaled gradients of index_q and index_k or None unless
+    """The KL from the final log-sum-exps: (its terms summed in parts, per (token, index
+    head) or per key-outer program, whose sum over Nq * Hi is the KL (``p.kl_mean``), or None
+    unless ``with_value``; the unscaled gradients of index_q and index_k or None unless
     ``with_grad``).
 
-    The gradients come from one key-outer pass (``kl_key_walk``) that sums d index_q and the
-    value by atomic adds; ``deterministic`` instead takes them from the query-side walk, a
+    The gradients come from one key-outer pass (``kl_key_walk``) that sums d index_q by atomic
+    adds; ``deterministic`` instead takes d index_q and the value from the query-side walk, a
     second pass over the same pairs that writes each (token, index head) once. The value alone
     is the query-side walk, which needs no key-block list."""
     if not with_grad:
-        rows, _ = kl_query_side(q, k, index_q, index_k, lse, lse_index, p, with_value=True,
-                                with_grad=False)
-        return rows, None, None
+        value_parts, _ = kl_query_side(q, k, index_q, index_k, lse, lse_index, p,
+                                       with_value=True, with_grad=False)
+        return value_parts, None, None
     if deterministic:
-        rows, d_index_q = kl_query_side(q, k, index_q, index_k, lse, lse_index, p,
-                                        with_value=with_value, with_grad=True)
+        value_parts, d_index_q = kl_query_side(q, k, index_q, index_k, lse, lse_index, p,
+                                               with_value=with_value, with_grad=True)
         d_index_k, _, _ = kl_key_walk(q, k, index_q, index_k, lse, lse_index, p,
                                       query_side=False, with_value=False)
-        return rows, d_index_q, d_index_k
-    d_index_k, rows, d_index_q = kl_key_walk(q, k, index_q, index_k, lse, lse_index, p,
-                                             query_side=True, with_value=with_value)
-    return rows, d_index_q, d_index_k
+        return value_parts, d_index_q, d_index_k
+    d_index_k, value_parts, d_index_q = kl_key_walk(q, k, index_q, index_k, lse, lse_index,
+                                                    p, query_side=True, with_value=with_value)
+    return value_parts, d_index_q, d_index_k
 
 
 class SparseAttentionFunction(torch.autograd.Function):

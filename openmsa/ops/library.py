@@ -97,10 +97,11 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
     d_index_q, d_index_k = (q.new_empty(0, dtype=torch.float32) for _ in range(2))
     block_work = q.new_empty(0, dtype=torch.int32)
     if kl_value or index_grad:
-        rows, grad_q, grad_k = index_branch_kl(q, k, index_q, index_k, lse, lse_index, problem,
-                                               kl_value, index_grad, deterministic)
+        value_parts, grad_q, grad_k = index_branch_kl(q, k, index_q, index_k, lse, lse_index,
+                                                      problem, kl_value, index_grad,
+                                                      deterministic)
         if kl_value:
-            kl = problem.kl_mean(rows)
+            kl = problem.kl_mean(value_parts)
         if index_grad:
             d_index_q, d_index_k = grad_q, grad_k
             block_work = problem.block_work.packed()

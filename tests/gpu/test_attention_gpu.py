@@ -244,7 +244,7 @@ def test_hopper_kl_matches_the_triton_kl(case, query_range, query_side, with_val
                                              index_max=index_max)
     args = (q, k, index_q, index_k, lse, lse_index, problem, query_side, with_value)
     gluon, triton_kl = kl_key_walk(*args), kl_key_walk(*args, use_hopper=False)
-    for name, value, expected in zip(("d_index_k", "kl_rows", "d_index_q"), gluon, triton_kl):
+    for name, value, expected in zip(("d_index_k", "kl_parts", "d_index_q"), gluon, triton_kl):
         if expected is None:
             assert value is None, name
         else:
