@@ -217,17 +217,16 @@ def _sparse_attn_fwd_kernel(
             ik = _load_rows(IK, key_token, key_valid, index_head // INDEX_GROUP, stride_ik_t,
                             stride_ik_h, INDEX_DIM)
             z = tl.dot(index_q, tl.trans(ik), input_precision=PRECISION) * index_scale
+            tok_visible = (tok_member[:, None] & key_valid[None, :]
+                           & (key_pos[None, :] <= tok_position[:, None]))
             if INDEX_MAX_GIVEN:
-                # Tokens that did not keep the block drop out by an infinite maximum; only the
-                # tile's own blocks need a mask per element.
-                terms = tl.exp(z - tl.where(tok_member, index_max, float("inf"))[:, None])
-                if block * BLOCK + BLOCK > first_position:
-                    terms = tl.where(key_valid[None, :]
-                                     & (key_pos[None, :] <= tok_position[:, None]), terms, 0.0)
+                # Padding rows (tokens TOK.., or not queries) add garbage that is never stored.
+                terms = tl.exp(z - index_max[:, None])
+                if needs_mask:
+                    terms = tl.where(tok_visible, terms, 0.0)
                 index_terms += terms
             else:
-                z = tl.where(tok_member[:, None] & key_valid[None, :]
-                             & (key_pos[None, :] <= tok_position[:, None]), z, float("-inf"))
+                z = tl.where(tok_visible, z, float("-inf"))
                 new_index_max = tl.maximum(index_max, tl.max(z, axis=1))
                 safe_index_max = tl.where(new_index_max == float("-inf"), 0.0, new_index_max)
                 index_sum = (index_sum * tl.exp(index_max - safe_index_max)

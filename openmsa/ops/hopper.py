@@ -93,14 +93,18 @@ def _tile_rows(index_head, first_position, first_query, end_query, query_base,
 @gluon.jit
 def _tile_of(CU_SEQLENS, sequence, tile, query_start, query_end, TOK: gl.constexpr):
     """A query tile's sequence start and length, first position, queries (its tokens
-    [first_query, end_query), see attention._query_tile) and the query row of the sequence's
-    position 0."""
+    [first_query, end_query), see attention._query_tile), the members mask of a block all its
+    queries kept, and the query row of the sequence's position 0."""
     seq_start = gl.load(CU_SEQLENS + sequence)
     seq_len = gl.load(CU_SEQLENS + sequence + 1) - seq_start
     first_position = tile * TOK
     first_query = gl.maximum(query_start - seq_start - first_position, 0)
     end_query = gl.minimum(gl.minimum(query_end - seq_start, seq_len) - first_position, TOK)
-    return seq_start, seq_len, first_position, first_query, end_query, seq_start - query_start
+    one = first_query.to(gl.int64) * 0 + 1
+    all_members = (gl.where(end_query >= 64, -1, (one << end_query.to(gl.int64)) - 1)
+                   - ((one << first_query.to(gl.int64)) - 1))
+    return (seq_start, seq_len, first_position, first_query, end_query, all_members,
+            seq_start - query_start)
 
 
 @gluon.jit
@@ -135,25 +139,15 @@ def _visible(block, members, row_bit, row_valid, row_position, seq_len, BLOCK: g
 
 
 @gluon.jit
-def _row_bias(members, row_bit, row_valid):
-    """Per row, 0 if its token kept the block (``members``) and -inf if not: added to a
-    block's scaled scores before the tile it drops whole rows, for the price of the scaling's
-    multiply-add (a mask per element cost more; needed only on the tile's own blocks)."""
-    row_member = (((members >> row_bit) & 1) != 0) & row_valid
-    return gl.where(row_member, 0.0, float("-inf"))
-
-
-@gluon.jit
 def _online_softmax(scores, u, running_max, running_sum, blocks, members_of, first_position,
-                    row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK: gl.constexpr,
-                    layout: gl.constexpr):
-    """Walk entry u's probabilities (unnormalized, base 2) and the running max and sum."""
+                    all_members, row_bit, row_valid, row_position, seq_len, scale_log2,
+                    BLOCK: gl.constexpr, layout: gl.constexpr):
+    """Walk entry u's probabilities (unnormalized, base 2) and the running max and sum. Masked
+    only where the block needs it (see attention._walk_block)."""
     block = gl.load(blocks + u)
     members = gl.load(members_of + u)
-    # Rows whose token did not keep the block drop out by their bias; only the tile's own
-    # blocks need a mask per element.
-    scores = scores * scale_log2 + _row_bias(members, row_bit, row_valid)[:, None]
-    if block * BLOCK + BLOCK > first_position:
+    scores = scores * scale_log2
+    if (block * BLOCK + BLOCK > first_position) | (members != all_members):
         scores = gl.where(_visible(block, members, row_bit, row_valid, row_position, seq_len,
                                    BLOCK, layout), scores, float("-inf"))
     new_max = gl.maximum(running_max, gl.max(scores, axis=1))
@@ -172,7 +166,8 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
     """One consumer warpgroup of the warp-specialized forward: rows [64 HALF, 64 HALF + 64) of
     the tile through its walk (the loader's K and V rings; each stage handed back once its
     product is done), then their out and log-sum-exp."""
-    seq_start, seq_len, first_position, first_query, end_query, query_base = tile
+    (seq_start, seq_len, first_position, first_query, end_query, all_members,
+     query_base) = tile
     NUM_WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = 64
     s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)  # scores [ROWS, BLOCK]
@@ -195,8 +190,8 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
         scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
         mbarrier.arrive(k_empty.index(0), count=1)
         probs, rescale, running_max, running_sum = _online_softmax(
-            scores, 0, running_max, running_sum, blocks, members_of, first_position, row_bit,
-            row_valid, row_position, seq_len, scale_log2, BLOCK, s_layout)
+            scores, 0, running_max, running_sum, blocks, members_of, first_position,
+            all_members, row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK, s_layout)
         p = gl.convert_layout(probs.to(Q.dtype.element_ty), p_layout)
         for u in range(1, walk_length):
             stage = u % 2
@@ -211,7 +206,8 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
             mbarrier.arrive(k_empty.index(stage), count=1)
             probs, rescale, running_max, running_sum = _online_softmax(
                 scores, u, running_max, running_sum, blocks, members_of, first_position,
-                row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK, s_layout)
+                all_members, row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK,
+                s_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
             mbarrier.arrive(v_empty.index(previous), count=1)
             acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
@@ -289,7 +285,8 @@ def _sparse_attn_fwd_hopper_kernel(
         return
     tile = _tile_of(CU_SEQLENS, sequence, gl.load(SCHEDULE + 2 * entry + 1), query_start,
                     query_end, TOK)
-    seq_start, seq_len, first_position, first_query, end_query, query_base = tile
+    (seq_start, seq_len, first_position, first_query, end_query, all_members,
+     query_base) = tile
     io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
                                                    end_query, query_base, GQ, TOK, ROWS,
                                                    HEAD_DIM, io_layout)
@@ -317,18 +314,15 @@ def _sparse_attn_fwd_hopper_kernel(
 
 
 @gluon.jit
-def _masked_probs(scores, u, lse, blocks, members_of, first_position, row_bit, row_valid,
-                  row_position, seq_len, scale_log2, BLOCK: gl.constexpr,
+def _masked_probs(scores, u, lse, blocks, members_of, first_position, all_members, row_bit,
+                  row_valid, row_position, seq_len, scale_log2, BLOCK: gl.constexpr,
                   layout: gl.constexpr):
     """Walk entry u's probabilities from the final log-sum-exps, zero where a row does not see
     a key."""
     block = gl.load(blocks + u)
     members = gl.load(members_of + u)
-    # Rows whose token did not keep the block drop out by their bias; only the tile's own
-    # blocks need a mask per element.
-    probs = gl.exp2(scores * scale_log2
-                    - (lse - _row_bias(members, row_bit, row_valid))[:, None])
-    if block * BLOCK + BLOCK > first_position:
+    probs = gl.exp2(scores * scale_log2 - lse[:, None])
+    if (block * BLOCK + BLOCK > first_position) | (members != all_members):
         probs = gl.where(_visible(block, members, row_bit, row_valid, row_position, seq_len,
                                   BLOCK, layout), probs, 0.0)
     return probs
@@ -349,7 +343,8 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
     K(u - 1) goes back to the loader as soon as the first is done (so a ring of two K blocks
     keeps the loader a whole entry ahead), then ``dP_u = dO V_u^T`` is issued and block u's
     exponentials run while it is computed."""
-    seq_start, seq_len, first_position, first_query, end_query, query_base = tile
+    (seq_start, seq_len, first_position, first_query, end_query, all_members,
+     query_base) = tile
     NUM_WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = 64
     s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)  # scores [ROWS, BLOCK]
@@ -397,8 +392,9 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
         dprobs = warpgroup_mma(do_rows, v_smem.index(0).permute((1, 0)), no_scores,
                                use_acc=False, is_async=True)
         scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
-        probs = _masked_probs(scores, 0, lse, blocks, members_of, first_position, row_bit,
-                              row_valid, row_position, seq_len, scale_log2, BLOCK, s_layout)
+        probs = _masked_probs(scores, 0, lse, blocks, members_of, first_position, all_members,
+                              row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK,
+                              s_layout)
         dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(dprobs,))
         mbarrier.arrive(v_empty.index(0), count=1)
         dscores = gl.convert_layout((probs * (dprobs - delta[:, None])).to(Q.dtype.element_ty),
@@ -418,8 +414,8 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
             # Q K^T of block u is done; its exponentials run while dO V^T does.
             scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
             probs = _masked_probs(scores, u, lse, blocks, members_of, first_position,
-                                  row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK,
-                                  s_layout)
+                                  all_members, row_bit, row_valid, row_position, seq_len,
+                                  scale_log2, BLOCK, s_layout)
             dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(dprobs,))
             mbarrier.arrive(v_empty.index(stage), count=1)
             dscores = gl.convert_layout(
