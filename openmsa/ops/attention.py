@@ -658,7 +658,8 @@ KL_QUERY_CONFIG = dict(num_warps=8, num_stages=2)
 KL_CONFIG = dict(num_warps=8, num_stages=2)
 # The index log-sum-exp alone (next to the Hopper forward: index_log_sum_exp). On the main
 # tiles' 8 tokens (128k, H64, H200) 4 warps beat 8 and 2 (3.65 against 4.15 and 3.78 ms), 2
-# stages beat 1, 3 and 4; not swept again on its own wider tiles.
+# stages beat 1, 3 and 4; on its own 32-token tiles 4 warps and 2 stages stay the best (0.198 ms
+# at 16k, H16, 1.518 at 128k; benchmarks/results/step-16k-h200-2026-11-30/lists-second/).
 INDEX_ALONE_CONFIG = dict(num_warps=4, num_stages=2)
 # Its tiles hold at least this many tokens: every block a tile walks costs one [block, Di] load
 # of index keys whatever its token count, and neighbouring tokens mostly keep the same blocks.
@@ -980,11 +981,12 @@ def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProble
     segments = p.block_work.segments.shape[0]
     part = torch.empty(segments * p.block_size, p.index_dim, dtype=torch.float32,
                        device=q.device)
-    value_parts = d_index_q = part  # placeholders unless query_side
+    value_parts = d_index_q = part  # placeholders unless query_side (and with_value)
     if query_side:
-        value_parts = torch.empty(segments, dtype=torch.float32, device=q.device)
         d_index_q = torch.zeros(p.total, p.num_index_heads, p.index_dim, dtype=torch.float32,
                                 device=q.device)
+        if with_value:
+            value_parts = torch.empty(segments, dtype=torch.float32, device=q.device)
     if (use_hopper is not False and pairs is None
             and hopper.supported_kl(q, k, index_q, index_k, p)):
         hopper.kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, part, value_parts,

@@ -400,7 +400,7 @@ def _segments_kernel(SEGMENTS_END, BUCKET_START, BUCKET_COUNT, PAIR_TOKEN, SEGME
 
 
 def _block_work_torch(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
-                       segment_pairs: int, query_start: int = 0,
+                      segment_pairs: int, query_start: int = 0,
                       num_keys: int | None = None, segment_order: str = "pairs") -> BlockWork:
     """``build_block_work`` in torch operations."""
     total, num_index_heads, top_k = block_ids.shape
