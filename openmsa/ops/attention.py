@@ -222,8 +222,10 @@ def _sparse_attn_fwd_kernel(
             if INDEX_MAX_GIVEN:
                 # Padding rows (tokens TOK.., or not queries) add garbage that is never stored.
                 terms = tl.exp(z - index_max[:, None])
-                if needs_mask:
+                if block * BLOCK + BLOCK > first_position:  # the tile's own block(s)
                     terms = tl.where(tok_visible, terms, 0.0)
+                elif needs_mask:  # before the tile only whole tokens drop out: a select per row
+                    terms = tl.where(tok_member[:, None], terms, 0.0)
                 index_terms += terms
             else:
                 z = tl.where(tok_visible, z, float("-inf"))
@@ -478,7 +480,7 @@ def _sparse_attn_dkdv_kernel(
 
 @triton.jit
 def _kl_kernel(
-    Q, K, IQ, IK, LSE, LSE_INDEX, DIK_PART, KL_PARTS, DIQ,
+    Q, K, IQ, IK, LSE, LSE_INDEX, DIK, KL_PARTS, DIQ,
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_iq_t, stride_iq_h,
@@ -493,11 +495,12 @@ def _kl_kernel(
     [BLOCK, PAIRS] is the mean over the index head's GQ main heads of their probabilities, one
     QK^T and its exponentials per head added up in registers, and the student comes from the
     index scores. Always: sum over the pairs of (s - t)^T index_q, the KL gradient of index_k
-    before its scalar factor, as fp32 partials per segment (summed in order afterwards).
-    QUERY_SIDE: also each pair's (s - t) index_k into the unscaled gradient of index_q, by
-    atomic adds (not bitwise reproducible: they land in any order), and, with WITH_VALUE, the
-    program's terms of KL(t || s), summed in order, into KL_PARTS[program] (0 for padding): one
-    pass gives the whole KL."""
+    before its scalar factor, into DIK: fp32 partials per segment (summed in order afterwards),
+    or with QUERY_SIDE added into d index_k's fp32 rows. QUERY_SIDE: also each pair's
+    (s - t) index_k into the unscaled gradient of index_q; both by atomic adds (not bitwise
+    reproducible: they land in any order), and, with WITH_VALUE, the program's terms of
+    KL(t || s), summed in order, into KL_PARTS[program] (0 for padding): one pass gives the
+    whole KL."""
     segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
         CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
@@ -554,22 +557,34 @@ def _kl_kernel(
             tl.atomic_add(DIQ + row[:, None].to(tl.int64) * INDEX_DIM + index_dims[None, :],
                           d_index_q, mask=pair_valid[:, None], sem="relaxed")
         d_index_k = tl.dot(dz_t, index_q, d_index_k, input_precision=PRECISION)
-    tl.store(DIK_PART + (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * INDEX_DIM
-             + index_dims[None, :], d_index_k)
+    if QUERY_SIDE:
+        index_key_heads: tl.constexpr = HI // INDEX_GROUP
+        tl.atomic_add(DIK + (key_token * index_key_heads + index_head // INDEX_GROUP)[:, None]
+                      * INDEX_DIM + index_dims[None, :], d_index_k, mask=key_valid[:, None],
+                      sem="relaxed")
+    else:
+        tl.store(DIK + (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * INDEX_DIM
+                 + index_dims[None, :], d_index_k)
     if QUERY_SIDE and WITH_VALUE:
         tl.store(KL_PARTS + tl.program_id(0), tl.sum(value_keys, axis=0))
 
 
 @triton.jit
 def _reduce_segments_kernel(
-    PART, OUT, BUCKET_SEGMENTS_END, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, stride_t, stride_h,
-    scale, HI: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    KEYS: tl.constexpr,
+    PART, OUT, PART_B, OUT_B, BUCKET_SEGMENTS_END, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
+    stride_t, stride_h, stride_b_t, stride_b_h, scale, scale_b, HI: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, KEYS: tl.constexpr,
 ):
     """KEYS keys of one (key block, output head) of dK, dV or d index_k: ``scale`` x the sum, in
-    order, of the partials of the segments of its GROUP index heads (contiguous buckets)."""
+    order, of the partials of the segments of its GROUP index heads (contiguous buckets). The
+    programs past the first BLOCK // KEYS along axis 2 do the same for PART_B into OUT_B (same
+    shape) with ``scale_b``: dK and dV in one launch."""
     global_block = tl.program_id(0).to(tl.int64)
     out_head = tl.program_id(1).to(tl.int64)
+    chunk = tl.program_id(2)
+    if chunk >= BLOCK // KEYS:
+        PART, OUT, scale, chunk = PART_B, OUT_B, scale_b, chunk - BLOCK // KEYS
+        stride_t, stride_h = stride_b_t, stride_b_h
     sequence = tl.load(BLOCK_SEQUENCE + global_block).to(tl.int64)
     if sequence < 0:
         return
@@ -581,7 +596,7 @@ def _reduce_segments_kernel(
                             other=0).to(tl.int64)
     end_segment = tl.load(BUCKET_SEGMENTS_END + first_bucket + GROUP - 1).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
-    keys = tl.program_id(2) * KEYS + tl.arange(0, KEYS)
+    keys = chunk * KEYS + tl.arange(0, KEYS)
     acc = tl.zeros((KEYS, HEAD_DIM), tl.float32)
     for segment in range(first_segment, end_segment):
         acc += tl.load(PART + (segment * BLOCK + keys)[:, None] * HEAD_DIM + dims[None, :])
@@ -929,17 +944,23 @@ def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
     return (dq,) + attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=use_hopper)
 
 
-def _reduce_segments(part, out, scale, group, p: SparseAttentionProblem):
-    """Sums the per-segment partials of every (key block, output head) into ``out``."""
+def _reduce_segments(part, out, scale, group, p: SparseAttentionProblem, part_b=None,
+                     out_b=None, scale_b=1.0):
+    """Sums the per-segment partials of every (key block, output head) into ``out`` (and, in
+    the same launch, ``part_b``'s into ``out_b``, a tensor like ``out``)."""
     blocks = p.block_work
     # A program per REDUCE_KEYS keys of a (key block, head): with whole blocks, 16k tokens at
     # 2 KV heads made 258 programs, and each reduction took 37 us on an H200.
     keys = min(REDUCE_KEYS, p.block_size)
-    _reduce_segments_kernel[(blocks.num_global_blocks, out.shape[1], p.block_size // keys)](
-        part, out, blocks.bucket_segments_end, blocks.block_sequence, blocks.block_local,
-        p.cu_seqlens, out.stride(0), out.stride(1), scale, HI=p.num_index_heads,
-        GROUP=group, BLOCK=p.block_size, HEAD_DIM=out.shape[2], KEYS=keys, num_warps=4)
-    return out
+    paired = part_b is not None
+    part_b, out_b = (part_b, out_b) if paired else (part, out)
+    _reduce_segments_kernel[(blocks.num_global_blocks, out.shape[1],
+                             (2 if paired else 1) * (p.block_size // keys))](
+        part, out, part_b, out_b, blocks.bucket_segments_end, blocks.block_sequence,
+        blocks.block_local, p.cu_seqlens, *_strides(out, out_b), scale, scale_b,
+        HI=p.num_index_heads, GROUP=group, BLOCK=p.block_size, HEAD_DIM=out.shape[2],
+        KEYS=keys, num_warps=4)
+    return (out, out_b) if paired else out
 
 
 def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
@@ -961,9 +982,8 @@ def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
             *_strides(q, k, v, dout), p.scale * LOG2_E,
             **p.key_constants(p.key_tokens, p.key_rows), num_warps=num_warps,
             num_stages=num_stages)
-    group = p.shared["KV_GROUP"]
-    return (_reduce_segments(dk_part, torch.empty_like(k), p.scale, group, p),
-            _reduce_segments(dv_part, torch.empty_like(v), 1.0, group, p))
+    return _reduce_segments(dk_part, torch.empty_like(k), p.scale, p.shared["KV_GROUP"], p,
+                            dv_part, torch.empty_like(v), 1.0)
 
 
 def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProblem,
@@ -979,29 +999,32 @@ def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProble
     [T, Hi, Di], summed by atomic adds). The gradients are ``kl_grad * p.kl_gradient_scale()``
     times the unscaled ones."""
     segments = p.block_work.segments.shape[0]
-    part = torch.empty(segments * p.block_size, p.index_dim, dtype=torch.float32,
-                       device=q.device)
-    value_parts = d_index_q = part  # placeholders unless query_side (and with_value)
-    if query_side:
+    if query_side:  # both gradients by atomic adds
         d_index_q = torch.zeros(p.total, p.num_index_heads, p.index_dim, dtype=torch.float32,
                                 device=q.device)
-        if with_value:
-            value_parts = torch.empty(segments, dtype=torch.float32, device=q.device)
+        d_index_k = torch.zeros(index_k.shape, dtype=torch.float32, device=q.device)
+    else:  # d index_k's partials per segment, summed in order below
+        d_index_k = torch.empty(segments * p.block_size, p.index_dim, dtype=torch.float32,
+                                device=q.device)
+        d_index_q = d_index_k  # a placeholder
+    value_parts = (torch.empty(segments, dtype=torch.float32, device=q.device)
+                   if query_side and with_value else d_index_k)  # (else a placeholder)
     if (use_hopper is not False and pairs is None
             and hopper.supported_kl(q, k, index_q, index_k, p)):
-        hopper.kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, part, value_parts,
-                                 d_index_q, query_side, with_value, p.scale * LOG2_E, KL_PAIRS)
+        hopper.kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, d_index_k,
+                                 value_parts, d_index_q, query_side, with_value,
+                                 p.scale * LOG2_E, KL_PAIRS)
     else:
         _launch(_kl_kernel, (segments,),
-            q, k, index_q, index_k, lse, lse_index, part, value_parts, d_index_q,
+            q, k, index_q, index_k, lse, lse_index, d_index_k, value_parts, d_index_q,
             *p.key_work_args(),
             *_strides(q, k, index_q, index_k), p.scale * LOG2_E, p.index_scale,
             **p.kl_constants(pairs or KL_PAIRS), QUERY_SIDE=query_side, WITH_VALUE=with_value,
             num_warps=num_warps, num_stages=num_stages)
-    d_index_k = _reduce_segments(part, torch.empty(index_k.shape, dtype=torch.float32,
-                                                   device=q.device), 1.0, p.index_group, p)
     if not query_side:
-        return d_index_k, None, None
+        return _reduce_segments(d_index_k, torch.empty(index_k.shape, dtype=torch.float32,
+                                                       device=q.device),
+                                1.0, p.index_group, p), None, None
     return d_index_k, (value_parts if with_value else None), d_index_q
 
 

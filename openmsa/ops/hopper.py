@@ -128,13 +128,21 @@ def _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry, index_head, HI: gl.conste
 
 
 @gluon.jit
+def _row_member(members, row_bit, row_valid):
+    """Per row, whether its token kept the block whose token mask is ``members``. Before the
+    tile the forward masks a block by a select per row instead of a mask per element (a bias of
+    -inf added to the scores would be cheaper still, but leaves NaN scores NaN). dQ keeps the
+    mask per element: the extra branch made ptxas spill 56 bytes at 16 heads per index head."""
+    return (((members >> row_bit) & 1) != 0) & row_valid
+
+
+@gluon.jit
 def _visible(block, members, row_bit, row_valid, row_position, seq_len, BLOCK: gl.constexpr,
              layout: gl.constexpr):
     """[ROWS, BLOCK]: whether a row sees a key of ``block``: its token kept the block, the key
     is in the sequence and not after the query."""
     key_pos = block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, layout))
-    row_member = (((members >> row_bit) & 1) != 0) & row_valid
-    return (row_member[:, None] & (key_pos < seq_len)[None, :]
+    return (_row_member(members, row_bit, row_valid)[:, None] & (key_pos < seq_len)[None, :]
             & (key_pos[None, :] <= row_position[:, None]))
 
 
@@ -147,9 +155,12 @@ def _online_softmax(scores, u, running_max, running_sum, blocks, members_of, fir
     block = gl.load(blocks + u)
     members = gl.load(members_of + u)
     scores = scores * scale_log2
-    if (block * BLOCK + BLOCK > first_position) | (members != all_members):
+    if block * BLOCK + BLOCK > first_position:  # the tile's own block(s): a mask per element
         scores = gl.where(_visible(block, members, row_bit, row_valid, row_position, seq_len,
                                    BLOCK, layout), scores, float("-inf"))
+    elif members != all_members:  # before the tile only whole rows drop out
+        scores = gl.where(_row_member(members, row_bit, row_valid)[:, None], scores,
+                          float("-inf"))
     new_max = gl.maximum(running_max, gl.max(scores, axis=1))
     safe_max = gl.where(new_max == float("-inf"), 0.0, new_max)
     rescale = gl.exp2(running_max - safe_max)
@@ -847,7 +858,7 @@ def _kl_step_end(teacher, d_index_k, value_keys, step, first, last, diagonal_ste
 
 @gluon.jit
 def _kl_hopper_kernel(
-    Q, IQ, LSE, LSE_INDEX, DIK_PART, KL_PARTS, DIQ, k_desc, ik_desc,
+    Q, IQ, LSE, LSE_INDEX, DIK, KL_PARTS, DIQ, k_desc, ik_desc,
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start,
     stride_q_t, stride_q_h, stride_iq_t, stride_iq_h, scale_log2, index_scale,
@@ -866,7 +877,8 @@ def _kl_hopper_kernel(
     u - 2). The step's end is as in the Triton kernel: the student from ``index_k index_q^T``,
     d index_k += (s - t) index_q in registers, with QUERY_SIDE d index_q = (s - t)^T index_k
     (from shared memory, transposed) by atomic adds and, with WITH_VALUE, the program's
-    terms of the value, summed, into KL_PARTS[program] (0 for padding)."""
+    terms of the value, summed, into KL_PARTS[program] (0 for padding). d index_k goes to DIK
+    as the Triton kernel's does."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     STEP_SLOTS: gl.constexpr = 4  # index_q rows of steps s..s+3 (unit prefetch crosses steps)
     CHUNK: gl.constexpr = 2 if GQ % 2 == 0 else 1
@@ -976,8 +988,16 @@ def _kl_hopper_kernel(
 
     keys = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, dik_layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dik_layout))
-    gl.store(DIK_PART + (segment.to(gl.int64) * BLOCK + keys)[:, None] * HEAD_DIM
-             + dims[None, :], d_index_k)
+    if QUERY_SIDE:  # added into d index_k's rows, as d index_q's: no partials to reduce
+        seq_end = gl.load(CU_SEQLENS + gl.load(BLOCK_SEQUENCE + bucket // HI) + 1)
+        key_rows = seq_start + block * BLOCK + keys
+        index_key_heads: gl.constexpr = HI // INDEX_GROUP
+        gl.atomic_add(DIK + (key_rows.to(gl.int64) * index_key_heads
+                             + index_head // INDEX_GROUP)[:, None] * HEAD_DIM + dims[None, :],
+                      d_index_k, mask=(key_rows < seq_end)[:, None], sem="relaxed")
+    else:
+        gl.store(DIK + (segment.to(gl.int64) * BLOCK + keys)[:, None] * HEAD_DIM
+                 + dims[None, :], d_index_k)
     if QUERY_SIDE and WITH_VALUE:
         gl.store(KL_PARTS + gl.program_id(0), gl.sum(value_keys, axis=0))
 
@@ -1145,17 +1165,17 @@ def supported_kl(q, k, index_q, index_k, p) -> bool:
 KL_STAGES = 4  # units of q rows in shared memory (two ahead)
 
 
-def kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, part, value_parts,
+def kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, d_index_k, value_parts,
                       d_index_q, query_side: bool, with_value: bool, scale_log2: float,
                       pairs: int):
     """attention.kl_key_walk's kernel, ``pairs`` pairs a step: d index_k partials per segment
-    into ``part``, with ``query_side`` d index_q added into ``d_index_q`` and, with
-    ``with_value`` too, the value's terms per program into ``value_parts``;
-    ``supported_kl(q, k, index_q, index_k, p)`` must hold."""
+    into ``d_index_k`` or, with ``query_side``, d index_k itself added into ``d_index_k`` and
+    d index_q into ``d_index_q`` and, with ``with_value`` too, the value's terms per program
+    into ``value_parts``; ``supported_kl(q, k, index_q, index_k, p)`` must hold."""
     work = p.block_work
     shared = p.shared
     _kl_hopper_kernel[(work.segments.shape[0],)](
-        q, index_q, lse, lse_index, part, value_parts, d_index_q,
+        q, index_q, lse, lse_index, d_index_k, value_parts, d_index_q,
         _block_descriptor(k, p.block_size),
         _block_descriptor(index_k, p.block_size), work.segments, work.segment_order,
         work.pair_token, work.bucket_start, work.bucket_count, work.block_sequence,
@@ -1204,7 +1224,7 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
                          QUERY_SIDE=True, WITH_VALUE=True, STAGES=KL_STAGES)
     pointers = dict(Q=f"*{dtype}", OUT=f"*{dtype}", DOUT=f"*{dtype}", DQ=f"*{dtype}",
                     LSE="*fp32", DELTA="*fp32", DK_PART="*fp32", DV_PART="*fp32",
-                    UNION_MEMBERS="*i64", IQ=f"*{dtype}", LSE_INDEX="*fp32", DIK_PART="*fp32",
+                    UNION_MEMBERS="*i64", IQ=f"*{dtype}", LSE_INDEX="*fp32", DIK="*fp32",
                     KL_PARTS="*fp32", DIQ="*fp32")
     types = {}
     for name in fn.arg_names:
