@@ -16,9 +16,9 @@ the tensor cores, so rows are stacked from several tokens:
 The KL: the forward walk also computes the index log-sum-exp over the kept tokens (without a
 running maximum when selection gives each row's largest score). A key-outer kernel over the
 dK/dV segments then rebuilds the teacher (the mean of the GQ heads' probabilities, from the final
-main log-sum-exps) and the student, and gives d index_k and the KL's value (ordered partials)
-and, by atomic adds, d index_q; with ``deterministic`` a query-outer walk gives d index_q and
-the value instead.
+main log-sum-exps) and the student, and gives the KL's value (ordered partials) and, by atomic
+adds, d index_q and d index_k; with ``deterministic`` a query-outer walk gives d index_q and the
+value instead, and d index_k comes from ordered partials.
 Both gradients are (s - t) times the index keys or queries, scaled by the upstream gradient of
 kl, a scalar: they do not depend on dout, so the forward computes them along with the value.
 
@@ -993,11 +993,11 @@ def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProble
     """The key-outer KL kernel over the key-block -> queries list (on a Hopper GPU the Gluon
     kernel where it supports the inputs; else, with ``use_hopper=False`` or with ``pairs`` and
     the launch options, which tune it, the Triton kernel).
-    Returns the unscaled KL gradient of index_k (fp32, index_k's shape) and, with
-    ``query_side``, the KL's terms summed per program (fp32 [segments]: their sum over
-    Nq * Hi is the KL; None unless ``with_value``) and the unscaled gradient of index_q (fp32
-    [T, Hi, Di], summed by atomic adds). The gradients are ``kl_grad * p.kl_gradient_scale()``
-    times the unscaled ones."""
+    Returns the unscaled KL gradient of index_k (fp32, index_k's shape; per-segment partials
+    summed in order, or with ``query_side`` atomic adds) and, with ``query_side``, the KL's
+    terms summed per program (fp32 [segments]: their sum over Nq * Hi is the KL; None unless
+    ``with_value``) and the unscaled gradient of index_q (fp32 [T, Hi, Di], summed by atomic
+    adds). The gradients are ``kl_grad * p.kl_gradient_scale()`` times the unscaled ones."""
     segments = p.block_work.segments.shape[0]
     if query_side:  # both gradients by atomic adds
         d_index_q = torch.zeros(p.total, p.num_index_heads, p.index_dim, dtype=torch.float32,
@@ -1035,10 +1035,11 @@ def index_branch_kl(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionPr
     unless ``with_value``; the unscaled gradients of index_q and index_k or None unless
     ``with_grad``).
 
-    The gradients come from one key-outer pass (``kl_key_walk``) that sums d index_q by atomic
-    adds; ``deterministic`` instead takes d index_q and the value from the query-side walk, a
-    second pass over the same pairs that writes each (token, index head) once. The value alone
-    is the query-side walk, which needs no key-block list."""
+    The gradients come from one key-outer pass (``kl_key_walk``) that sums them by atomic adds;
+    ``deterministic`` instead takes d index_q and the value from the query-side walk, a second
+    pass over the same pairs that writes each (token, index head) once, and d index_k from the
+    key-outer pass's ordered partials. The value alone is the query-side walk, which needs no
+    key-block list."""
     if not with_grad:
         value_parts, _ = kl_query_side(q, k, index_q, index_k, lse, lse_index, p,
                                        with_value=True, with_grad=False)

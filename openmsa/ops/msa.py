@@ -80,9 +80,9 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         warmup: dense causal main attention; the KL covers the whole causal prefix.
         cu_seqlens: int32 ``[N + 1]`` offsets of packed sequences (``flash_attn_varlen_func``).
         max_seqlen: optional upper bound on the packed sequences' lengths.
-        deterministic: bitwise reproducible gradients and KL value. By default the KL's value
-            and index gradients are sums of atomic adds, in any order (one pass over the kept
-            pairs); with True they come from two ordered passes (~15% of a step at 32k-128k).
+        deterministic: bitwise reproducible gradients. By default the KL's index gradients
+            are sums of atomic adds, in any order (one pass over the kept pairs); with True
+            they come from two ordered passes (~15% of a step at 32k-128k).
         return_indices: also return the kept block ids, int32 ``[B, Hi, S, top_k]`` (packed
             ``[Hi, T, top_k]``), relative to each sequence's start, unused slots ``-1``.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (the eager reference, any device;
