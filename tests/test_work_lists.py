@@ -2,10 +2,13 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from openmsa.ops.csr import (BlockWork, block_work_sizes, build_block_work,
-                             build_causal_block_work, build_causal_query_tile_work,
-                             build_query_tile_work)
+from openmsa.ops.csr import (BlockWork, _count_at_most_wide, block_work_sizes,
+                             build_block_work, build_causal_block_work,
+                             build_causal_query_tile_work, build_query_tile_work,
+                             wide_search_steps)
 from openmsa.ops.layout import all_causal_block_ids
 from openmsa.ops.validate import query_positions_from_offsets
 
@@ -276,3 +279,30 @@ def test_segment_order_by_sort_equals_the_rank_kernel(monkeypatch):
     monkeypatch.setattr(csr, "RANK_MAX_SEGMENTS", 0)
     by_sort = build_block_work(ids, cu, 16, 3, use_triton=True)
     assert torch.equal(by_rank.segment_order, by_sort.segment_order)
+
+
+@triton.jit
+def _count_kernel(SORTED, VALUES, OUT, size, num_values, LANES: tl.constexpr, FAN: tl.constexpr,
+                  STEPS: tl.constexpr):
+    lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    value = tl.load(VALUES + lane, mask=lane < num_values, other=0)
+    tl.store(OUT + lane, _count_at_most_wide(SORTED, value, size, FAN, STEPS),
+             mask=lane < num_values)
+
+
+@pytest.mark.parametrize("size,fan", [(0, 4), (1, 4), (3, 4), (1000, 4), (1000, 32), (4097, 8)])
+def test_wide_search_counts_like_searchsorted(size, fan):
+    """The bucket runs' wide search: for every value around and inside a sorted array with long
+    runs of equal entries, the entries at most the value (torch.searchsorted's right side),
+    with as many steps as ``wide_search_steps`` gives."""
+    generator = torch.Generator().manual_seed(size + fan)
+    ordered = torch.sort(torch.randint(0, 60, (size,), generator=generator)).values
+    ordered = ordered.to(torch.int32)
+    values = torch.arange(-2, 63, dtype=torch.int32)
+    out = torch.empty_like(values)
+    lanes = 16
+    _count_kernel[(triton.cdiv(values.numel(), lanes),)](
+        ordered, values, out, size, values.numel(), LANES=lanes, FAN=fan,
+        STEPS=wide_search_steps(size, fan))
+    expected = torch.searchsorted(ordered, values, right=True).to(torch.int32)
+    assert torch.equal(out, expected)

@@ -236,14 +236,15 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
             SEARCH_STEPS=search)
     # Stable: pairs of a bucket stay in token order, so the work list is deterministic.
     sorted_keys, pair_order = torch.sort(keys, stable=True)
-    chunk = 1024
+    chunk, buckets, fan = 1024, 64, 32
     segments_per_bucket = torch.empty(num_buckets, dtype=torch.int32, device=device)
-    _bucket_runs_kernel[(triton.cdiv(max(num_pairs, num_buckets), chunk),)](
+    programs = max(triton.cdiv(num_pairs, chunk), triton.cdiv(num_buckets, buckets))
+    _bucket_runs_kernel[(programs,)](
         sorted_keys, pair_order, pair_token, block_end, bucket_start, bucket_count,
         segments_per_bucket, block_sequence, block_local, num_pairs, num_buckets,
         num_sequences, HI=num_index_heads, PAIR_ENTRIES=num_index_heads * top_k,
-        SEGMENT_PAIRS=segment_pairs, CHUNK=chunk, PAIR_STEPS=max(1, num_pairs.bit_length()),
-        SEARCH_STEPS=search)
+        SEGMENT_PAIRS=segment_pairs, CHUNK=chunk, BUCKETS=buckets, FAN=fan,
+        PAIR_STEPS=wide_search_steps(num_pairs, fan), SEARCH_STEPS=search)
     torch.cumsum(segments_per_bucket, 0, dtype=torch.int32, out=bucket_segments_end)
     order_key = torch.empty(num_segments, dtype=torch.int64, device=device)
     _segments_kernel[(triton.cdiv(num_segments, chunk),)](
@@ -252,8 +253,8 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
         SEGMENT_PAIRS=segment_pairs, ORDER=SEGMENT_ORDERS.index(segment_order), CHUNK=chunk,
         SEARCH_STEPS=max(1, num_buckets.bit_length()))
     if num_segments <= RANK_MAX_SEGMENTS:
-        _stable_rank_kernel[(triton.cdiv(num_segments, 64),)](
-            order_key, order, num_segments, CHUNK=64, OTHERS=128)
+        _stable_rank_kernel[(triton.cdiv(num_segments, RANK_CHUNK),)](
+            order_key, order, num_segments, CHUNK=RANK_CHUNK, OTHERS=RANK_OTHERS)
     else:
         order.copy_(torch.argsort(order_key, stable=True))
     return BlockWork(pair_token=pair_token, bucket_start=bucket_start,
@@ -268,6 +269,9 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
 # microseconds); beyond, a torch sort does (its small-input path took 29 us for 1000 keys on an
 # H200).
 RANK_MAX_SEGMENTS = 4096
+# Its programs rank RANK_CHUNK keys each against RANK_OTHERS others a step: few dependent steps
+# (a step is one read of the keys), tiles of 16k comparisons.
+RANK_CHUNK, RANK_OTHERS = 16, 1024
 
 
 @triton.jit
@@ -317,6 +321,36 @@ def _count_at_most(SORTED, value, size, STEPS: tl.constexpr):
 
 
 @triton.jit
+def _count_at_most_wide(SORTED, value, size, FAN: tl.constexpr, STEPS: tl.constexpr):
+    """``_count_at_most`` for long arrays: each step reads FAN - 1 evenly spaced entries of a
+    lane's range at once and keeps the gap that holds the answer, so a range of n entries takes
+    about log_FAN(n) dependent reads instead of log2(n) (``wide_search_steps``)."""
+    low = tl.zeros_like(value).to(tl.int64)  # SORTED[low - 1] <= value, or low = 0
+    high = low + size  # SORTED[high] > value, or high = size
+    probe = tl.arange(0, FAN)[None, :].to(tl.int64)
+    for _ in tl.static_range(STEPS):
+        width = high - low
+        position = low[:, None] + (width[:, None] * probe) // FAN
+        active = (probe > 0) & (position < high[:, None])
+        at_most = active & (tl.load(SORTED + position, mask=active, other=0) <= value[:, None])
+        count = tl.sum(at_most.to(tl.int64), axis=1)  # the at-most probes are a prefix
+        new_low = tl.where(count > 0, low + (width * count) // FAN + 1, low)
+        high = tl.where(count < FAN - 1, low + (width * (count + 1)) // FAN, high)
+        low = new_low
+    return low.to(value.dtype)
+
+
+def wide_search_steps(size: int, fan: int) -> int:
+    """Steps of ``_count_at_most_wide`` over ``size`` entries: a range of width w leaves a gap
+    of at most ceil(w / fan) entries, and none once w <= fan."""
+    steps = 1
+    while size > fan:
+        size = -(-size // fan)
+        steps += 1
+    return steps
+
+
+@triton.jit
 def _pair_buckets_kernel(IDS, CU_SEQLENS, BLOCK_END, KEYS, num_queries, query_start,
                          num_sequences, stride_ids_t, stride_ids_h, num_buckets,
                          HI: tl.constexpr, TOP_K: tl.constexpr, TOKENS: tl.constexpr,
@@ -345,28 +379,32 @@ def _bucket_runs_kernel(SORTED, ORDER, PAIR_TOKEN, BLOCK_END, BUCKET_START, BUCK
                         BUCKET_SEGMENTS, BLOCK_SEQUENCE, BLOCK_LOCAL, num_pairs, num_buckets,
                         num_sequences, HI: tl.constexpr, PAIR_ENTRIES: tl.constexpr,
                         SEGMENT_PAIRS: tl.constexpr, CHUNK: tl.constexpr,
-                        PAIR_STEPS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    """From the sorted buckets: each pair's query row; each bucket's run (first pair, count)
-    and its segment count; each global block's sequence (-1: padding) and local index."""
+                        BUCKETS: tl.constexpr, FAN: tl.constexpr, PAIR_STEPS: tl.constexpr,
+                        SEARCH_STEPS: tl.constexpr):
+    """From the sorted buckets: each pair's query row (CHUNK pairs a program); each bucket's run
+    (first pair, count) and its segment count, each global block's sequence (-1: padding) and
+    local index (BUCKETS buckets and blocks a program). The runs come from wide searches: a
+    binary search's 2 x 21 dependent reads at 16k tokens took 20 us in one program."""
     index = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     pair_valid = index < num_pairs
     order = tl.load(ORDER + index, mask=pair_valid, other=0)
     tl.store(PAIR_TOKEN + index, (order // PAIR_ENTRIES).to(tl.int32), mask=pair_valid)
-    if tl.program_id(0) * CHUNK < num_buckets:  # (the programs past them skip the searches)
-        bucket_valid = index < num_buckets
-        start = _count_at_most(SORTED, index - 1, num_pairs, PAIR_STEPS)
-        count = _count_at_most(SORTED, index, num_pairs, PAIR_STEPS) - start
-        tl.store(BUCKET_START + index, start, mask=bucket_valid)
-        tl.store(BUCKET_COUNT + index, count, mask=bucket_valid)
-        tl.store(BUCKET_SEGMENTS + index, (count + SEGMENT_PAIRS - 1) // SEGMENT_PAIRS,
+    if tl.program_id(0) * BUCKETS < num_buckets:  # (the programs past them skip the searches)
+        bucket = tl.program_id(0) * BUCKETS + tl.arange(0, BUCKETS)  # also a global block
+        bucket_valid = bucket < num_buckets
+        start = _count_at_most_wide(SORTED, bucket - 1, num_pairs, FAN, PAIR_STEPS)
+        count = _count_at_most_wide(SORTED, bucket, num_pairs, FAN, PAIR_STEPS) - start
+        tl.store(BUCKET_START + bucket, start, mask=bucket_valid)
+        tl.store(BUCKET_COUNT + bucket, count, mask=bucket_valid)
+        tl.store(BUCKET_SEGMENTS + bucket, (count + SEGMENT_PAIRS - 1) // SEGMENT_PAIRS,
                  mask=bucket_valid)
-        block_valid = index < num_buckets // HI
-        sequence = _count_at_most(BLOCK_END, index, num_sequences, SEARCH_STEPS)
+        block_valid = bucket < num_buckets // HI
+        sequence = _count_at_most(BLOCK_END, bucket, num_sequences, SEARCH_STEPS)
         padding = sequence >= num_sequences
         first_block = tl.load(BLOCK_END + sequence - 1, mask=~padding & (sequence > 0),
                               other=0)
-        tl.store(BLOCK_SEQUENCE + index, tl.where(padding, -1, sequence), mask=block_valid)
-        tl.store(BLOCK_LOCAL + index, index - first_block, mask=block_valid)
+        tl.store(BLOCK_SEQUENCE + bucket, tl.where(padding, -1, sequence), mask=block_valid)
+        tl.store(BLOCK_LOCAL + bucket, bucket - first_block, mask=block_valid)
 
 
 @triton.jit

@@ -131,24 +131,26 @@ def _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry, index_head, HI: gl.conste
 def _row_member(members, row_bit, row_valid):
     """Per row, whether its token kept the block whose token mask is ``members``. Before the
     tile the forward masks a block by a select per row instead of a mask per element (a bias of
-    -inf added to the scores would be cheaper still, but leaves NaN scores NaN). dQ keeps the
-    mask per element: the extra branch made ptxas spill 56 bytes at 16 heads per index head."""
+    -inf added to the scores would be cheaper still, but leaves NaN scores NaN). dQ keeps one
+    branch, ``_visible``'s comparison per element: a second branch made ptxas spill 56 bytes at
+    16 heads per index head."""
     return (((members >> row_bit) & 1) != 0) & row_valid
 
 
 @gluon.jit
-def _visible(block, members, row_bit, row_valid, row_position, seq_len, BLOCK: gl.constexpr,
+def _visible(block, members, row_bit, row_valid, row_position, BLOCK: gl.constexpr,
              layout: gl.constexpr):
-    """[ROWS, BLOCK]: whether a row sees a key of ``block``: its token kept the block, the key
-    is in the sequence and not after the query."""
+    """[ROWS, BLOCK]: whether a row sees a key of ``block``: its token kept the block and the
+    key is not after the query (so it is in the sequence, as the query is). One comparison per
+    element, with the row's last key: -1 where its token did not keep the block."""
     key_pos = block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, layout))
-    return (_row_member(members, row_bit, row_valid)[:, None] & (key_pos < seq_len)[None, :]
-            & (key_pos[None, :] <= row_position[:, None]))
+    last_key = gl.where(_row_member(members, row_bit, row_valid), row_position, -1)
+    return key_pos[None, :] <= last_key[:, None]
 
 
 @gluon.jit
 def _online_softmax(scores, u, running_max, running_sum, blocks, members_of, first_position,
-                    all_members, row_bit, row_valid, row_position, seq_len, scale_log2,
+                    all_members, row_bit, row_valid, row_position, scale_log2,
                     BLOCK: gl.constexpr, layout: gl.constexpr):
     """Walk entry u's probabilities (unnormalized, base 2) and the running max and sum. Masked
     only where the block needs it (see attention._walk_block)."""
@@ -156,8 +158,8 @@ def _online_softmax(scores, u, running_max, running_sum, blocks, members_of, fir
     members = gl.load(members_of + u)
     scores = scores * scale_log2
     if block * BLOCK + BLOCK > first_position:  # the tile's own block(s): a mask per element
-        scores = gl.where(_visible(block, members, row_bit, row_valid, row_position, seq_len,
-                                   BLOCK, layout), scores, float("-inf"))
+        scores = gl.where(_visible(block, members, row_bit, row_valid, row_position, BLOCK,
+                                   layout), scores, float("-inf"))
     elif members != all_members:  # before the tile only whole rows drop out
         scores = gl.where(_row_member(members, row_bit, row_valid)[:, None], scores,
                           float("-inf"))
@@ -202,7 +204,7 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
         mbarrier.arrive(k_empty.index(0), count=1)
         probs, rescale, running_max, running_sum = _online_softmax(
             scores, 0, running_max, running_sum, blocks, members_of, first_position,
-            all_members, row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK, s_layout)
+            all_members, row_bit, row_valid, row_position, scale_log2, BLOCK, s_layout)
         p = gl.convert_layout(probs.to(Q.dtype.element_ty), p_layout)
         for u in range(1, walk_length):
             stage = u % 2
@@ -217,7 +219,7 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
             mbarrier.arrive(k_empty.index(stage), count=1)
             probs, rescale, running_max, running_sum = _online_softmax(
                 scores, u, running_max, running_sum, blocks, members_of, first_position,
-                all_members, row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK,
+                all_members, row_bit, row_valid, row_position, scale_log2, BLOCK,
                 s_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
             mbarrier.arrive(v_empty.index(previous), count=1)
@@ -326,7 +328,7 @@ def _sparse_attn_fwd_hopper_kernel(
 
 @gluon.jit
 def _masked_probs(scores, u, lse, blocks, members_of, first_position, all_members, row_bit,
-                  row_valid, row_position, seq_len, scale_log2, BLOCK: gl.constexpr,
+                  row_valid, row_position, scale_log2, BLOCK: gl.constexpr,
                   layout: gl.constexpr):
     """Walk entry u's probabilities from the final log-sum-exps, zero where a row does not see
     a key."""
@@ -334,8 +336,8 @@ def _masked_probs(scores, u, lse, blocks, members_of, first_position, all_member
     members = gl.load(members_of + u)
     probs = gl.exp2(scores * scale_log2 - lse[:, None])
     if (block * BLOCK + BLOCK > first_position) | (members != all_members):
-        probs = gl.where(_visible(block, members, row_bit, row_valid, row_position, seq_len,
-                                  BLOCK, layout), probs, 0.0)
+        probs = gl.where(_visible(block, members, row_bit, row_valid, row_position, BLOCK,
+                                  layout), probs, 0.0)
     return probs
 
 
@@ -404,7 +406,7 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
                                use_acc=False, is_async=True)
         scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
         probs = _masked_probs(scores, 0, lse, blocks, members_of, first_position, all_members,
-                              row_bit, row_valid, row_position, seq_len, scale_log2, BLOCK,
+                              row_bit, row_valid, row_position, scale_log2, BLOCK,
                               s_layout)
         dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(dprobs,))
         mbarrier.arrive(v_empty.index(0), count=1)
@@ -425,7 +427,7 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
             # Q K^T of block u is done; its exponentials run while dO V^T does.
             scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
             probs = _masked_probs(scores, u, lse, blocks, members_of, first_position,
-                                  all_members, row_bit, row_valid, row_position, seq_len,
+                                  all_members, row_bit, row_valid, row_position,
                                   scale_log2, BLOCK, s_layout)
             dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(dprobs,))
             mbarrier.arrive(v_empty.index(stage), count=1)

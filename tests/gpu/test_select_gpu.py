@@ -62,3 +62,28 @@ def test_bf16_selection_matches_fp32_reference_up_to_near_ties(case):
     assert rate > 0.95
     assert (kernel == torch.arange(seqlen, device="cuda")[None, None, :, None] // block_size
             ).any(-1).all()
+
+
+@pytest.mark.parametrize("seqlens", [(16384,), (5000, 1, 9000, 2384)])
+def test_work_lists_from_a_selection_equal_the_torch_built_ones(seqlens):
+    """The key-block and query-tile lists the GPU kernels build (one radix sort, wide searches
+    over its million pairs) from a real selection: equal to the torch-built lists."""
+    from openmsa.ops.csr import build_block_work, build_query_tile_work
+    from openmsa.ops.select import select_blocks_fwd
+
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    total = sum(seqlens)
+    index_q = torch.randn(total, 4, 128, device="cuda", generator=generator).bfloat16()
+    index_k = torch.randn(total, 1, 128, device="cuda", generator=generator).bfloat16()
+    cu_seqlens = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32,
+                              device="cuda")
+    ids = select_blocks_fwd(index_q, index_k, cu_seqlens, top_k=16, block_size=128,
+                            index_softmax_scale=128 ** -0.5, num_local_blocks=1,
+                            num_sink_blocks=0)  # token-major, as the lists take them
+    for order in ("pairs", "rows"):
+        lists = [build_block_work(ids, cu_seqlens, 128, 2048, segment_order=order,
+                                  use_triton=use).packed() for use in (True, False)]
+        assert torch.equal(lists[0], lists[1]), order
+    tiles = [build_query_tile_work(ids, cu_seqlens, 32, use_triton=use) for use in (True, False)]
+    for name in ("schedule", "union", "union_members", "union_count"):
+        assert torch.equal(getattr(tiles[0], name), getattr(tiles[1], name)), name
