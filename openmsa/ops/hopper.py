@@ -882,7 +882,9 @@ def _kl_hopper_kernel(
     terms of the value, summed, into KL_PARTS[program] (0 for padding). d index_k goes to DIK
     as the Triton kernel's does."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    STEP_SLOTS: gl.constexpr = 4  # index_q rows of steps s..s+3 (unit prefetch crosses steps)
+    # Slots of index_q rows: the gathers run STAGES - 2 units ahead, so up to that many units'
+    # steps past the current one arrive before it ends.
+    STEP_SLOTS: gl.constexpr = (STAGES - 2 + GQ - 1) // GQ + 1
     CHUNK: gl.constexpr = 2 if GQ % 2 == 0 else 1
     s_layout: gl.constexpr = _mma_layout(PAIRS, NUM_WARPS)  # teacher, student [BLOCK, PAIRS]
     dik_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # d index_k [BLOCK, Di]
