@@ -28,7 +28,7 @@ import triton
 
 from bench_attention import kernel_times
 from openmsa.bench.run import index_inputs
-from openmsa.bench.timing import median_ms
+from openmsa.bench.timing import graphed, median_ms
 from openmsa import msa_attention
 from openmsa.ops import hopper
 
@@ -53,21 +53,6 @@ def triton_kernels_only():
 
 
 bench = median_ms
-
-
-def graphed(fn):
-    """``fn`` captured once in a CUDA graph; returns its replay (the step without the host's
-    launch and Python costs)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main() -> None:

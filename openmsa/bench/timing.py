@@ -1,5 +1,6 @@
 """GPU timing shared by the benchmarks (GPU only)."""
 
+import torch
 import triton.testing
 
 # Each timing runs the function for about WARMUP_MS before it times REPEAT_MS of calls (at least
@@ -14,3 +15,18 @@ REPEAT_MS = 1000
 def median_ms(fn) -> float:
     """Median milliseconds per call of ``fn`` (which launches GPU work)."""
     return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REPEAT_MS, return_mode="median")
+
+
+def graphed(fn):
+    """``fn`` captured once in a CUDA graph (after two warm-up calls on a side stream); returns
+    its replay, which runs the same kernels without the host's launch and Python costs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from openmsa import msa_attention
 from openmsa.bench.run import index_inputs
-from openmsa.bench.timing import median_ms
+from openmsa.bench.timing import graphed, median_ms
 from openmsa.ops import hopper
 from openmsa.ops.attention import SparseAttentionProblem, kl_key_walk, sparse_attention_fwd
 from openmsa.ops.schedule import batch_cu_seqlens
@@ -40,19 +40,6 @@ def dense():
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                          v.transpose(1, 2), is_causal=True, enable_gqa=True)
     torch.autograd.grad(out, (q, k, v), dout.transpose(1, 2))
-
-
-def graphed(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def rel(a, b):
