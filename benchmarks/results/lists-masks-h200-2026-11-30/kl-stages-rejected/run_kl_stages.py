@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from openmsa import msa_attention
-from openmsa.bench.run import index_inputs
+from openmsa.bench.run import make_inputs
 from openmsa.bench.timing import graphed, median_ms
 from openmsa.ops import hopper
 from openmsa.ops.attention import SparseAttentionProblem, kl_key_walk, sparse_attention_fwd
@@ -20,14 +20,10 @@ from openmsa.ops.schedule import batch_cu_seqlens
 from openmsa.ops.select import select_blocks_fwd
 
 depths = [int(a) for a in sys.argv[1:]] or [4, 6, 5, 4, 6, 5]
-S, H, Hkv, Hi, D = 16384, 16, 2, 4, 128
-g = torch.Generator(device="cuda").manual_seed(S)
-q, k, v = (torch.randn(1, S, h, D, device="cuda", generator=g).bfloat16().requires_grad_()
-           for h in (H, Hkv, Hkv))
+S, D = 16384, 128
+inputs = make_inputs(dict(heads=16, kv_heads=2, index_heads=4, head_dim=D), S, "coherent")
+q, k, v, iq, ik = inputs
 dout = torch.randn_like(q)
-iq, ik = index_inputs("coherent", S, Hi, D, g)
-iq, ik = iq[None].requires_grad_(), ik[None].requires_grad_()
-inputs = (q, k, v, iq, ik)
 one = torch.ones((), device="cuda")
 
 
