@@ -97,7 +97,7 @@ def main() -> None:
          dict(query, WITH_MAIN=False, WITH_INDEX=True, INDEX_MAX_GIVEN=True)),
         ("dQ", attention._sparse_attn_dq_kernel, query),
         ("dK/dV", attention._sparse_attn_dkdv_kernel,
-         dict(shared, TOK=4, TOKP=16, ROWS=64, SEGMENT_PAIRS=2048)),
+         dict(shared, TOK=4, TOKP=16, ROWS=64, SEGMENT_PAIRS=attention.SEGMENT_PAIRS)),
         ("KL query side", attention._kl_query_kernel,
          dict(query, WITH_VALUE=True, WITH_GRAD=True)),
     ]
@@ -105,10 +105,10 @@ def main() -> None:
                                            "HEAD_DIM", "INDEX_DIM", "PRECISION")}
     for pairs in (32, 64, 128):
         kernels.append((f"KL one pass, {pairs} pairs", attention._kl_kernel,
-                        dict(kl, PAIRS=pairs, SEGMENT_PAIRS=2048, QUERY_SIDE=True,
+                        dict(kl, PAIRS=pairs, SEGMENT_PAIRS=attention.SEGMENT_PAIRS, QUERY_SIDE=True,
                              WITH_VALUE=True)))
     kernels.append(("KL key side (ordered)", attention._kl_kernel,
-                    dict(kl, PAIRS=64, SEGMENT_PAIRS=2048, QUERY_SIDE=False, WITH_VALUE=False)))
+                    dict(kl, PAIRS=64, SEGMENT_PAIRS=attention.SEGMENT_PAIRS, QUERY_SIDE=False, WITH_VALUE=False)))
     print(f"{'kernel':<26} {'warps':>5} {'stages':>6} {'shared KiB':>10} {'registers':>9} "
           f"{'spill B':>7}  fits  wgmma")
     for label, fn, constants in kernels:

@@ -252,6 +252,21 @@ def test_blocks_split_into_many_segments_give_the_same_gradients(monkeypatch):
         assert rel_rms_error(split[name], expected[name]) < 1e-5
 
 
+def test_long_problems_take_longer_segments(monkeypatch):
+    """From LONG_SEGMENTS_MIN_PAIRS (token, index head, slot) entries on, segments hold
+    LONG_SEGMENT_PAIRS: the forward's list and the backward's reading of it (sizes from the
+    shapes alone) agree, and the gradients still match the reference."""
+    case = CASES[1]
+    monkeypatch.setattr(attention_module, "SEGMENT_PAIRS", 8)
+    monkeypatch.setattr(attention_module, "LONG_SEGMENT_PAIRS", 32)
+    assert attention_module.segment_pairs(10**6) == 8
+    monkeypatch.setattr(attention_module, "LONG_SEGMENTS_MIN_PAIRS", 1)
+    assert attention_module.segment_pairs(1) == 32
+    got, expected, _ = _kernel_and_reference(case, torch.float32, seed=9)
+    for name in QUANTITY_NAMES:
+        assert rel_rms_error(got[name], expected[name]) < TOLERANCE[torch.float32], name
+
+
 def test_segment_orders_give_bitwise_equal_gradients(monkeypatch):
     """The key-outer programs' order (most pairs first, or by query row) changes nothing but
     timing: each segment writes its own partials, summed in a fixed order."""

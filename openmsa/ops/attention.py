@@ -8,7 +8,7 @@ the tensor cores, so rows are stacked from several tokens:
   (~128 MMA rows) of one index head and walks the distinct blocks those tokens kept, flash-
   attention style; each row only sees the blocks its own token kept. Neighbouring tokens of a
   trained index branch keep nearly the same blocks, so the walk is close to ``top_k`` blocks.
-- dK and dV are key-outer: a program takes one key block and up to ``SEGMENT_PAIRS`` of the
+- dK and dV are key-outer: a program takes one key block and up to ``segment_pairs()`` of the
   (token, index head) pairs that kept it (a key-block -> queries list built on the device,
   ``openmsa.ops.csr``), ``TOK x GQ`` rows at a time, and writes fp32 partials that a small kernel
   sums per block in a fixed order (no atomics: deterministic).
@@ -679,17 +679,36 @@ INDEX_ALONE_CONFIG = dict(num_warps=4, num_stages=2)
 # Its tiles hold at least this many tokens: every block a tile walks costs one [block, Di] load
 # of index keys whatever its token count, and neighbouring tokens mostly keep the same blocks.
 # The main tiles hold 128 / GQ tokens: on their 8 at GQ = 16 it took 3.66 ms at 128k, on 32
-# tokens 1.49 (H200).
-INDEX_TILE_TOKENS = 32
+# tokens 1.49 (H200). At 16k, H16 64 tokens took 0.139 ms against 0.200 on 32, their own lists
+# 0.038 against none (the main tiles' 32 tokens served) (benchmarks/results/
+# index-tiles-h200-2026-11-30/). 64 is the most a tile's members mask holds.
+INDEX_TILE_TOKENS = 64
 KL_PAIRS = 64  # pairs per step of the key-outer KL kernel (the teacher is [block, KL_PAIRS])
-# Pairs per dK/dV program: bounds a program's work when many queries keep the same block.
-SEGMENT_PAIRS = 2048
+# Pairs per key-outer program (dK/dV, the KL): bounds a program's work when many queries keep
+# the same block. H200 (benchmarks/results/segments-h200-2026-11-30/), against 2048: dK/dV with
+# its reduction 1.229 against 1.281 ms at 16k, H16, 9.21 against 9.72 at 32k, H64 and 37.5
+# against 38.9 at 128k; the KL 0.869 against 0.851, 4.48 against 4.63 and 18.0 against 18.0.
+SEGMENT_PAIRS = 1024
+# From this many (token, index head, slot) entries on (256k tokens at Hi = 4, top_k = 16)
+# segments hold LONG_SEGMENT_PAIRS: each segment's fp32 dK and dV partials take 128 KiB (at
+# D = 128, blocks of 128), and at 1M tokens 2048-pair segments keep them to 8 GiB instead of 12.
+LONG_SEGMENTS_MIN_PAIRS = 1 << 24
+LONG_SEGMENT_PAIRS = 2048
+
+
+def segment_pairs(num_pairs: int) -> int:
+    """Pairs per key-outer segment for ``num_pairs`` (token, index head, slot) entries."""
+    if num_pairs >= LONG_SEGMENTS_MIN_PAIRS:
+        return max(SEGMENT_PAIRS, LONG_SEGMENT_PAIRS)
+    return SEGMENT_PAIRS
 QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
 REDUCE_KEYS = 32  # keys per program of the segment reductions
 # Top-k selections run the key-outer segments by query row (their queries then come from L2)
 # once there are this many segments' worth of pairs per SM, and most pairs first below (the
-# longest segments then do not start last). H200: by rows 4-8% faster at 32k and 128k tokens
-# with H = 64 (7.8 and 31 per SM), 3-4% slower at 16k with H = 16 (3.9 per SM).
+# longest segments then do not start last). H200, with 2048-pair segments: by rows 4-8% faster
+# at 32k and 128k tokens with H = 64 (7.8 and 31 per SM), 3-4% slower at 16k with H = 16 (3.9
+# per SM). With 1024-pair segments, 16k at H = 16 has 7.8 per SM and by rows its dK/dV took
+# 1.175 ms against 1.243 (the KL 0.869 against 0.863).
 ROWS_ORDER_MIN_SEGMENTS_PER_SM = 6
 
 
@@ -749,20 +768,22 @@ class SparseAttentionProblem:
     @functools.cached_property
     def block_work(self) -> BlockWork:
         """The key-block -> queries list (dK/dV and the KL): built on first use."""
+        pairs = segment_pairs(self.total * self.num_index_heads * self.top_k)
         if self.all_causal:
             return build_causal_block_work(self.cu_seqlens, self.total, self.num_index_heads,
-                                           self.block_size, self.top_k, SEGMENT_PAIRS,
+                                           self.block_size, self.top_k, pairs,
                                            self.query_start, self.num_keys, "head_rows")
-        return build_block_work(self.block_ids, self.cu_seqlens, self.block_size, SEGMENT_PAIRS,
-                                self.query_start, self.num_keys, self._top_k_segment_order())
+        return build_block_work(self.block_ids, self.cu_seqlens, self.block_size, pairs,
+                                self.query_start, self.num_keys,
+                                self._top_k_segment_order(pairs))
 
-    def _top_k_segment_order(self) -> str:
+    def _top_k_segment_order(self, pairs_per_segment: int) -> str:
         """``build_block_work``'s segment order for this problem's size on its device."""
         device = self.block_ids.device
         sms = (torch.cuda.get_device_properties(device).multi_processor_count
                if device.type == "cuda" else 1)
         pairs = self.total * self.num_index_heads * self.top_k
-        return ("rows" if pairs >= ROWS_ORDER_MIN_SEGMENTS_PER_SM * SEGMENT_PAIRS * sms
+        return ("rows" if pairs >= ROWS_ORDER_MIN_SEGMENTS_PER_SM * pairs_per_segment * sms
                 else "pairs")
 
     def query_constants(self):

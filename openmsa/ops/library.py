@@ -38,7 +38,13 @@ Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
 
 def _block_work_sizes(q, k, index_q, cu_seqlens, slots: int, block_size: int):
     return block_work_sizes(q.shape[0], index_q.shape[1], slots, k.shape[0],
-                            cu_seqlens.shape[0] - 1, block_size, attention.SEGMENT_PAIRS)
+                            cu_seqlens.shape[0] - 1, block_size,
+                            _segment_pairs(q, index_q, slots))
+
+
+def _segment_pairs(q, index_q, slots: int) -> int:
+    """The key-block list's pairs per segment, as ``SparseAttentionProblem`` picks them."""
+    return attention.segment_pairs(q.shape[0] * index_q.shape[1] * slots)
 
 
 @torch.library.custom_op("openmsa::msa_forward", mutates_args=())
@@ -163,7 +169,8 @@ def msa_backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torc
         blocks = BlockWork.unpacked(
             block_work, *_block_work_sizes(q, k, index_q, cu_seqlens, block_ids.shape[2],
                                            block_size),
-            num_index_heads=block_ids.shape[1], segment_pairs=attention.SEGMENT_PAIRS)
+            num_index_heads=block_ids.shape[1],
+            segment_pairs=_segment_pairs(q, index_q, block_ids.shape[2]))
     problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
                                      index_k, index_scale, query_work=work, block_work=blocks,
                                      query_start=query_start, kl_num_queries=kl_num_queries)
