@@ -30,7 +30,6 @@ docs/KERNELS.md.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -1063,20 +1062,14 @@ def supported_key_outer(q, k, v, dout, p) -> bool:
             and _tma_ready(k) and _tma_ready(v) and _rows_ready(q) and _rows_ready(dout))
 
 
-@functools.lru_cache(maxsize=None)
-def _box_layout(block_size: int, dim: int, dtype: torch.dtype):
-    """The shared-memory layout of a ``[block_size, dim]`` box, built once: building it took
-    ~30 us of host time, eight times a step."""
-    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return gl.NVMMASharedLayout.get_default_for([block_size, dim], element)
-
-
 def _block_descriptor(t: torch.Tensor, block_size: int) -> TensorDescriptor:
     """``[T, heads, D]`` as 2D ``[T, heads * D]`` in ``[block_size, D]`` boxes: one key block
     of one head per TMA."""
     total, heads, dim = t.shape
+    element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([block_size, dim], element)
     return TensorDescriptor(t, [total, heads * dim], [t.stride(0), 1], [block_size, dim],
-                            _box_layout(block_size, dim, t.dtype))
+                            layout)
 
 
 # Forward: registers per thread of the second consumer warpgroup and of the loader warp's (the
