@@ -680,27 +680,22 @@ INDEX_ALONE_CONFIG = dict(num_warps=4, num_stages=2)
 # of index keys whatever its token count, and neighbouring tokens mostly keep the same blocks.
 # The main tiles hold 128 / GQ tokens: on their 8 at GQ = 16 it took 3.66 ms at 128k, on 32
 # tokens 1.49 (H200). At 16k, H16 64 tokens took 0.139 ms against 0.200 on 32, their own lists
-# 0.038 against none (the main tiles' 32 tokens served) (benchmarks/results/
-# index-tiles-h200-2026-11-30/). 64 is the most a tile's members mask holds.
+# 0.038 against none (the main tiles' 32 tokens served); 64 is the most a tile's members mask
+# holds. Measurements of this and SEGMENT_PAIRS: benchmarks/results/
+# segments-index-tiles-h200-2026-11-30/.
 INDEX_TILE_TOKENS = 64
 KL_PAIRS = 64  # pairs per step of the key-outer KL kernel (the teacher is [block, KL_PAIRS])
 # Pairs per key-outer program (dK/dV, the KL): bounds a program's work when many queries keep
-# the same block. H200 (benchmarks/results/segments-h200-2026-11-30/), against 2048: dK/dV with
-# its reduction 1.229 against 1.281 ms at 16k, H16, 9.21 against 9.72 at 32k, H64 and 37.5
-# against 38.9 at 128k; the KL 0.869 against 0.851, 4.48 against 4.63 and 18.0 against 18.0.
+# the same block. H200, against 2048: dK/dV with its reduction 1.229 against 1.281 ms at 16k,
+# H16, 9.21 against 9.72 at 32k, H64 and 37.5 against 38.9 at 128k; the KL 0.869 against
+# 0.851, 4.48 against 4.63 and 18.0 against 18.0.
 SEGMENT_PAIRS = 1024
 # From this many (token, index head, slot) entries on (256k tokens at Hi = 4, top_k = 16)
 # segments hold LONG_SEGMENT_PAIRS: each segment's fp32 dK and dV partials take 128 KiB (at
-# D = 128, blocks of 128), and at 1M tokens 2048-pair segments keep them to 8 GiB instead of 12.
+# D = 128, blocks of 128), and at 1M tokens 2048-pair segments keep them to at most 8 GiB
+# instead of 12.
 LONG_SEGMENTS_MIN_PAIRS = 1 << 24
 LONG_SEGMENT_PAIRS = 2048
-
-
-def segment_pairs(num_pairs: int) -> int:
-    """Pairs per key-outer segment for ``num_pairs`` (token, index head, slot) entries."""
-    if num_pairs >= LONG_SEGMENTS_MIN_PAIRS:
-        return max(SEGMENT_PAIRS, LONG_SEGMENT_PAIRS)
-    return SEGMENT_PAIRS
 QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
 REDUCE_KEYS = 32  # keys per program of the segment reductions
 # Top-k selections run the key-outer segments by query row (their queries then come from L2)
@@ -710,6 +705,13 @@ REDUCE_KEYS = 32  # keys per program of the segment reductions
 # per SM). With 1024-pair segments, 16k at H = 16 has 7.8 per SM and by rows its dK/dV took
 # 1.175 ms against 1.243 (the KL 0.869 against 0.863).
 ROWS_ORDER_MIN_SEGMENTS_PER_SM = 6
+
+
+def segment_pairs(num_pairs: int) -> int:
+    """Pairs per key-outer segment for ``num_pairs`` (token, index head, slot) entries."""
+    if num_pairs >= LONG_SEGMENTS_MIN_PAIRS:
+        return max(SEGMENT_PAIRS, LONG_SEGMENT_PAIRS)
+    return SEGMENT_PAIRS
 
 
 class SparseAttentionProblem:
