@@ -259,9 +259,9 @@ def test_long_problems_take_longer_segments(monkeypatch):
     case = CASES[1]
     monkeypatch.setattr(attention_module, "SEGMENT_PAIRS", 8)
     monkeypatch.setattr(attention_module, "LONG_SEGMENT_PAIRS", 32)
-    assert attention_module.segment_pairs(10**6) == 8
+    assert attention_module.segment_pairs(1000, 4, 16) == 8
     monkeypatch.setattr(attention_module, "LONG_SEGMENTS_MIN_PAIRS", 1)
-    assert attention_module.segment_pairs(1) == 32
+    assert attention_module.segment_pairs(1, 1, 1) == 32
     got, expected, _ = _kernel_and_reference(case, torch.float32, seed=9)
     for name in QUANTITY_NAMES:
         assert rel_rms_error(got[name], expected[name]) < TOLERANCE[torch.float32], name

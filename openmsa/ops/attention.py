@@ -707,9 +707,9 @@ REDUCE_KEYS = 32  # keys per program of the segment reductions
 ROWS_ORDER_MIN_SEGMENTS_PER_SM = 6
 
 
-def segment_pairs(num_pairs: int) -> int:
-    """Pairs per key-outer segment for ``num_pairs`` (token, index head, slot) entries."""
-    if num_pairs >= LONG_SEGMENTS_MIN_PAIRS:
+def segment_pairs(num_queries: int, num_index_heads: int, slots: int) -> int:
+    """Pairs per key-outer segment for the (token, index head, slot) entries of a problem."""
+    if num_queries * num_index_heads * slots >= LONG_SEGMENTS_MIN_PAIRS:
         return max(SEGMENT_PAIRS, LONG_SEGMENT_PAIRS)
     return SEGMENT_PAIRS
 
@@ -770,7 +770,7 @@ class SparseAttentionProblem:
     @functools.cached_property
     def block_work(self) -> BlockWork:
         """The key-block -> queries list (dK/dV and the KL): built on first use."""
-        pairs = segment_pairs(self.total * self.num_index_heads * self.top_k)
+        pairs = segment_pairs(self.total, self.num_index_heads, self.top_k)
         if self.all_causal:
             return build_causal_block_work(self.cu_seqlens, self.total, self.num_index_heads,
                                            self.block_size, self.top_k, pairs,

@@ -44,7 +44,7 @@ def _block_work_sizes(q, k, index_q, cu_seqlens, slots: int, block_size: int):
 
 def _segment_pairs(q, index_q, slots: int) -> int:
     """The key-block list's pairs per segment, as ``SparseAttentionProblem`` picks them."""
-    return attention.segment_pairs(q.shape[0] * index_q.shape[1] * slots)
+    return attention.segment_pairs(q.shape[0], index_q.shape[1], slots)
 
 
 @torch.library.custom_op("openmsa::msa_forward", mutates_args=())
