@@ -710,7 +710,7 @@ ROWS_ORDER_MIN_SEGMENTS_PER_SM = 6
 def segment_pairs(num_queries: int, num_index_heads: int, slots: int) -> int:
     """Pairs per key-outer segment for the (token, index head, slot) entries of a problem."""
     if num_queries * num_index_heads * slots >= LONG_SEGMENTS_MIN_PAIRS:
-        return max(SEGMENT_PAIRS, LONG_SEGMENT_PAIRS)
+        return LONG_SEGMENT_PAIRS
     return SEGMENT_PAIRS
 
 
