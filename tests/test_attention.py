@@ -59,14 +59,38 @@ def test_msa_attention_kernels_match_reference(case, dtype):
         assert error < TOLERANCE[dtype], (name, error)
 
 
-@pytest.mark.parametrize("case", CASES[1:3], ids=lambda c: c.name)
+SCALED = MSACase("scales_not_the_defaults", seqlens=(100, 130), num_heads=4, num_kv_heads=2,
+                 num_index_heads=2, options=dict(top_k=2, block_size=64, softmax_scale=0.3,
+                                                 index_softmax_scale=0.7))
+
+
+@pytest.mark.parametrize("case", CASES[1:3] + [SCALED], ids=lambda c: c.name)
 def test_deterministic_kl_path_matches_reference(case):
     """deterministic=True takes the KL's value and index_q gradient from the query-side walk
-    instead of the key-outer kernel's atomic adds."""
+    instead of the key-outer kernel's atomic adds; both walks use the given scales."""
     got, expected, _ = _kernel_and_reference(case, torch.float32, deterministic=True)
     for name in QUANTITY_NAMES:
         error = rel_rms_error(got[name], expected[name])
         assert error < TOLERANCE[torch.float32], (name, error)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_kl_value_without_gradients_uses_the_given_scales(deterministic):
+    """No gradient needed: the value alone comes from the query-side walk, with the given
+    main and index scales (the default scales would give another KL)."""
+    inputs, cu_seqlens = random_inputs(SCALED, torch.float32, "cpu", seed=17)
+    tensors = [t.detach() for t in inputs]
+    options = dict(SCALED.options, cu_seqlens=cu_seqlens, deterministic=deterministic)
+    with torch.no_grad():
+        _, kl, ids = openmsa.msa_attention(*tensors, backend="triton", return_indices=True,
+                                           **options)
+        _, expected = openmsa.msa_attention(*(t.double() for t in tensors),
+                                            backend="reference", block_indices=ids, **options)
+        _, at_default_scales = openmsa.msa_attention(
+            *(t.double() for t in tensors), backend="reference", block_indices=ids,
+            **dict(options, softmax_scale=None, index_softmax_scale=None))
+    assert rel_rms_error(kl, expected) < 1e-5
+    assert rel_rms_error(at_default_scales, expected) > 1e-2  # the scales matter here
 
 
 def test_sparse_attention_decomposed_api_matches_reference():
@@ -123,8 +147,8 @@ def test_log_sum_exps_match_the_kept_logits():
 @pytest.mark.parametrize("query_range", [(0, 400), (45, 330)])
 def test_index_log_sum_exp_alone_on_wider_tiles(query_range):
     """Next to the Hopper forward the index log-sum-exp runs alone on tiles of
-    INDEX_TILE_TOKENS tokens (the main tiles hold 8 at 16 heads per index head): the same
-    values as the forward's index part on the main tiles, also for a query range."""
+    INDEX_TILE_TOKENS tokens (the main tiles hold 8 at 16 heads per index head), also for a
+    query range: against logsumexp of each packed sequence's masked index scores."""
     first, end = query_range
     case = MSACase("sixteen_heads_per_index_head", seqlens=(150, 1, 249), num_heads=16,
                    num_kv_heads=1, num_index_heads=1)
@@ -138,24 +162,23 @@ def test_index_log_sum_exp_alone_on_wider_tiles(query_range):
                                                       0.3, query_start=first)
     assert problem.query_tokens < attention_module.INDEX_TILE_TOKENS
     assert problem.index_tile_work.tile_tokens == attention_module.INDEX_TILE_TOKENS
-    _, _, expected = attention_module.sparse_attention_fwd(q, k, v, index_q, index_k, problem,
-                                                           row_max)
     alone = attention_module.index_log_sum_exp(index_q, index_k, row_max, problem)
-    torch.testing.assert_close(alone, expected, rtol=1e-6, atol=1e-6)
 
-
-def test_kl_value_false_gives_a_zero_carrier_with_the_same_gradient():
-    case = CASES[1]
-    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=10)
-    out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(11))
-    options = dict(case.options, backend="triton")
-    exact, _ = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 2.5,
-                              **options)
-    carrier, _ = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 2.5,
-                                kl_value=False, **options)
-    assert exact["kl"].item() > 0 and carrier["kl"].item() == 0.0
-    for name in QUANTITY_NAMES[2:]:
-        assert torch.equal(exact[name], carrier[name]), name
+    expected = torch.empty(end - first, 1, dtype=torch.float64)
+    offsets = cu.tolist()
+    for start, stop in zip(offsets, offsets[1:]):
+        lo, hi = max(start, first), min(stop, end)  # this sequence's queries in the range
+        if hi <= lo:
+            continue
+        positions = torch.arange(lo, hi) - start
+        keys = torch.arange(stop - start)
+        kept_blocks = ids[lo - first:hi - first, 0].long()  # [queries, top_k], -1 unused
+        kept = ((kept_blocks[:, :, None] == (keys // 64)[None, None, :]).any(1)
+                & (keys[None, :] <= positions[:, None]))
+        z = 0.3 * index_q[lo - first:hi - first, 0].double() @ index_k[start:stop, 0].double().T
+        expected[lo - first:hi - first, 0] = torch.logsumexp(
+            z.masked_fill(~kept, float("-inf")), -1)
+    torch.testing.assert_close(alone.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_kl_value_and_index_k_gradient_need_no_index_q_gradient():

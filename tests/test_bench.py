@@ -47,6 +47,38 @@ def test_bench_arguments_are_parsed_and_validated(capsys):
         cli.main(["bench", "--heads", "64,5,4"])
 
 
+@pytest.mark.parametrize("flag,value,says", [
+    ("--seqlens", "-4k", "positive length"), ("--seqlens", "0", "positive length"),
+    ("--seqlens", ",", "comma-separated lengths"), ("--top-k", "-3", r"in \[1, 64\]"),
+    ("--top-k", "65", r"in \[1, 64\]"), ("--block-size", "100", "invalid choice"),
+    ("--head-dim", "7", "invalid choice"), ("--heads", "0,1,1", "positive head counts"),
+    ("--baseline-max-seqlen", "-1", "positive length"),
+])
+def test_bench_refuses_values_it_cannot_run(flag, value, says, capsys):
+    """Even a dry run: the plan would print negative FLOPs or shapes no kernel takes."""
+    with pytest.raises(SystemExit) as raised:
+        cli.main(["bench", "--dry-run", f"{flag}={value}"])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert f"argument {flag}" in error and __import__("re").search(says, error), error
+
+
+def test_bench_help_explains_every_option_and_its_default(capsys):
+    import argparse
+
+    from openmsa.bench.run import add_arguments
+
+    options = argparse.ArgumentParser()
+    add_arguments(options)
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for action in options._actions[1:]:  # [0] is --help
+        assert action.help, action.dest
+        if action.default not in (None, False):
+            assert f"(default: {action.default})" in text, action.dest
+
+
 def test_bench_without_a_gpu_says_so(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["bench"]) == 2

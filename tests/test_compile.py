@@ -29,14 +29,18 @@ def test_forward_operator_passes_opcheck(kl_value):
     torch.library.opcheck(msa_forward, args)
 
 
-def test_backward_operator_passes_opcheck():
+@pytest.mark.parametrize("main_grads,index_grads", [(True, True), (True, False),
+                                                   (False, True)])
+def test_backward_operator_passes_opcheck(main_grads, index_grads):
+    """Also with a frozen main or index branch, whose gradients are distinct empty tensors."""
     q, k, v, index_q, index_k, cu_seqlens = packed_problem()
     with torch.no_grad():
         out, _, *saved = msa_forward(q, k, v, index_q, index_k, cu_seqlens, None, 2, 64, 0.125,
-                                     0.125, 1, 0, False, 80, True, True)
+                                     0.125, 1, 0, False, 80, True, index_grads)
     dout = torch.randn_like(out)
     args = (dout, torch.tensor(1.5), q.detach(), k.detach(), v.detach(), index_q.detach(),
-            index_k.detach(), out, *saved, cu_seqlens, 64, 0.125, 0.125, True)
+            index_k.detach(), out, *saved, cu_seqlens, 64, 0.125, 0.125, index_grads,
+            main_grads)
     torch.library.opcheck(msa_backward, args)
 
 
@@ -75,6 +79,26 @@ def test_model_compiles_with_fullgraph_and_matches_eager():
     grads = torch.autograd.grad(loss, list(model.parameters()))
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     for got, expected in zip(grads, eager_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("frozen", ["index", "main"])
+def test_model_with_a_frozen_branch_compiles_and_matches_eager(frozen):
+    """Frozen index projections (fine-tuning the main weights) or frozen main projections
+    (training the index branch of a converted model): compiled with fullgraph, the trainable
+    parameters get the eager gradients, the frozen ones none."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(("index_" in name) != (frozen == "index"))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert 0 < len(trainable) < len(list(model.parameters()))
+    x = torch.randn(2, 150, 64)
+    eager_grads = torch.autograd.grad(model(x), trainable)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    grads = torch.autograd.grad(compiled(x), trainable)
+    for got, expected in zip(grads, eager_grads):
+        assert expected.abs().max() > 0
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
 
 

@@ -30,8 +30,27 @@ def test_converted_model_equals_the_original_when_every_block_is_kept(family):
     assert all(isinstance(layer.self_attn, HFMSAAttention) for layer in model.model.layers)
     converted = model(tokens, use_cache=False).logits  # 200 tokens: 4 blocks, all kept
     torch.testing.assert_close(converted, expected, rtol=1e-9, atol=1e-9)
-    sparse = convert_to_msa(tiny_model(family), top_k=1, block_size=64, backend="reference")
-    assert sparse == 2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_converted_model_keeping_only_the_own_block_attends_within_blocks(family):
+    """top_k=1 keeps each query's own block alone: every layer attends within 64-token blocks,
+    so the converted model's logits of a block are the original model's on that block alone
+    (at its positions)."""
+    original = tiny_model(family)
+    model = tiny_model(family)
+    assert convert_to_msa(model, top_k=1, block_size=64, backend="reference") == 2
+    tokens = torch.randint(101, (2, 200), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens, use_cache=False).logits
+    for start in range(0, 200, 64):
+        end = min(start + 64, 200)
+        positions = torch.arange(start, end).expand(2, -1)
+        expected = original(tokens[:, start:end], position_ids=positions, use_cache=False).logits
+        torch.testing.assert_close(logits[:, start:end], expected, rtol=1e-9, atol=1e-9)
+    dense = original(tokens, use_cache=False).logits
+    assert (logits[:, 64:] - dense[:, 64:]).abs().max() > 1e-3  # later blocks lost keys
+    logits.sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "index_" not in n)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

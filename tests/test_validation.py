@@ -333,10 +333,11 @@ for _arg in ("softmax_scale", "index_softmax_scale"):
         BAD.append(Bad(f"{_arg}_{_label}", ValueError,
                        rf"^{_arg}: expected a finite number, received {_shown}$",
                        edit=setitem(**{_arg: _value})))
-    BAD.append(Bad(f"{_arg}_str", TypeError, rf"^{_arg}: expected a float or None, received str$",
+    BAD.append(Bad(f"{_arg}_str", TypeError,
+                   rf"^{_arg}: expected a real number or None, received str$",
                    edit=setitem(**{_arg: "0.1"})))
     BAD.append(Bad(f"{_arg}_tensor", TypeError,
-                   rf"^{_arg}: expected a float or None, received Tensor$",
+                   rf"^{_arg}: expected a real number or None, received Tensor$",
                    edit=setitem(**{_arg: lambda: torch.tensor(0.1)})))
 
 # backend and flags.
@@ -352,6 +353,10 @@ BAD += [
         edit=setitem(deterministic="yes")),
     Bad("return_indices_none", TypeError, r"^return_indices: expected a bool, received NoneType$",
         edit=setitem(return_indices=None)),
+    Bad("kl_value_str", TypeError, r"^kl_value: expected a bool, received str$",
+        edit=setitem(kl_value="yes")),
+    Bad("kl_value_int", TypeError, r"^kl_value: expected a bool, received int$",
+        edit=setitem(kl_value=0)),
     Bad("return_indices_with_warmup", ValueError,
         r"^return_indices: expected False when warmup=True .*received True$",
         edit=setitem(return_indices=True, warmup=True)),
@@ -520,18 +525,19 @@ def test_bad_input_is_rejected_naming_the_argument(entry, case, no_compute):
     assert type(info.value) is case.exc
 
 
-@pytest.mark.parametrize("backend", ["auto", "triton"])
-def test_float64_rejected_by_kernel_backends(backend, no_compute):
-    call = make_call(dtype=torch.float64, backend=backend)
-    with pytest.raises(ValueError, match=r"^q: expected dtype in \(.*\) for backend='"
-                       + backend + r"', received torch\.float64$"):
+def test_float64_rejected_by_the_kernel_backend(no_compute):
+    call = make_call(dtype=torch.float64, backend="triton")
+    with pytest.raises(ValueError, match=r"^q: expected dtype in \(.*\) for backend='triton' on "
+                       r"cpu tensors .*, received torch\.float64$"):
         invoke(openmsa.msa_attention, call)
 
 
 @pytest.mark.parametrize("entry,backend", [("msa_attention", "reference"),
+                                           ("msa_attention", "auto"),
                                            ("naive_msa_attention", "reference"),
                                            ("naive_msa_attention", "auto")])
 def test_float64_accepted_by_reference(entry, backend):
+    """``backend="auto"`` runs the reference on CPU tensors, so it takes float64 too."""
     call = make_call(dtype=torch.float64, backend=backend)
     out, kl = invoke(ENTRY_POINTS[entry], call)
     assert out.dtype == torch.float64 and kl.dtype == torch.float32
@@ -581,9 +587,21 @@ INPLACE_CASES = {
 }
 
 
-@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def _triton_msa_attention(*tensors, **options):
+    return openmsa.msa_attention(*tensors, backend="triton", **options)
+
+
+INPLACE_ENTRY_POINTS = dict(ENTRY_POINTS, msa_attention_triton=pytest.param(
+    _triton_msa_attention, marks=pytest.mark.skipif(
+        not msa_module.INTERPRETING, reason="needs TRITON_INTERPRET=1 (the README's test "
+        "command)")))
+
+
+@pytest.mark.parametrize("entry", INPLACE_ENTRY_POINTS.values(), ids=list(INPLACE_ENTRY_POINTS))
 @pytest.mark.parametrize("name", INPLACE_CASES)
 def test_valid_inputs_are_not_modified_in_place(entry, name):
+    """On the reference and on the kernels (every tensor a kernel reads, cu_seqlens and
+    block_indices too, keeps its bytes and its version counter)."""
     spec = INPLACE_CASES[name]
     call = make_call(**spec["base"], **spec["options"])
     if "cu_seqlens" in spec:
@@ -597,7 +615,7 @@ def test_valid_inputs_are_not_modified_in_place(entry, name):
     snapshot = {key: val.detach().clone() for key, val in watched.items()}
     versions = {key: val._version for key, val in watched.items()}
 
-    result = invoke(ENTRY_POINTS[entry], call)
+    result = invoke(entry, call)
     out, kl = result[0], result[1]
     assert len(result) == (3 if call.get("return_indices") else 2)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))

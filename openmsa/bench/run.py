@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from ..ops.msa import GPU_HEAD_DIMS
+from ..ops.validate import MAX_TOP_K, SUPPORTED_BLOCK_SIZES
 from . import flops
 
 PRESETS = {"h64": (64, 4, 4), "h16": (16, 2, 4)}  # (H, Hkv, Hi), Hik = 1
@@ -26,19 +28,23 @@ CHECK_TOKENS = 2048
 
 
 def parse_length(text: str) -> int:
-    """'4096', '4k' (= 4096), '1m' (= 1048576)."""
+    """'4096', '4k' (= 4096), '1m' (= 1048576); at least 1."""
     units = {"k": 1 << 10, "m": 1 << 20}
     text = text.strip().lower()
     try:
-        if text[-1:] in units:
-            return int(text[:-1]) * units[text[-1]]
-        return int(text)
+        length = int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a length like 4096, 4k or 1m, got {text!r}")
+    if length < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive length, got {text!r}")
+    return length
 
 
 def parse_lengths(text: str) -> list[int]:
-    return [parse_length(part) for part in text.split(",") if part.strip()]
+    lengths = [parse_length(part) for part in text.split(",") if part.strip()]
+    if not lengths:
+        raise argparse.ArgumentTypeError(f"expected comma-separated lengths, got {text!r}")
+    return lengths
 
 
 def parse_heads(text: str) -> tuple[int, int, int]:
@@ -46,27 +52,43 @@ def parse_heads(text: str) -> tuple[int, int, int]:
         heads, kv_heads, index_heads = (int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected H,Hkv,Hi like 64,4,4, got {text!r}")
+    if min(heads, kv_heads, index_heads) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive head counts, got {text!r}")
     if heads % kv_heads or heads % index_heads or index_heads % kv_heads:
         raise argparse.ArgumentTypeError(
             f"expected H % Hkv == H % Hi == Hi % Hkv == 0, got {text!r}")
     return heads, kv_heads, index_heads
 
 
+def parse_top_k(text: str) -> int:
+    try:
+        top_k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    if not 1 <= top_k <= MAX_TOP_K:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_TOP_K}], got {top_k}")
+    return top_k
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h64",
                         help="head configuration: h64 = H64/Hkv4/Hi4, h16 = H16/Hkv2/Hi4")
     parser.add_argument("--heads", type=parse_heads, help="H,Hkv,Hi (overrides --preset)")
-    parser.add_argument("--seqlens", type=parse_lengths, default=parse_lengths(DEFAULT_SEQLENS),
-                        help=f"comma-separated lengths, 4k..1m (default {DEFAULT_SEQLENS})")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--top-k", type=int, default=16)
-    parser.add_argument("--block-size", type=int, default=128)
+    # String defaults go through ``type`` too: the help shows them as written.
+    parser.add_argument("--seqlens", type=parse_lengths, default=DEFAULT_SEQLENS,
+                        help="comma-separated lengths, 4k..1m")
+    parser.add_argument("--head-dim", type=int, choices=GPU_HEAD_DIMS, default=128,
+                        help="head dim of the main and the index branch")
+    parser.add_argument("--top-k", type=parse_top_k, default=16,
+                        help="blocks kept per query token and index head")
+    parser.add_argument("--block-size", type=int, choices=SUPPORTED_BLOCK_SIZES, default=128,
+                        help="tokens per key block")
     parser.add_argument("--selection", choices=("coherent", "random"), default="coherent",
                         help="index inputs: coherent (like a trained index branch) or random")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
-    parser.add_argument("--baseline-max-seqlen", type=parse_length, default=131072,
-                        help="time dense SDPA and FlexAttention up to this length (default "
-                             "128k; a dense step at 1M takes minutes)")
+    parser.add_argument("--baseline-max-seqlen", type=parse_length, default="128k",
+                        help="time dense SDPA and FlexAttention up to this length (a dense "
+                             "step at 1M takes minutes)")
     parser.add_argument("--out", default="runs/bench", help="folder for bench.json and plots")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the plan and the FLOP counts, run nothing")
@@ -142,9 +164,8 @@ def make_inputs(row, seqlen, selection, device="cuda", seed=0):
 
 
 def measure(row, args) -> dict:
-    from ..cli import TOLERANCE
     from ..ops.msa import msa_attention, select_blocks, sparse_attention
-    from ..testing import MSACase, compare_with_reference
+    from ..testing import TOLERANCE, MSACase, compare_with_reference
     from .timing import median_ms
 
     seqlen = row["seqlen"]

@@ -15,8 +15,11 @@ def packed_tokens(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def packed_offsets(cu_seqlens, batch: int, seqlen: int, device) -> torch.Tensor:
-    """``cu_seqlens`` itself, or the offsets of ``batch`` rows of ``seqlen`` tokens."""
-    return cu_seqlens if cu_seqlens is not None else batch_cu_seqlens(batch, seqlen, device)
+    """``cu_seqlens`` (contiguous: the kernels read it through a raw pointer), or the offsets
+    of ``batch`` rows of ``seqlen`` tokens."""
+    if cu_seqlens is not None:
+        return cu_seqlens.contiguous()
+    return batch_cu_seqlens(batch, seqlen, device)
 
 
 def ids_to_token_major(block_ids: torch.Tensor, packed: bool) -> torch.Tensor:

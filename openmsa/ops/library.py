@@ -107,7 +107,9 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
                                                       problem, kl_value, index_grad,
                                                       deterministic)
         if kl_value:
-            kl = problem.kl_mean(value_parts)
+            # Rounding can leave a KL of nearly agreeing distributions a hair below 0; a KL
+            # divergence never is. The gradient (the registered backward) is unaffected.
+            kl = problem.kl_mean(value_parts).clamp_min(0.0)
         if index_grad:
             d_index_q, d_index_k = grad_q, grad_k
             block_work = problem.block_work.packed()
@@ -155,13 +157,14 @@ def msa_backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torc
                  block_work: torch.Tensor, schedule: torch.Tensor, union: torch.Tensor,
                  union_members: torch.Tensor, union_count: torch.Tensor,
                  cu_seqlens: torch.Tensor, block_size: int, softmax_scale: float,
-                 index_scale: float, index_grads: bool, query_start: int = 0,
+                 index_scale: float, index_grads: bool, main_grads: bool, query_start: int = 0,
                  kl_num_queries: Optional[int] = None, dense_batch: int = 0,
                  deterministic: bool = False) -> Tensors:
-    """dq, dk, dv and, with ``index_grads``, the KL gradients of index_q and index_k (empty
-    tensors otherwise). ``dkl``: the fp32 0-dim gradient reaching kl. ``d_index_q``,
-    ``d_index_k``, ``block_work``: the forward's unscaled KL gradients and packed key-block
-    list, or empty to compute them here."""
+    """With ``main_grads``, dq, dk, dv, and with ``index_grads``, the KL gradients of index_q
+    and index_k (empty tensors otherwise: a frozen main or index branch costs no kernel).
+    ``dkl``: the fp32 0-dim gradient reaching kl. ``d_index_q``, ``d_index_k``, ``block_work``:
+    the forward's unscaled KL gradients and packed key-block list, or empty to compute them
+    here."""
     work = QueryTileWork(schedule, union, union_members, union_count,
                          tile_tokens=query_tile_shape(q.shape[1] // block_ids.shape[1])[0])
     blocks = None
@@ -174,14 +177,16 @@ def msa_backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torc
     problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
                                      index_k, index_scale, query_work=work, block_work=blocks,
                                      query_start=query_start, kl_num_queries=kl_num_queries)
-    if dense_batch:
+    # Outputs may not alias each other: every skipped gradient is an empty tensor of its own.
+    if not main_grads:
+        dq, dk, dv = (q.new_empty(0) for _ in range(3))
+    elif dense_batch:
         dq, dk, dv = dense_attention_backward(dout, q, k, v, out, lse, dense_batch,
                                               softmax_scale)
     else:
         dq, dk, dv = attention_backward(q, k, v, out, dout, lse, problem)
     if not index_grads:
-        empty = q.new_empty(0)
-        return dq, dk, dv, empty, empty
+        return dq, dk, dv, q.new_empty(0), q.new_empty(0)
     if d_index_q.numel() == 0:  # the forward ran without index gradients
         _, d_index_q, d_index_k = index_branch_kl(q, k, index_q, index_k, lse, lse_index,
                                                   problem, False, True, deterministic)
@@ -192,13 +197,13 @@ def msa_backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torc
 @msa_backward.register_fake
 def _(dout, dkl, q, k, v, index_q, index_k, out, lse, lse_index, block_ids, d_index_q,
       d_index_k, block_work, schedule, union, union_members, union_count, cu_seqlens,
-      block_size, softmax_scale, index_scale, index_grads, query_start=0, kl_num_queries=None,
-      dense_batch=0, deterministic=False):
-    if not index_grads:
-        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(0),
-                q.new_empty(0))
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            torch.empty_like(index_q), torch.empty_like(index_k))
+      block_size, softmax_scale, index_scale, index_grads, main_grads, query_start=0,
+      kl_num_queries=None, dense_batch=0, deterministic=False):
+    main = ((torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if main_grads
+            else tuple(q.new_empty(0) for _ in range(3)))
+    index = ((torch.empty_like(index_q), torch.empty_like(index_k)) if index_grads
+             else (q.new_empty(0), q.new_empty(0)))
+    return main + index
 
 
 def _setup_context(ctx, inputs, output):
@@ -216,6 +221,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dkl, *_):
     q, k, v, index_q, index_k, out, cu_seqlens, *saved = ctx.saved_tensors
+    main_grads = any(ctx.needs_input_grad[:3])
     index_grads = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
     if dkl is None:
         dkl = torch.zeros((), dtype=torch.float32, device=q.device)
@@ -223,7 +229,9 @@ def _backward(ctx, dout, dkl, *_):
         dout = torch.zeros_like(out)
     dq, dk, dv, grad_index_q, grad_index_k = msa_backward(
         dout, dkl, q, k, v, index_q, index_k, out, *saved, cu_seqlens, *ctx.options,
-        index_grads, *ctx.trailing_options)
+        index_grads, main_grads, *ctx.trailing_options)
+    if not main_grads:
+        dq = dk = dv = None
     if not index_grads:
         grad_index_q = grad_index_k = None
     return (dq, dk, dv, grad_index_q, grad_index_k) + (None,) * 16

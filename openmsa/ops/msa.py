@@ -2,35 +2,31 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .attention import SparseAttentionFunction
 from .dense import use_cudnn_dense
+from .interpreter import INTERPRETING, check_interpreter
 from .library import msa_forward
 from .layout import (ids_from_token_major, ids_to_token_major,
                      packed_offsets, packed_tokens)
 from .naive import naive_msa_forward, naive_select_blocks
 from .select import select_blocks_fwd
-from .validate import (check_backend, validate_block_indices, validate_msa_args,
-                       validate_select_args, validate_sparse_args)
-
-# Triton decides at import time whether kernels are compiled or interpreted on the CPU.
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .validate import (check_backend, runs_reference, validate_block_indices,
+                       validate_msa_args, validate_select_args, validate_sparse_args)
 
 
 def _use_kernels(backend: str, device: torch.device) -> bool:
     """Whether ``backend`` runs the Triton kernels for tensors on ``device``."""
-    if backend == "reference":
+    if runs_reference(backend, device):
         return False
-    if backend == "auto":
-        return device.type == "cuda"
     if device.type == "cpu" and not INTERPRETING:
         raise ValueError("backend: expected CUDA tensors for 'triton' (or CPU tensors with "
                          "TRITON_INTERPRET=1 set before importing openmsa), received CPU tensors")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"backend: expected CUDA tensors for 'triton', received {device.type}")
+    if device.type == "cpu":
+        check_interpreter()
     return True
 
 
@@ -107,8 +103,10 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
 
     Returns:
         ``out`` with q's shape and dtype; ``kl``, a float32 0-dim tensor holding the exact
-        KL(teacher || index student) averaged over query tokens and index heads. ``out``
-        back-propagates to q, k, v only; ``kl`` to index_q, index_k only.
+        KL(teacher || index student) averaged over query tokens and index heads (clamped at 0:
+        rounding can push a KL of agreeing distributions a hair below it; the gradient is the
+        KL's own). ``out`` back-propagates to q, k, v only; ``kl`` to index_q, index_k only;
+        inputs that require no gradient cost no backward kernel.
 
     Backends: ``"auto"`` uses the Triton kernels for CUDA tensors and the eager reference for CPU
     tensors; ``"triton"`` forces the kernels (CPU tensors need ``TRITON_INTERPRET=1``, for
@@ -129,9 +127,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks, warmup=warmup,
         cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, deterministic=deterministic,
         return_indices=return_indices, backend=backend, query_start=query_start,
-        kl_num_queries=kl_num_queries)
-    if not isinstance(kl_value, bool):
-        raise TypeError(f"kl_value: expected a bool, received {type(kl_value).__name__}")
+        kl_num_queries=kl_num_queries, kl_value=kl_value)
     if block_indices is not None:
         validate_block_indices(block_indices, problem, cu_seqlens, q.device)
     if not _use_kernels(backend, q.device):
@@ -151,10 +147,10 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         problem.index_softmax_scale, num_local_blocks, num_sink_blocks, warmup, longest,
         kl_value, index_grad, problem.query_start, problem.kl_num_queries, dense_batch,
         deterministic)
-    if block_indices is None and not warmup:
-        block_indices = ids_from_token_major(token_major_ids, problem.packed, problem.batch,
-                                             problem.seqlen)
-    return _return(out.view(q.shape), kl, block_indices, return_indices)
+    # The operator's ids are its own tensor (int32, also when the caller gave int64 ids).
+    block_ids = None if warmup else ids_from_token_major(token_major_ids, problem.packed,
+                                                         problem.batch, problem.seqlen)
+    return _return(out.view(q.shape), kl, block_ids, return_indices)
 
 
 def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, top_k: int = 16,
@@ -232,9 +228,7 @@ def naive_msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
         num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks, warmup=warmup,
         cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, deterministic=deterministic,
         return_indices=return_indices, backend="reference", query_start=query_start,
-        kl_num_queries=kl_num_queries)
-    if not isinstance(kl_value, bool):
-        raise TypeError(f"kl_value: expected a bool, received {type(kl_value).__name__}")
+        kl_num_queries=kl_num_queries, kl_value=kl_value)
     if block_indices is not None:
         validate_block_indices(block_indices, problem, cu_seqlens, q.device)
     out, kl, block_ids = naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens,

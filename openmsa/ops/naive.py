@@ -211,7 +211,8 @@ def naive_msa_forward(q, k, v, index_q, index_k, problem: MSAProblem, cu_seqlens
 
     Returns ``(out, kl, block_ids)``: ``out`` in q's dtype and shape, ``kl`` a float32 0-dim
     tensor, ``block_ids`` int32 ``[B, Hi, S, top_k]`` (packed: ``[Hi, T, top_k]``; None in warmup).
-    Given ``block_indices`` are used instead of selecting; then ``block_ids`` is that tensor.
+    Given ``block_indices`` are used instead of selecting; then ``block_ids`` holds them (a new
+    int32 tensor).
     With a query range (``problem.query_start``), q and index_q hold the tokens from
     ``query_start`` on, and k, v, index_k every token of the packing (or of the one sequence).
     ``compute_dtype`` defaults to float32 (float64 for float64 inputs); tests set the input's
@@ -250,6 +251,9 @@ def naive_msa_forward(q, k, v, index_q, index_k, problem: MSAProblem, cu_seqlens
         out = torch.cat(outs, dim=0).reshape(q.shape)
         block_ids = None if problem.warmup else torch.cat(ids, dim=1)
     kl = (kl_sum / (problem.kl_num_queries * problem.num_index_heads)).float()
+    # Rounding can leave a KL of nearly agreeing distributions a hair below 0; a KL divergence
+    # never is. The clamp passes the gradient through unchanged.
+    kl = kl + (kl.clamp_min(0.0) - kl).detach()
     if block_ids is not None:
         block_ids = block_ids.to(torch.int32)
     return out.to(q.dtype), kl, block_ids

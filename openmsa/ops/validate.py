@@ -7,6 +7,7 @@ Every check runs before any computation and raises ``TypeError`` (wrong type) or
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,8 @@ SUPPORTED_BLOCK_SIZES = (64, 128)
 MAX_TOP_K = 64
 BACKENDS = ("auto", "triton", "reference")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# float64 is accepted by the eager reference only (useful as a high-precision oracle).
+# float64 is accepted wherever the eager reference runs (backend="reference", or "auto" on
+# CPU tensors): a high-precision oracle, and what torch.autograd.gradcheck needs.
 REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
 
 
@@ -62,8 +64,10 @@ def _check_int(name: str, value) -> None:
 def _resolve_scale(name: str, value, head_dim: int) -> float:
     if value is None:
         return head_dim**-0.5
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a float or None, received {type(value).__name__}")
+    # Any real scalar: Python and numpy ints and floats alike.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number or None, received "
+                        f"{type(value).__name__}")
     try:
         value_as_float = float(value)
     except OverflowError:
@@ -71,6 +75,11 @@ def _resolve_scale(name: str, value, head_dim: int) -> float:
     if not math.isfinite(value_as_float):
         raise _fail(name, "a finite number", value)
     return value_as_float
+
+
+def runs_reference(backend: str, device: torch.device) -> bool:
+    """Whether ``backend`` runs the eager reference for tensors on ``device``."""
+    return backend == "reference" or (backend == "auto" and device.type != "cuda")
 
 
 def check_backend(backend) -> None:
@@ -189,9 +198,14 @@ def _check_tensors(tensors: dict, backend: str, cu_seqlens, max_seqlen,
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, received {type(tensor).__name__}")
     first_name, first = next(iter(tensors.items()))
-    allowed = REFERENCE_DTYPES if backend == "reference" else KERNEL_DTYPES
+    if runs_reference(backend, first.device):
+        allowed, where = REFERENCE_DTYPES, f"backend={backend!r}"
+    else:
+        allowed = KERNEL_DTYPES
+        where = (f"backend={backend!r} on {first.device.type} tensors (the Triton kernels; "
+                 "float64 runs on backend='reference')")
     if first.dtype not in allowed:
-        raise _fail(first_name, f"dtype in {allowed} for backend={backend!r}", first.dtype)
+        raise _fail(first_name, f"dtype in {allowed} for {where}", first.dtype)
     for name, tensor in tensors.items():
         if tensor.dtype != first.dtype:
             raise _fail(name, f"dtype {first.dtype} (the dtype of {first_name})", tensor.dtype)
@@ -287,7 +301,7 @@ def validate_select_args(index_q, index_k, *, top_k, block_size, index_softmax_s
 def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_scale,
                       index_softmax_scale, num_local_blocks, num_sink_blocks, warmup, cu_seqlens,
                       max_seqlen, deterministic, return_indices, backend, query_start=None,
-                      kl_num_queries=None) -> MSAProblem:
+                      kl_num_queries=None, kl_value=True) -> MSAProblem:
     """Validates the arguments of ``msa_attention`` (SPEC sections 2, 5, 6 and 7)."""
     tensors = {"q": q, "k": k, "v": v, "index_q": index_q, "index_k": index_k}
     for name, tensor in tensors.items():
@@ -295,7 +309,7 @@ def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_s
             raise TypeError(f"{name}: expected a torch.Tensor, received {type(tensor).__name__}")
     check_backend(backend)
     for name, flag in (("warmup", warmup), ("deterministic", deterministic),
-                       ("return_indices", return_indices)):
+                       ("return_indices", return_indices), ("kl_value", kl_value)):
         _check_bool(name, flag)
     _check_query_range(query_start, kl_num_queries)
     key_names = ("k", "v", "index_k") if query_start is not None else ()
@@ -314,21 +328,23 @@ def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_s
         raise _fail("kl_num_queries", f"an int >= {batch * num_queries} (the query tokens of q)",
                     kl_num_queries)
 
+    # Each tensor is checked against those before it (q, then k, then v), so that the message
+    # names the tensor that breaks the rule.
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_kv_heads = k.shape[-2]
-    if tuple(v.shape) != tuple(k.shape):
-        raise _fail("v", f"shape {tuple(k.shape)} (the shape of k)", tuple(v.shape))
-    if k.shape[-1] != head_dim:
-        raise _fail("k", f"head dim {head_dim} (the head dim of q)", k.shape[-1])
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise _fail("q", f"head dim in {SUPPORTED_HEAD_DIMS}", head_dim)
+    if k.shape[-1] != head_dim:
+        raise _fail("k", f"head dim {head_dim} (the head dim of q)", k.shape[-1])
     for name, heads in (("q", num_heads), ("k", num_kv_heads)):
         if heads < 1:
             raise _fail(name, "at least one head", heads)
-    _check_index_heads(index_q, index_k)
-    num_index_heads = index_q.shape[-2]
     if num_heads % num_kv_heads:
         raise _fail("k", f"a number of heads dividing the {num_heads} heads of q", num_kv_heads)
+    if tuple(v.shape) != tuple(k.shape):
+        raise _fail("v", f"shape {tuple(k.shape)} (the shape of k)", tuple(v.shape))
+    _check_index_heads(index_q, index_k)
+    num_index_heads = index_q.shape[-2]
     if num_heads % num_index_heads:
         raise _fail("index_q", f"a number of heads dividing the {num_heads} heads of q",
                     num_index_heads)
@@ -371,15 +387,15 @@ def validate_sparse_args(q, k, v, block_indices, *, block_size, softmax_scale, c
     check_backend(backend)
     tensors = {"q": q, "k": k, "v": v}
     _check_tensors(tensors, backend, cu_seqlens, max_seqlen)
-    if tuple(v.shape) != tuple(k.shape):
-        raise _fail("v", f"shape {tuple(k.shape)} (the shape of k)", tuple(v.shape))
     head_dim, num_heads, num_kv_heads = q.shape[-1], q.shape[-2], k.shape[-2]
-    if k.shape[-1] != head_dim:
-        raise _fail("k", f"head dim {head_dim} (the head dim of q)", k.shape[-1])
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise _fail("q", f"head dim in {SUPPORTED_HEAD_DIMS}", head_dim)
+    if k.shape[-1] != head_dim:
+        raise _fail("k", f"head dim {head_dim} (the head dim of q)", k.shape[-1])
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise _fail("k", f"a number of heads dividing the {num_heads} heads of q", num_kv_heads)
+    if tuple(v.shape) != tuple(k.shape):
+        raise _fail("v", f"shape {tuple(k.shape)} (the shape of k)", tuple(v.shape))
     if not isinstance(block_indices, torch.Tensor):
         raise TypeError(
             f"block_indices: expected a torch.Tensor, received {type(block_indices).__name__}")

@@ -175,11 +175,20 @@ def train_model(kind: str, preset: Preset, device, seed: int, progress) -> list[
     return history
 
 
+def _clock(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}:{seconds:02d}"
+
+
 def _progress_printer():
-    """A progress bar on a terminal; one line per evaluation otherwise (logs stay readable)."""
+    """A progress bar with elapsed time and ETA on a terminal; one line per evaluation
+    otherwise (logs stay readable)."""
     interactive = sys.stdout.isatty()
+    starts = {}
 
     def show(kind, step, total, last):
+        elapsed = time.perf_counter() - starts.setdefault(kind, time.perf_counter())
+        timing = f" {_clock(elapsed)} elapsed, ETA {_clock(elapsed / step * (total - step))}"
         summary = ""
         if last:
             summary = f" loss {last['task_loss']:.3f} acc {last['eval_accuracy']:.2f}"
@@ -188,10 +197,10 @@ def _progress_printer():
                             f" mass {last['eval_mass_recall']:.2f}")
         if interactive:
             done = 30 * step // total
-            print(f"\r{kind:>5} [{'#' * done}{'.' * (30 - done)}] {step}/{total}{summary}",
-                  end="\n" if step == total else "", flush=True)
+            print(f"\r{kind:>5} [{'#' * done}{'.' * (30 - done)}] {step}/{total}{timing}"
+                  f"{summary}", end="\n" if step == total else "", flush=True)
         elif last and last["step"] == step:
-            print(f"{kind:>5} step {step}/{total}{summary}", flush=True)
+            print(f"{kind:>5} step {step}/{total}{timing}{summary}", flush=True)
     return show
 
 
@@ -235,15 +244,53 @@ def plot(histories: dict, path: str, preset_name: str) -> None:
     plt.close(figure)
 
 
-def run(preset_name: str, out_dir: str, device: str | None = None, seed: int = 0,
+def with_steps(preset: Preset, steps: int) -> Preset:
+    """``preset`` with ``steps`` steps in all: its warmup, curriculum phases and evaluation
+    interval scale by the same factor (each phase keeps at least one step; phases that no
+    longer fit before the last step are dropped)."""
+    factor = steps / preset.steps
+
+    def scaled(n):
+        return max(1, round(n * factor))
+
+    curriculum, used = [], 0
+    for phase_steps, tokens, batch in preset.curriculum:
+        phase_steps = scaled(phase_steps)
+        if used + phase_steps >= steps:  # the full length needs a step of its own
+            break
+        curriculum.append((phase_steps, tokens, batch))
+        used += phase_steps
+    return Preset(**dict(asdict(preset), steps=steps,
+                         warmup_steps=min(round(preset.warmup_steps * factor), steps - 1),
+                         eval_every=scaled(preset.eval_every), curriculum=tuple(curriculum)))
+
+
+def _write_plot(histories: dict, out_dir: str, preset_name: str) -> str:
+    """curves.png, or a line saying why there is none (matplotlib is the train extra's)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "no curves.png: matplotlib is not installed (pip install 'openmsa[train]')"
+    plot(histories, os.path.join(out_dir, "curves.png"), preset_name)
+    return ""
+
+
+def run(preset_name: str, out_dir: str, device: str | torch.device | None = None, seed: int = 0,
         steps: int | None = None) -> dict:
+    if preset_name not in PRESETS:
+        raise ValueError(f"preset_name: expected one of {sorted(PRESETS)}, received "
+                         f"{preset_name!r}")
     preset = PRESETS[preset_name]
     if steps is not None:
-        preset = Preset(**dict(asdict(preset), steps=steps,
-                               warmup_steps=min(preset.warmup_steps, steps // 3),
-                               curriculum=()))
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps: expected a positive int, received {steps!r}")
+        print(f"openmsa train: --steps {steps}: the preset's {preset.steps} steps, its warmup, "
+              f"curriculum and evaluation interval scaled by {steps / preset.steps:.3g}")
+        preset = with_steps(preset, steps)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    os.makedirs(out_dir, exist_ok=True)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: expected a device this torch can use, received {device} "
+                         f"(torch {torch.__version__} sees no CUDA GPU)")
     print(f"openmsa train: preset {preset_name} on {device}: {asdict(preset)}")
     progress = _progress_printer()
     histories = {kind: train_model(kind, preset, device, seed, progress)
@@ -251,6 +298,7 @@ def run(preset_name: str, out_dir: str, device: str | None = None, seed: int = 0
     final = {kind: history[-1] for kind, history in histories.items()}
     summary = {"preset": preset_name, "settings": asdict(preset), "device": str(device),
                "seed": seed, "final": final}
+    os.makedirs(out_dir, exist_ok=True)  # only now: a run that fails early leaves no folder
     with open(os.path.join(out_dir, "metrics.json"), "w") as f:
         json.dump({"summary": summary, "history": histories}, f, indent=2)
     rows = [record for history in histories.values() for record in history]
@@ -258,12 +306,16 @@ def run(preset_name: str, out_dir: str, device: str | None = None, seed: int = 0
         writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
         writer.writeheader()
         writer.writerows(rows)
-    plot(histories, os.path.join(out_dir, "curves.png"), preset_name)
+    skipped_plot = _write_plot(histories, out_dir, preset_name)
     dense, msa = final["dense"], final["msa"]
     print(f"\nfinal (held-out, {preset.steps} steps): dense accuracy {dense['eval_accuracy']:.3f}"
           f" | MSA accuracy {msa['eval_accuracy']:.3f}, KL {msa['train_kl']:.4f}, block recall "
           f"{msa['eval_block_recall']:.3f} (any index head: "
           f"{msa['eval_block_recall_any_index_head']:.3f}), mass recall "
           f"{msa['eval_mass_recall']:.3f}; chance accuracy {1 / 16:.3f}")
-    print(f"wrote {out_dir}/metrics.json, metrics.csv, curves.png")
+    if skipped_plot:
+        print(skipped_plot)
+        print(f"wrote {out_dir}/metrics.json, metrics.csv")
+    else:
+        print(f"wrote {out_dir}/metrics.json, metrics.csv, curves.png")
     return summary

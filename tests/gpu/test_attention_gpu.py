@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from openmsa import msa_attention, select_blocks, sparse_attention
-from openmsa.cli import TOLERANCE
 from openmsa.ops import hopper
 from openmsa.ops.attention import (LOG2_E, SparseAttentionProblem, attention_delta,
                                    attention_dkdv, attention_dq, kl_key_walk,
                                    sparse_attention_fwd)
 from openmsa.ops.select import select_blocks_fwd
-from openmsa.testing import (MSACase, compare_with_reference, random_inputs, rel_rms_error,
-                             run_with_grads)
+from openmsa.testing import (TOLERANCE, MSACase, compare_with_reference, random_inputs,
+                             rel_rms_error, run_with_grads)
 
 CASES = [
     MSACase("paper_groups", batch=1, seqlen=4096, num_heads=16, num_kv_heads=2,

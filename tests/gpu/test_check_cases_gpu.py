@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from openmsa import cli, msa_attention
-from openmsa.testing import compare_with_reference
+from openmsa.testing import TOLERANCE, compare_with_reference
 
 
 @pytest.mark.parametrize("case", cli.GPU_CASES, ids=lambda c: c.name)
 def test_auto_backend_bf16_matches_fp32_reference(case):
     comparison = compare_with_reference(msa_attention, case, torch.bfloat16, "cuda")
-    assert comparison.passed(cli.TOLERANCE[torch.bfloat16]), comparison.errors
+    assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors

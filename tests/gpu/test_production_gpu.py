@@ -33,7 +33,8 @@ def test_custom_operators_pass_opcheck_on_cuda(warmup_on_cudnn):
         out, _, *saved = msa_forward(*args)
     backward_args = (torch.randn_like(out), torch.tensor(2.0, device="cuda"), q.detach(),
                      k.detach(), v.detach(), index_q.detach(), index_k.detach(), out, *saved,
-                     cu_seqlens, 128, 128 ** -0.5, 128 ** -0.5, True, 0, None, dense_batch)
+                     cu_seqlens, 128, 128 ** -0.5, 128 ** -0.5, True, True, 0, None,
+                     dense_batch)
     torch.library.opcheck(msa_backward, backward_args)
 
 
