@@ -26,11 +26,12 @@ import triton
 from openmsa.bench.flops import kept_triples
 from openmsa.bench.run import index_inputs
 from openmsa.bench.timing import median_ms
-from openmsa.ops.attention import (SparseAttentionProblem, attention_backward, attention_delta,
-                                   attention_dkdv, attention_dq, kl_key_walk, kl_query_side,
-                                   sparse_attention_fwd)
-from openmsa.ops import hopper
-from openmsa.ops.schedule import batch_cu_seqlens
+from openmsa.ops import sm90
+from openmsa.ops.attention import (attention_backward, attention_delta, attention_dkdv,
+                                   attention_dq, sparse_attention_fwd)
+from openmsa.ops.kl import kl_key_walk, kl_query_side
+from openmsa.ops.layout import batch_cu_seqlens
+from openmsa.ops.problem import SparseAttentionProblem
 from openmsa.ops.select import select_blocks_fwd
 
 SHAPES = [
@@ -193,7 +194,7 @@ def main() -> None:
             bwd_ms = bench(lambda: attention_backward(q, k, v, out, dout, lse, problem))
             fwd_again = bench(lambda: sparse_attention_fwd(q, k, v, None, None, problem))
             # The Triton forward in the same run (the default is the Hopper kernel, where the
-            # GPU and inputs allow it; openmsa/ops/hopper.py).
+            # GPU and inputs allow it; openmsa/ops/attention/sm90_forward.py).
             fwd_triton = bench(lambda: sparse_attention_fwd(q, k, v, None, None, problem,
                                                             use_hopper=False))
             bwd_triton = bench(lambda: attention_backward(q, k, v, out, dout, lse, problem,
@@ -201,7 +202,7 @@ def main() -> None:
             flops = 4.0 * head_dim * triples
             row = dict(shape=name, seqlen=seqlen, selection=kind, union_of_8_tokens=union,
                        csr_ms=build_ms, fwd_ms=fwd_ms, fwd_ms_repeat=fwd_again, bwd_ms=bwd_ms,
-                       fwd_kernel="hopper" if hopper.supported(q, k, v, problem) else "triton",
+                       fwd_kernel="hopper" if sm90.supported(q, k, v, problem) else "triton",
                        fwd_triton_ms=fwd_triton, bwd_triton_ms=bwd_triton,
                        fwd_tflops=flops / fwd_ms / 1e9, bwd_tflops=2.5 * flops / bwd_ms / 1e9,
                        dense_fwd_ms=dense_fwd, dense_bwd_ms=dense_bwd,

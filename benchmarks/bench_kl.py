@@ -22,11 +22,11 @@ import triton
 import triton.testing
 
 from openmsa.bench.run import index_inputs
-from openmsa.ops.attention import (SparseAttentionProblem, kl_key_walk, kl_query_side,
-                                   query_tile_shape, sparse_attention_fwd)
-from openmsa.ops.csr import build_causal_query_tile_work
-from openmsa.ops.layout import all_causal_block_ids
-from openmsa.ops.schedule import batch_cu_seqlens
+from openmsa.ops.attention import sparse_attention_fwd
+from openmsa.ops.kl import kl_key_walk, kl_query_side
+from openmsa.ops.layout import all_causal_block_ids, batch_cu_seqlens
+from openmsa.ops.problem import SparseAttentionProblem, query_tile_shape
+from openmsa.ops.worklists import build_causal_query_tile_work
 from openmsa.ops.select import select_blocks_fwd
 from openmsa.testing import rel_rms_error
 

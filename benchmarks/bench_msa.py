@@ -17,7 +17,6 @@ the same step with ``deterministic=True`` (main attention and KL on the ordered 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import time
@@ -30,7 +29,7 @@ from bench_attention import kernel_times
 from openmsa.bench.run import index_inputs
 from openmsa.bench.timing import graphed, median_ms
 from openmsa import msa_attention
-from openmsa.ops import hopper
+from openmsa.ops import sm90
 
 SHAPES = [
     # (name, S, H, Hkv, Hi, D)
@@ -38,18 +37,6 @@ SHAPES = [
     ("H64/Hkv4/Hi4", 32768, 64, 4, 4, 128),
     ("H64/Hkv4/Hi4", 131072, 64, 4, 4, 128),
 ]
-
-
-@contextlib.contextmanager
-def triton_kernels_only():
-    """The Hopper (Gluon) kernels switched off, for the same-run comparison with the Triton
-    kernels alone."""
-    supported = hopper.supported, hopper.supported_key_outer, hopper.supported_kl
-    hopper.supported = hopper.supported_key_outer = hopper.supported_kl = lambda *args: False
-    try:
-        yield
-    finally:
-        hopper.supported, hopper.supported_key_outer, hopper.supported_kl = supported
 
 
 bench = median_ms
@@ -109,7 +96,7 @@ def main() -> None:
                        step_no_kl_value_ms=bench(lambda: step(False)),
                        step_deterministic_ms=bench(lambda: step(True, deterministic=True)),
                        step_extra_memory_gib=extra_gib)
-            with triton_kernels_only():
+            with sm90.disabled():
                 row["step_triton_kernels_ms"] = bench(lambda: step(True))
             if seqlen <= args.warmup_max_seqlen and kind == args.kinds.split(",")[0]:
                 def warmup_step(deterministic):

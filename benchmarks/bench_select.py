@@ -21,7 +21,7 @@ import triton
 import triton.testing
 
 from openmsa.bench.flops import index_scoring_flops
-from openmsa.ops.schedule import batch_cu_seqlens
+from openmsa.ops.layout import batch_cu_seqlens
 from openmsa.ops.select import select_blocks_fwd
 
 

@@ -6,7 +6,7 @@ registers and register spills.
 
 A configuration that needs more than 227 KiB of shared memory cannot launch on the H200; one that
 spills registers inside the block loop is usually slow. This is how the stage counts in
-``openmsa/ops/attention.py`` were chosen without spending GPU time. The shapes are the paper's:
+``openmsa/ops/configs.py`` were chosen without spending GPU time. The shapes are the paper's:
 H = 64, Hi = 4 (16 heads per token), D = Di = 128, block 128, top_k 16, bf16. Uses Triton's
 compiler and its bundled ptxas; nothing runs.
 """
@@ -15,12 +15,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from openmsa.ops import attention, hopper
+from openmsa.ops.attention.backward import _sparse_attn_dkdv_kernel, _sparse_attn_dq_kernel
+from openmsa.ops.attention.forward import _sparse_attn_fwd_kernel
+from openmsa.ops.configs import DEFAULT_TUNING
+from openmsa.ops.kl.kernels import _kl_kernel, _kl_query_kernel
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tools/ beside the package
+from tools.sm90_compile import compile_for_sm90, ptxas_report as sm90_ptxas_report  # noqa: E402
+
+SEGMENT_PAIRS = DEFAULT_TUNING.segment_pairs
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # per block on the H100/H200
 FLOAT_ARGS = {"scale", "scale_log2", "index_scale"}
@@ -71,7 +80,7 @@ def ptxas_report(kernel, name, keep=None):
     if keep:
         with open(os.path.join(keep, f"{name}.ptx"), "w") as handle:
             handle.write(ptx)
-    found = hopper.ptxas_report(ptx)
+    found = sm90_ptxas_report(ptx)
     return dict(shared=kernel.metadata.shared, registers=found["registers"],
                 spill_bytes=found["spill_bytes"], serialized=found["serialized"],
                 warps=kernel.metadata.num_warps)
@@ -87,28 +96,29 @@ def main() -> None:
                   INDEX_DIM=128, PRECISION="tf32")
     query = dict(shared, TOK=8, TOKP=16, ROWS=128, UNION_SLOTS=128)
     kernels = [
-        ("forward", attention._sparse_attn_fwd_kernel,
+        ("forward", _sparse_attn_fwd_kernel,
          dict(query, WITH_MAIN=True, WITH_INDEX=False, INDEX_MAX_GIVEN=False)),
-        ("forward + index lse", attention._sparse_attn_fwd_kernel,
+        ("forward + index lse", _sparse_attn_fwd_kernel,
          dict(query, WITH_MAIN=True, WITH_INDEX=True, INDEX_MAX_GIVEN=False)),
-        ("forward + index, max given", attention._sparse_attn_fwd_kernel,
+        ("forward + index, max given", _sparse_attn_fwd_kernel,
          dict(query, WITH_MAIN=True, WITH_INDEX=True, INDEX_MAX_GIVEN=True)),
-        ("index lse alone", attention._sparse_attn_fwd_kernel,
+        ("index lse alone", _sparse_attn_fwd_kernel,
          dict(query, WITH_MAIN=False, WITH_INDEX=True, INDEX_MAX_GIVEN=True)),
-        ("dQ", attention._sparse_attn_dq_kernel, query),
-        ("dK/dV", attention._sparse_attn_dkdv_kernel,
-         dict(shared, TOK=4, TOKP=16, ROWS=64, SEGMENT_PAIRS=attention.SEGMENT_PAIRS)),
-        ("KL query side", attention._kl_query_kernel,
+        ("dQ", _sparse_attn_dq_kernel, query),
+        ("dK/dV", _sparse_attn_dkdv_kernel,
+         dict(shared, TOK=4, TOKP=16, ROWS=64, SEGMENT_PAIRS=SEGMENT_PAIRS)),
+        ("KL query side", _kl_query_kernel,
          dict(query, WITH_VALUE=True, WITH_GRAD=True)),
     ]
     kl = {name: shared[name] for name in ("HI", "GQ", "KV_GROUP", "INDEX_GROUP", "BLOCK",
                                            "HEAD_DIM", "INDEX_DIM", "PRECISION")}
     for pairs in (32, 64, 128):
-        kernels.append((f"KL one pass, {pairs} pairs", attention._kl_kernel,
-                        dict(kl, PAIRS=pairs, SEGMENT_PAIRS=attention.SEGMENT_PAIRS, QUERY_SIDE=True,
+        kernels.append((f"KL one pass, {pairs} pairs", _kl_kernel,
+                        dict(kl, PAIRS=pairs, SEGMENT_PAIRS=SEGMENT_PAIRS, QUERY_SIDE=True,
                              WITH_VALUE=True)))
-    kernels.append(("KL key side (ordered)", attention._kl_kernel,
-                    dict(kl, PAIRS=64, SEGMENT_PAIRS=attention.SEGMENT_PAIRS, QUERY_SIDE=False, WITH_VALUE=False)))
+    kernels.append(("KL key side (ordered)", _kl_kernel,
+                    dict(kl, PAIRS=64, SEGMENT_PAIRS=SEGMENT_PAIRS, QUERY_SIDE=False,
+                         WITH_VALUE=False)))
     print(f"{'kernel':<26} {'warps':>5} {'stages':>6} {'shared KiB':>10} {'registers':>9} "
           f"{'spill B':>7}  fits  wgmma")
     for label, fn, constants in kernels:
@@ -121,7 +131,7 @@ def main() -> None:
     # The Hopper (Gluon) kernels: their pipelining is written out, so stages do not apply. The
     # warp-specialized dK/dV's registers are its launch limit, redistributed among its warps.
     for kernel in ("forward", "dq", "dkdv", "kl"):
-        found = ptxas_report(hopper.compile_for_sm90(128, 128, "bf16", kernel=kernel),
+        found = ptxas_report(compile_for_sm90(128, 128, "bf16", kernel=kernel),
                              f"hopper_{kernel}", args.keep)
         fits = "yes" if found["shared"] <= SHARED_MEMORY_LIMIT else "NO"
         print(f"{'Hopper ' + kernel:<26} {found['warps']:>5} {'-':>6} "

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from openmsa import MSAAttention
-from openmsa.integrations.context_parallel import MODES, shard_sequence
+from openmsa.context_parallel import MODES, shard_sequence
 
 parser = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

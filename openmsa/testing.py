@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ops.msa import naive_msa_attention
+from .ops.configs import Tuning
+from .ops.custom_ops import tuned_msa_forward
+from .ops.msa import msa_kernels, naive_msa_attention
 from .ops.naive import naive_msa_forward
-from .ops.validate import validate_msa_args
+from .ops.validate import validate_block_indices, validate_msa_args
 
 INPUT_NAMES = ("q", "k", "v", "index_q", "index_k")
 QUANTITY_NAMES = ("out", "kl") + tuple(f"d{name}" for name in INPUT_NAMES)
@@ -164,3 +166,25 @@ def compare_with_reference(fn, case: MSACase, dtype: torch.dtype, device, seed: 
     errors = {name: rel_rms_error(values[name], expected[name]) for name in QUANTITY_NAMES}
     baseline = {name: rel_rms_error(low[name], expected[name]) for name in QUANTITY_NAMES}
     return Comparison(errors, baseline, agreement)
+
+
+def tuned_msa_attention(tuning: Tuning):
+    """``msa_attention`` (``backend="triton"``) with other work-list and key-outer sizes: the
+    kernels as they run on long sequences, at test sizes (several segments per key block,
+    several steps per segment)."""
+    operator = tuned_msa_forward(tuning)
+
+    def run(q, k, v, index_q, index_k, *, block_indices=None, **options):
+        arguments = dict(_with_defaults(options), return_indices=False, cu_seqlens=None,
+                         backend="triton", query_start=None, kl_num_queries=None,
+                         kl_value=True)
+        arguments.update(options)
+        problem = validate_msa_args(q, k, v, index_q, index_k, **arguments)
+        if block_indices is not None:
+            validate_block_indices(block_indices, problem, arguments["cu_seqlens"], q.device)
+        return msa_kernels(operator, q, k, v, index_q, index_k, problem,
+                           arguments["cu_seqlens"], arguments["max_seqlen"], block_indices,
+                           arguments["kl_value"], arguments["deterministic"],
+                           arguments["return_indices"])
+
+    return run

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from openmsa import cli
-from openmsa.ops import library as library_module
+from openmsa.ops import pipeline as pipeline_module
 from openmsa.ops.interpreter import INTERPRETING
 from openmsa.testing import TOLERANCE, compare_with_reference
 
@@ -24,8 +24,8 @@ def test_check_on_a_cpu_runs_the_kernels_under_the_interpreter(capsys, monkeypat
     """On a CPU the default check exercises the Triton kernels (interpreted), not the
     reference against itself."""
     calls = []
-    original = library_module.select_blocks_fwd  # selection's Triton kernel
-    monkeypatch.setattr(library_module, "select_blocks_fwd",
+    original = pipeline_module.select_blocks_fwd  # selection's Triton kernel
+    monkeypatch.setattr(pipeline_module, "select_blocks_fwd",
                         lambda *a, **kw: calls.append(1) or original(*a, **kw))
     assert cli.main(["check", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import openmsa
-from openmsa.integrations.context_parallel import (context_parallel_msa_attention,
+from openmsa.context_parallel import (context_parallel_msa_attention,
                                                    shard_sequence, zigzag_shard)
 from openmsa.layers import MSAAttention
 from openmsa.testing import INPUT_NAMES, same_block_sets

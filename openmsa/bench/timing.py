@@ -5,9 +5,8 @@ import triton.testing
 
 # Each timing runs the function for about WARMUP_MS before it times REPEAT_MS of calls (at least
 # one call each; triton.testing.do_bench clears the L2 cache before each timed call). A 60 ms
-# call thus gets 8 warmup calls and 16 timed ones. With 25 / 200 ms it got 1 and 3, and the
-# first timing of a new 128k problem's backward measured 8% slower than the next one on the
-# same problem (benchmarks/results/dq-warp-specialized-h200-2026-11-29/sequence/).
+# call thus gets 8 warmup calls and 16 timed ones: with fewer, the first timing of a new long
+# problem read slower than the next ones on the same problem.
 WARMUP_MS = 500
 REPEAT_MS = 1000
 

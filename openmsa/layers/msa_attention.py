@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..integrations.context_parallel import (MODES, context_parallel_msa_attention,
+from ..context_parallel import (MODES, context_parallel_msa_attention,
                                              shard_sequence)
 from ..ops.msa import msa_attention
 from ..ops.validate import query_positions_from_offsets
@@ -53,7 +53,7 @@ class MSAAttention(nn.Module):
                  context_parallel_group=None, context_parallel_mode: str = "head"):
         super().__init__()
         # With a process group, hidden_states is this rank's shard of the sequence and the
-        # attention runs across the group (openmsa.integrations.context_parallel): head mode
+        # attention runs across the group (openmsa.context_parallel): head mode
         # takes contiguous shards, sequence mode zig-zag ones (shard_sequence cuts either).
         if context_parallel_mode not in MODES:
             raise ValueError(f"context_parallel_mode: expected one of {MODES}, received "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import LOG2_E
+from .problem import LOG2_E
 from .validate import MSAProblem
 
 

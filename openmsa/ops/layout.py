@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from .schedule import batch_cu_seqlens
 
 
 def packed_tokens(tensor: torch.Tensor) -> torch.Tensor:
@@ -12,6 +11,11 @@ def packed_tokens(tensor: torch.Tensor) -> torch.Tensor:
     stride in the last dim (a view when the input allows one)."""
     flat = tensor.reshape(-1, *tensor.shape[-2:])
     return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def batch_cu_seqlens(batch: int, seqlen: int, device) -> torch.Tensor:
+    """Offsets of ``batch`` rows of ``seqlen`` tokens viewed as packed sequences: int32 [B + 1]."""
+    return torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
 
 
 def packed_offsets(cu_seqlens, batch: int, seqlen: int, device) -> torch.Tensor:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .attention import SparseAttentionFunction
+from .custom_ops import SparseAttentionFunction, msa_forward
 from .dense import use_cudnn_dense
 from .interpreter import INTERPRETING, check_interpreter
-from .library import msa_forward
 from .layout import (ids_from_token_major, ids_to_token_major,
                      packed_offsets, packed_tokens)
 from .naive import naive_msa_forward, naive_select_blocks
@@ -88,7 +87,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
             always); used instead of the index branch's own selection.
         kl_value: compute the KL's value. With False, ``kl`` is a zero-valued carrier: its
             value is 0 and its gradient is exactly the KL's. The value rides on a pass the
-            gradient needs anyway, so skipping it saves little (about 1% of a step on an H200).
+            gradient needs anyway, so skipping it saves little (about 1% of a step).
         query_start: a query range, for context parallelism: q and index_q ``[Tq, heads, dim]``
             hold only the packed tokens ``[query_start, query_start + Tq)`` of the packing that
             k, v, index_k ``[T, heads, dim]`` and ``cu_seqlens`` describe (the range may start
@@ -112,7 +111,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
     tensors; ``"triton"`` forces the kernels (CPU tensors need ``TRITON_INTERPRET=1``, for
     tests); ``"reference"`` forces the eager reference. Selection, sparse attention and the KL
     (value and gradient) are Triton kernels, run through the custom operators of
-    ``openmsa.ops.library`` (so ``torch.compile`` traces them); warmup runs the KL kernel
+    ``openmsa.ops.custom_ops`` (so ``torch.compile`` traces them); warmup runs the KL kernel
     with every causal block kept, and its dense main attention on cuDNN (PyTorch's ATen
     operator, which returns the log-sum-exps the KL needs) for 16-bit CUDA batch input without
     ``deterministic=True``, else the same sparse kernels with every causal block kept. The main
@@ -134,19 +133,28 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         out, kl, block_ids = naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens,
                                                block_indices)
         return _return(out, kl if kl_value else kl - kl.detach(), block_ids, return_indices)
+    return msa_kernels(msa_forward, q, k, v, index_q, index_k, problem, cu_seqlens, max_seqlen,
+                       block_indices, kl_value, deterministic, return_indices)
+
+
+def msa_kernels(operator, q, k, v, index_q, index_k, problem, cu_seqlens, max_seqlen,
+                block_indices, kl_value: bool, deterministic: bool, return_indices: bool):
+    """``msa_attention`` on validated inputs, on the kernels of ``operator``
+    (``custom_ops.msa_forward``, or a ``custom_ops.tuned_msa_forward`` for tests)."""
     _check_gpu_head_dims(q.device, q=problem.head_dim, index_q=problem.index_head_dim)
     cu = packed_offsets(cu_seqlens, problem.batch, problem.num_keys, q.device)
     ids = None if block_indices is None else ids_to_token_major(block_indices, problem.packed)
     longest = max_seqlen or problem.num_keys
     # The forward computes the KL's gradients (they do not depend on dout) when they are needed.
     index_grad = torch.is_grad_enabled() and (index_q.requires_grad or index_k.requires_grad)
+    warmup = problem.warmup
     dense_batch = problem.batch if warmup and use_cudnn_dense(q, problem, deterministic) else 0
-    out, kl, _, _, token_major_ids, *_ = msa_forward(
+    out, kl, _, _, token_major_ids, *_ = operator(
         packed_tokens(q), packed_tokens(k), packed_tokens(v), packed_tokens(index_q),
-        packed_tokens(index_k), cu, ids, top_k, block_size, problem.softmax_scale,
-        problem.index_softmax_scale, num_local_blocks, num_sink_blocks, warmup, longest,
-        kl_value, index_grad, problem.query_start, problem.kl_num_queries, dense_batch,
-        deterministic)
+        packed_tokens(index_k), cu, ids, problem.top_k, problem.block_size,
+        problem.softmax_scale, problem.index_softmax_scale, problem.num_local_blocks,
+        problem.num_sink_blocks, warmup, longest, kl_value, index_grad, problem.query_start,
+        problem.kl_num_queries, dense_batch, deterministic)
     # The operator's ids are its own tensor (int32, also when the caller gave int64 ids).
     block_ids = None if warmup else ids_from_token_major(token_major_ids, problem.packed,
                                                          problem.batch, problem.seqlen)

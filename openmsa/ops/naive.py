@@ -176,13 +176,14 @@ def _attend_chunk(q, k, v, index_q, index_k, block_ids, first_query: int, proble
 
 
 def _attend_sequences(q, k, v, index_q, index_k, block_ids, problem: MSAProblem,
-                      compute_dtype: torch.dtype, first_position: int = 0):
+                      compute_dtype: torch.dtype, first_position: int = 0,
+                      chunk_elements: int = _CHUNK_ELEMENTS):
     """The queries ``[B, Sq, ...]`` at positions ``first_position ..`` of sequences whose keys
     ``[B, first_position + Sq, ...]`` start at position 0, chunk by chunk. Returns out
     [B, Sq, H, D] (compute dtype), the unnormalized KL sum and kept ids [B, Hi, Sq, top_k]
     (None in warmup)."""
     batch, num_queries, num_keys = q.shape[0], q.shape[1], k.shape[1]
-    chunk = max(1, _CHUNK_ELEMENTS // (batch * problem.num_heads * num_keys))
+    chunk = max(1, chunk_elements // (batch * problem.num_heads * num_keys))
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, index_q, index_k))
     outs, kl_sum, ids = [], q.new_zeros((), dtype=compute_dtype), []
@@ -206,7 +207,8 @@ def _attend_sequences(q, k, v, index_q, index_k, block_ids, problem: MSAProblem,
 
 
 def naive_msa_forward(q, k, v, index_q, index_k, problem: MSAProblem, cu_seqlens=None,
-                      block_indices=None, compute_dtype=None):
+                      block_indices=None, compute_dtype=None,
+                      chunk_elements: int = _CHUNK_ELEMENTS):
     """Reference MSA on validated inputs.
 
     Returns ``(out, kl, block_ids)``: ``out`` in q's dtype and shape, ``kl`` a float32 0-dim
@@ -217,6 +219,7 @@ def naive_msa_forward(q, k, v, index_q, index_k, problem: MSAProblem, cu_seqlens
     ``query_start`` on, and k, v, index_k every token of the packing (or of the one sequence).
     ``compute_dtype`` defaults to float32 (float64 for float64 inputs); tests set the input's
     16-bit dtype to get the error of a reference that computes in that dtype.
+    ``chunk_elements`` bounds the elements of one chunk's score tensor.
     """
     if compute_dtype is None:
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -224,7 +227,8 @@ def naive_msa_forward(q, k, v, index_q, index_k, problem: MSAProblem, cu_seqlens
         block_indices = block_indices.long()
     if cu_seqlens is None:
         out, kl_sum, block_ids = _attend_sequences(q, k, v, index_q, index_k, block_indices,
-                                                   problem, compute_dtype, problem.query_start)
+                                                   problem, compute_dtype, problem.query_start,
+                                                   chunk_elements)
     else:
         query_q, key_k, key_v, query_iq, key_ik = (
             None if t is None else t.reshape(t.shape[-3:])  # [tokens, heads, dim]
@@ -244,7 +248,7 @@ def naive_msa_forward(q, k, v, index_q, index_k, problem: MSAProblem, cu_seqlens
             seq_ids = None if block_indices is None else block_indices[None, :, rows]
             out, seq_kl, seq_block_ids = _attend_sequences(
                 seq_q, seq_k, seq_v, seq_iq, seq_ik, seq_ids, problem, compute_dtype,
-                first_position=lo - start)
+                first_position=lo - start, chunk_elements=chunk_elements)
             outs.append(out[0])
             kl_sum = kl_sum + seq_kl
             ids.append(None if seq_block_ids is None else seq_block_ids[0])

@@ -5,7 +5,7 @@ One program owns a tile of ``TILE_TOKENS`` consecutive query tokens of one seque
 It walks the sequence's key blocks from the first to the tile's own block. For each block it
 computes the scores ``[rows, BLOCK]`` on the tensor cores, max-pools them to one score per row
 and merges that into a per-row top-k kept in registers. Block scores never reach memory; the only
-output is the kept block ids. See docs/KERNELS.md for the design and its measurements.
+output is the kept block ids. See docs/KERNELS.md for the design.
 
 Top-k bookkeeping: each candidate becomes one int64 key ``(order-preserving score bits << 32) |
 (MAX_ID - block id)``. Keys are unique, a larger key is a better block, and equal scores prefer the
@@ -19,10 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .schedule import query_tile_schedule
-
-# Two 8-warp programs per SM (65536 registers) need at most 128 registers per thread.
-SELECT_MAX_REGISTERS = 128
+from .configs import SELECT_MAX_REGISTERS
+from .worklists import query_tile_schedule
 
 
 @triton.jit
@@ -124,7 +122,7 @@ def _select_fwd_kernel(
         # The best unforced block, when a slot is left for it, is among the kept keys: its
         # score comes back from the key's bits (the bit map is its own inverse). Forced blocks'
         # keys hold +inf instead of their scores, so those (the own block's is at hand) are
-        # scored again; tracking a running maximum in the loop instead cost 72 registers.
+        # scored again, which needs fewer registers than a running maximum in the loop.
         score_bits = (keys >> 32).to(tl.int32)
         unforced = (keys >= -(1 << 62)) & (score_bits != 0x7F800000)
         kept_score = _order_preserving_bits(score_bits).to(tl.float32, bitcast=True)
@@ -172,7 +170,7 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
     visible keys (when ``top_k > num_local_blocks + num_sink_blocks``; else over the kept
     blocks only), which is then also its largest kept score.
     ``tile_rows``, ``num_warps`` and ``num_stages`` tune the kernel; the defaults won the sweep
-    of benchmarks/bench_select.py on an H200 (see docs/KERNELS.md).
+    of benchmarks/bench_select.py.
     """
     total, num_index_heads, head_dim = index_q.shape
     num_key_heads = index_k.shape[1]

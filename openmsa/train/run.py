@@ -56,14 +56,11 @@ PRESETS = {
     "tiny": Preset(seqlen=192, block_size=64, top_k=2, num_pairs=3, batch=4, steps=4,
                    warmup_steps=2, eval_every=2, rope_theta=1e6, curriculum=((1, 64, 2),
                                                                             (1, 128, 2))),
-    # GPU, Triton kernels: 16k tokens, 128 blocks of 128, keep 4. From scratch at 16k neither
-    # model learned in 1500 steps (chance accuracy), nor in 300 steps on 512 tokens with 16
-    # facts and 2 layers. On the CPU, one layer with a RoPE base of 1e6 learned 256 tokens with
-    # 8 facts in 75 steps (with base 1e4, 3x slower), answered 0.25 at 16k, and 0.69 after 150
-    # more steps on 2048 tokens. So: 256, then 2048, then 16k tokens; the MSA model's warmup
-    # lasts 100 steps into the 16k phase. One KV head (so one index head for all 4 heads): with
-    # two, the head group that does not read the fact had no reason to keep its block (block
-    # recall 0.68-0.81 on the H200, against 1.00 with one; docs/TRAINING.md).
+    # GPU, Triton kernels: 16k tokens, 128 blocks of 128, keep 4. Neither model learns from
+    # scratch at 16k, so a curriculum of 256, then 2048, then 16k tokens (RoPE base 1e6); the
+    # MSA model's warmup lasts 100 steps into the 16k phase. One KV head (so one index head for
+    # all 4 heads): with two, the head group that does not read the fact has no reason to keep
+    # its block (docs/TRAINING.md has the runs behind these choices).
     "gpu": Preset(seqlen=16384, block_size=128, top_k=4, num_pairs=8, batch=8, steps=900,
                   warmup_steps=600, eval_every=50, rope_theta=1e6, num_kv_heads=1,
                   curriculum=((300, 256, 32), (200, 2048, 16))),

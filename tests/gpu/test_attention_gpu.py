@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from openmsa import msa_attention, select_blocks, sparse_attention
-from openmsa.ops import hopper
-from openmsa.ops.attention import (LOG2_E, SparseAttentionProblem, attention_delta,
-                                   attention_dkdv, attention_dq, kl_key_walk,
-                                   sparse_attention_fwd)
+from openmsa.ops import sm90
+from openmsa.ops.attention import (attention_delta, attention_dkdv, attention_dq,
+                                   sparse_attention_fwd, sm90_backward)
+from openmsa.ops.kl import kl_key_walk
+from openmsa.ops.kl import sm90 as kl_sm90
+from openmsa.ops.problem import LOG2_E, SparseAttentionProblem
 from openmsa.ops.select import select_blocks_fwd
 from openmsa.testing import (TOLERANCE, MSACase, compare_with_reference, random_inputs,
                              rel_rms_error, run_with_grads)
@@ -166,7 +168,7 @@ def test_hopper_kernels_equal_the_triton_kernels(case, query_range):
     scale = q.shape[-1] ** -0.5
     problem = SparseAttentionProblem(q, k, ids, cu, options["block_size"], scale,
                                      query_start=start)
-    assert hopper.supported(q, k, v, problem)
+    assert sm90.supported(q, k, v, problem)
     out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
     triton_out, triton_lse, _ = sparse_attention_fwd(q, k, v, None, None, problem,
                                                      use_hopper=False)
@@ -200,7 +202,7 @@ def test_hopper_dq_writes_the_deltas(case, query_range):
     dout = torch.randn_like(q)
     expected = attention_delta(out, dout, problem)
     delta = torch.full_like(expected, float("nan"))
-    dq = hopper.attention_dq(q, k, v, dout, lse, delta, problem, problem.scale * LOG2_E,
+    dq = sm90_backward.attention_dq(q, k, v, dout, lse, delta, problem, problem.scale * LOG2_E,
                              out=out)
     assert not delta.isnan().any()
     torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-5)
@@ -216,7 +218,7 @@ def test_hopper_dkdv_matches_the_triton_dkdv(case, query_range):
     problem = SparseAttentionProblem(q, k, ids, cu, case.options["block_size"],
                                      q.shape[-1] ** -0.5, query_start=start)
     dout = torch.randn_like(q)
-    assert hopper.supported_key_outer(q, k, v, dout, problem)
+    assert sm90_backward.supported_key_outer(q, k, v, dout, problem)
     out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
     delta = attention_delta(out, dout, problem)
     dk, dv = attention_dkdv(q, k, v, dout, lse, delta, problem, use_hopper=True)
@@ -236,7 +238,7 @@ def test_hopper_kl_matches_the_triton_kl(case, query_range, query_side, with_val
     scale = q.shape[-1] ** -0.5
     problem = SparseAttentionProblem(q, k, ids, cu, case.options["block_size"], scale, index_k,
                                      scale, query_start=start)
-    if not hopper.supported_kl(q, k, index_q, index_k, problem):
+    if not kl_sm90.supported_kl(q, k, index_q, index_k, problem):
         assert index_q.shape[-1] != q.shape[-1], "the kernel should take this case"
         pytest.skip("index head dim differs from the head dim")
     _, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem,

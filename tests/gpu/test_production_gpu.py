@@ -7,8 +7,8 @@ import torch
 
 import openmsa
 from openmsa import msa_attention
-from openmsa.ops.library import msa_backward, msa_forward
-from openmsa.ops.schedule import batch_cu_seqlens
+from openmsa.ops.custom_ops import msa_backward, msa_forward
+from openmsa.ops.layout import batch_cu_seqlens
 
 
 def inputs(seqlen=2048, heads=16, kv_heads=2, index_heads=4, seed=0, batch=1):

@@ -68,7 +68,7 @@ def test_bf16_selection_matches_fp32_reference_up_to_near_ties(case):
 def test_work_lists_from_a_selection_equal_the_torch_built_ones(seqlens):
     """The key-block and query-tile lists the GPU kernels build (one radix sort, wide searches
     over its million pairs) from a real selection: equal to the torch-built lists."""
-    from openmsa.ops.csr import build_block_work, build_query_tile_work
+    from openmsa.ops.worklists import build_block_work, build_query_tile_work
     from openmsa.ops.select import select_blocks_fwd
 
     generator = torch.Generator(device="cuda").manual_seed(1)

@@ -1,7 +1,8 @@
 """The Hopper (Gluon) kernels, compiled for sm_90a without a GPU: their tensor-core products must
 stay asynchronous (ptxas serializes them when registers run short or the accumulators are read
 too early) and their values in registers, or they lose what they are for. Their results are
-tested on the GPU (tests/gpu/test_attention_gpu.py)."""
+tested on the GPU (tests/gpu/test_attention_gpu.py). The compiler is developer tooling
+(tools/sm90_compile.py), run from the repository's root."""
 
 import json
 import os
@@ -9,9 +10,13 @@ import re
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
-from openmsa.ops import hopper
+from openmsa.ops import sm90
+
+ROOT = Path(__file__).parents[2]  # tools/ lives beside the package
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # per block on the H100/H200
 # The KL's step end (student, d index_q and their addresses next to the d index_k accumulator)
@@ -21,24 +26,22 @@ SPILL_BYTES = {"forward": 0, "dq": 0, "dkdv": 0, "kl": 64}
 # swaps its language functions for interpreted ones, which the Gluon compiler then refuses.
 COMPILE = """
 import json, sys
-from openmsa.ops import hopper
-kernel = hopper.compile_for_sm90(*json.loads(sys.argv[1]), heads_per_token=int(sys.argv[2]),
-                                 kernel=sys.argv[3])
-with open(sys.argv[4], "w") as handle:
-    handle.write(kernel.asm["ptx"])
-print(kernel.metadata.shared)
+from tools.sm90_compile import compile_for_sm90, ptxas_report
+kernel = compile_for_sm90(*json.loads(sys.argv[1]), heads_per_token=int(sys.argv[2]),
+                          kernel=sys.argv[3])
+print(json.dumps([ptxas_report(kernel.asm["ptx"])["text"], kernel.metadata.shared]))
 """
 
 
-def _compile(kernel, head_dim, block_size, dtype, heads_per_token, tmp_path):
+def _compile(kernel, head_dim, block_size, dtype, heads_per_token):
     """(ptxas's report, shared memory bytes) of the kernel compiled for sm_90a."""
-    ptx = tmp_path / "kernel.ptx"
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    shared = subprocess.run(
+    printed = subprocess.run(
         [sys.executable, "-c", COMPILE, json.dumps([head_dim, block_size, dtype]),
-         str(heads_per_token), kernel, str(ptx)],
-        env=env, capture_output=True, text=True, check=True).stdout
-    return hopper.ptxas_report(ptx.read_text())["text"], int(shared)
+         str(heads_per_token), kernel],
+        env=env, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    report, shared = json.loads(printed)
+    return report, int(shared)
 
 
 @pytest.mark.parametrize("kernel", ["forward", "dq", "dkdv", "kl"])
@@ -46,8 +49,8 @@ def _compile(kernel, head_dim, block_size, dtype, heads_per_token, tmp_path):
     (128, 128, "bf16", 16), (128, 128, "bf16", 4), (64, 64, "fp16", 4), (128, 64, "bf16", 3),
     (64, 128, "bf16", 16)])
 def test_kernels_compile_with_asynchronous_products(kernel, head_dim, block_size, dtype,
-                                                     heads_per_token, tmp_path):
-    report, shared = _compile(kernel, head_dim, block_size, dtype, heads_per_token, tmp_path)
+                                                     heads_per_token):
+    report, shared = _compile(kernel, head_dim, block_size, dtype, heads_per_token)
     assert "serialized" not in report, report
     spills = re.search(r"(\d+) bytes spill stores", report)
     assert spills and int(spills.group(1)) <= SPILL_BYTES[kernel], report
@@ -60,8 +63,8 @@ def test_gather_and_tma_readiness_follow_strides_and_alignment():
     import torch
 
     t = torch.zeros(8, 4, 64, dtype=torch.bfloat16)
-    assert hopper._rows_ready(t) and hopper._tma_ready(t)
-    assert not hopper._rows_ready(t[..., 1:])  # base 2 bytes off alignment
-    assert not hopper._rows_ready(t.transpose(1, 2).contiguous().transpose(1, 2))  # D strided
-    assert hopper._rows_ready(t[:, ::2]) and not hopper._tma_ready(t[:, ::2])  # heads apart
-    assert not hopper._tma_ready(t.transpose(0, 1))  # token rows not a 2D box's rows
+    assert sm90._rows_ready(t) and sm90._tma_ready(t)
+    assert not sm90._rows_ready(t[..., 1:])  # base 2 bytes off alignment
+    assert not sm90._rows_ready(t.transpose(1, 2).contiguous().transpose(1, 2))  # D strided
+    assert sm90._rows_ready(t[:, ::2]) and not sm90._tma_ready(t[:, ::2])  # heads apart
+    assert not sm90._tma_ready(t.transpose(0, 1))  # token rows not a 2D box's rows

@@ -1,20 +1,13 @@
-"""Work lists of the sparse attention kernels, built on the device without host synchronization.
+"""The key-outer kernels' work lists (dK/dV, the KL): for each key block of each index head,
+the (token, index head) pairs that kept it, in token order (a key-block -> queries CSR), cut
+into segments of at most ``segment_pairs`` pairs, one program each.
 
-Selection gives every (token, index head) ``top_k`` block ids. Two lists are built from them:
-
-- ``BlockWork``, key-block -> queries (a CSR): for one key block of one index head, the (token,
-  index head) pairs that kept it, in token order, cut into segments (the dK/dV programs);
-- ``QueryTileWork``: for each tile of consecutive tokens and each index head, the sorted
-  distinct blocks the tile's tokens kept (the forward, dQ and KL walks).
-
-The queries may be a range of the keys' packing (``query_start``, for context parallelism): the
-ids are then those of the packed tokens ``[query_start, query_start + Tq)``, the lists name
-queries by their row in the ids (packed token - query_start) and keys by their packed token.
-
-All sizes that reach the host (grid sizes, buffer sizes) are upper bounds known from the shapes
-alone, so nothing waits for the GPU. On a GPU Triton kernels build both lists (the key-block
-lists around one radix sort); on the CPU torch operations do, and the tests check that both
-give the same lists.
+Selection gives every (token, index head) ``top_k`` block ids. The queries may be a range of
+the keys' packing (``query_start``, for context parallelism): the lists name queries by their
+row in the ids (packed token - query_start) and keys by their packed token. Every size that
+reaches the host is an upper bound known from the shapes alone, so nothing waits for the GPU.
+On a GPU Triton kernels build the lists around one radix sort; on the CPU torch operations do,
+and the tests check that both give the same lists.
 """
 
 from __future__ import annotations
@@ -25,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .schedule import query_tile_schedule
+from ..configs import RANK_CHUNK, RANK_MAX_SEGMENTS, RANK_OTHERS
 
 
 @dataclass
@@ -189,12 +182,16 @@ def _block_work(pair_token, starts, counts, block_sequence, block_local, num_seg
 def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
                      segment_pairs: int, query_start: int = 0,
                      num_keys: int | None = None, segment_order: str = "pairs",
-                     use_triton: bool | None = None) -> BlockWork:
+                     use_triton: bool | None = None,
+                     rank_max_segments: int = RANK_MAX_SEGMENTS) -> BlockWork:
     """block_ids: int32 ``[Tq, Hi, top_k]`` (``-1`` unused), relative to each sequence's start,
     of the packed tokens ``[query_start, query_start + Tq)``; ``num_keys``: the packing's token
     count T (default Tq); ``segment_order``: one of SEGMENT_ORDERS. ``use_triton``: build the
     lists with Triton kernels around one radix sort (the default on a GPU, where the ~90 torch
-    operations cost 0.25 ms at 16k tokens) or in torch operations (the default elsewhere)."""
+    operations would be a step's largest fixed cost) or in torch operations (the default
+    elsewhere).
+    ``rank_max_segments``: up to this many segments a Triton kernel orders them, past it a
+    torch sort."""
     if segment_order not in SEGMENT_ORDERS:
         raise ValueError(f"segment_order: expected one of {SEGMENT_ORDERS}, "
                          f"received {segment_order!r}")
@@ -252,7 +249,7 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
         num_segments, num_buckets, total, max(num_pairs - 1, 0), HI=num_index_heads,
         SEGMENT_PAIRS=segment_pairs, ORDER=SEGMENT_ORDERS.index(segment_order), CHUNK=chunk,
         SEARCH_STEPS=max(1, num_buckets.bit_length()))
-    if num_segments <= RANK_MAX_SEGMENTS:
+    if num_segments <= rank_max_segments:
         _stable_rank_kernel[(triton.cdiv(num_segments, RANK_CHUNK),)](
             order_key, order, num_segments, CHUNK=RANK_CHUNK, OTHERS=RANK_OTHERS)
     else:
@@ -263,15 +260,6 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
                      segments=segments.view(num_segments, 2), segment_order=order,
                      num_global_blocks=num_global_blocks, segment_pairs=segment_pairs,
                      flat=flat)
-
-
-# Up to this many segments one kernel orders them by comparing every pair of keys (a few
-# microseconds); beyond, a torch sort does (its small-input path took 29 us for 1000 keys on an
-# H200).
-RANK_MAX_SEGMENTS = 4096
-# Its programs rank RANK_CHUNK keys each against RANK_OTHERS others a step: few dependent steps
-# (a step is one read of the keys), tiles of 16k comparisons.
-RANK_CHUNK, RANK_OTHERS = 16, 1024
 
 
 @triton.jit
@@ -383,8 +371,8 @@ def _bucket_runs_kernel(SORTED, ORDER, PAIR_TOKEN, BLOCK_END, BUCKET_START, BUCK
                         SEARCH_STEPS: tl.constexpr):
     """From the sorted buckets: each pair's query row (CHUNK pairs a program); each bucket's run
     (first pair, count) and its segment count, each global block's sequence (-1: padding) and
-    local index (BUCKETS buckets and blocks a program). The runs come from wide searches: a
-    binary search's 2 x 21 dependent reads at 16k tokens took 20 us in one program."""
+    local index (BUCKETS buckets and blocks a program). The runs come from wide searches: a few
+    dependent reads each, where a binary search takes a read per bit."""
     index = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     pair_valid = index < num_pairs
     order = tl.load(ORDER + index, mask=pair_valid, other=0)
@@ -458,8 +446,7 @@ def _block_work_torch(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_s
     # which are fewer than 2^31 (checked above).
     sorted_bucket, order = torch.sort(bucket.to(torch.int32), stable=True)
     # Each bucket's run in the sorted keys, found by binary search: a scatter-add of one count
-    # per pair serializes on atomics when few buckets hold many pairs (12 ms for warmup's
-    # 33M pairs at 32k tokens on an H200).
+    # per pair serializes on atomics when few buckets hold many pairs (warmup's).
     bounds = torch.searchsorted(sorted_bucket, torch.arange(num_buckets + 1, device=device,
                                                              dtype=torch.int32))
     starts = bounds[:-1]
@@ -496,204 +483,3 @@ def build_causal_block_work(cu_seqlens: torch.Tensor, num_queries: int, num_inde
     pair_token = torch.where(pair < ends[-1], first_row[bucket] + pair - starts[bucket], 0)
     return _block_work(pair_token, starts, counts, block_sequence, block_local, num_segments,
                        segment_pairs, segment_order, num_index_heads, num_queries)
-
-
-@dataclass
-class QueryTileWork:
-    """Query tiles (``tile_tokens`` consecutive tokens of one sequence, most work first) and, per
-    tile and index head, the sorted distinct blocks its tokens kept (the blocks a query-outer
-    kernel walks), each with a bit mask of the tile's tokens that kept it."""
-
-    schedule: torch.Tensor  # int32 [E, 2]: (sequence, tile within the sequence); -1 = padding
-    union: torch.Tensor  # int32 [E, Hi, tile_tokens * top_k]: distinct kept blocks, ascending
-    union_members: torch.Tensor  # int64 [E, Hi, tile_tokens * top_k]: bit t = token t kept it
-    union_count: torch.Tensor  # int32 [E, Hi]: how many entries of ``union`` are blocks
-    tile_tokens: int
-
-
-MAX_TILE_TOKENS = 64  # the bits of a union_members entry
-
-
-def _check_tile_tokens(tile_tokens: int) -> None:
-    """A tile's tokens must fit the bits of its members masks."""
-    if not 1 <= tile_tokens <= MAX_TILE_TOKENS:
-        raise ValueError(f"tile_tokens: expected 1 to {MAX_TILE_TOKENS}, received {tile_tokens}")
-
-
-def _tile_queries(cu_seqlens: torch.Tensor, num_queries: int, tile_tokens: int,
-                  query_start: int):
-    """The query tiles' schedule, each entry's tile index (int64 ``[E]``), which of its
-    ``tile_tokens`` tokens are queries (bool ``[E, tile_tokens]``) and their rows in the query
-    tensors (int64, meaningful where they are queries)."""
-    _check_tile_tokens(tile_tokens)
-    schedule = query_tile_schedule(cu_seqlens, num_queries, tile_tokens, query_start)
-    sequence, tile = schedule[:, 0].long(), schedule[:, 1].long()
-    real = sequence >= 0
-    sequence = sequence.clamp(min=0)
-    start = cu_seqlens[sequence].long()
-    length = cu_seqlens[sequence + 1].long() - start
-    position = tile[:, None] * tile_tokens + torch.arange(tile_tokens, device=cu_seqlens.device)
-    row = start[:, None] + position - query_start
-    query = real[:, None] & (position < length[:, None]) & (row >= 0) & (row < num_queries)
-    return schedule, tile, query, row
-
-
-@triton.jit
-def _xor(a, b):
-    return a ^ b
-
-
-@triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _query_tile_union_kernel(IDS, SCHEDULE, CU_SEQLENS, UNION, MEMBERS, COUNT, query_start,
-                             num_queries, stride_ids_t, stride_ids_h, num_index_heads,
-                             TILE_TOKENS: tl.constexpr, TOP_K: tl.constexpr,
-                             ENTRIES: tl.constexpr):
-    """One (tile, index head): its tokens' kept blocks, sorted as (block, token) keys, become
-    the runs of equal blocks; each run gives one union entry and the OR of its tokens' bits
-    (an XOR: a token keeps a block once). Entries past the union hold -1 and 0."""
-    entry = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    width = TILE_TOKENS * TOP_K
-    index = tl.arange(0, ENTRIES)
-    token = index // TOP_K  # the tile's token of each entry (TOP_K slots per token)
-    sequence = tl.load(SCHEDULE + 2 * entry).to(tl.int64)
-    tile = tl.load(SCHEDULE + 2 * entry + 1).to(tl.int64)
-    start = tl.load(CU_SEQLENS + tl.maximum(sequence, 0)).to(tl.int64)
-    length = tl.load(CU_SEQLENS + tl.maximum(sequence, 0) + 1).to(tl.int64) - start
-    position = tile * TILE_TOKENS + token
-    row = start + position - query_start
-    query = ((sequence >= 0) & (index < width) & (position < length) & (row >= 0)
-             & (row < num_queries))
-    block = tl.load(IDS + row * stride_ids_t + head * stride_ids_h + index % TOP_K,
-                    mask=query, other=-1)
-    sentinel = 0x7FFFFFFF  # sorts last; its "block" (sentinel // TILE_TOKENS) is no real one
-    keys = tl.sort(tl.where(block >= 0, block * TILE_TOKENS + token.to(tl.int32), sentinel))
-    valid = keys != sentinel
-    block = keys // TILE_TOKENS
-    previous = tl.gather(block, tl.maximum(index - 1, 0), 0)
-    following = tl.gather(block, tl.minimum(index + 1, ENTRIES - 1), 0)
-    first = valid & ((index == 0) | (block != previous))
-    last = valid & ((index == ENTRIES - 1) | (block != following))
-    slot = tl.cumsum(first.to(tl.int32), 0) - 1
-    count = tl.sum(first.to(tl.int32), 0)
-    bits = tl.where(valid, tl.full([ENTRIES], 1, tl.int64) << (keys % TILE_TOKENS).to(tl.int64),
-                    0)
-    prefix = tl.associative_scan(bits, 0, _xor)  # bits of entries 0..i
-    run_start = tl.associative_scan(tl.where(first, index, 0), 0, _maximum)
-    before_run = tl.gather(prefix ^ bits, run_start, 0)  # bits of entries before the run
-    out = (entry * num_index_heads + head) * width
-    tl.store(UNION + out + slot, block, mask=first)
-    tl.store(MEMBERS + out + slot, prefix ^ before_run, mask=last)
-    empty = (index >= count) & (index < width)
-    tl.store(UNION + out + index, -1, mask=empty)
-    tl.store(MEMBERS + out + index, 0, mask=empty)
-    tl.store(COUNT + entry * num_index_heads + head, count)
-
-
-def _union_warps(entries: int) -> int:
-    """The union kernel's warps for ``entries`` sorted keys a program: at 16k, H16, top_k 16
-    (H200) 4 warps took 27 us on 512 keys (2: 30, 8: 33), 8 warps 38 us on 1024 (4: 45, 16:
-    46)."""
-    return 8 if entries >= 1024 else 4
-
-
-def build_query_tile_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                          tile_tokens: int, query_start: int = 0,
-                          use_triton: bool | None = None) -> QueryTileWork:
-    """block_ids: int32 ``[Tq, Hi, top_k]`` (``-1`` unused; a block at most once per row),
-    relative to each sequence's start, of the packed tokens ``[query_start, query_start + Tq)``.
-    Bit t of a members mask is the tile's token t, counted from the tile's first position on the
-    sequence's grid. ``use_triton``: build the unions in one Triton kernel (the default on a GPU,
-    where the torch operations below cost 2 ms at 128k tokens) or in torch operations (the
-    default elsewhere)."""
-    if use_triton is None:
-        use_triton = block_ids.is_cuda
-    if not use_triton:
-        return _query_tile_work_torch(block_ids, cu_seqlens, tile_tokens, query_start)
-    _check_tile_tokens(tile_tokens)
-    total, num_index_heads, top_k = block_ids.shape
-    if block_ids.stride(-1) != 1:
-        block_ids = block_ids.contiguous()
-    schedule = query_tile_schedule(cu_seqlens, total, tile_tokens, query_start)
-    entries = schedule.shape[0]
-    width = tile_tokens * top_k
-    union = torch.empty(entries, num_index_heads, width, dtype=torch.int32,
-                        device=block_ids.device)
-    members = torch.empty(entries, num_index_heads, width, dtype=torch.int64,
-                          device=block_ids.device)
-    count = torch.empty(entries, num_index_heads, dtype=torch.int32, device=block_ids.device)
-    if entries:
-        entries_per_program = triton.next_power_of_2(width)
-        _query_tile_union_kernel[(entries, num_index_heads)](
-            block_ids, schedule, cu_seqlens, union, members, count, query_start, total,
-            block_ids.stride(0), block_ids.stride(1), num_index_heads, TILE_TOKENS=tile_tokens,
-            TOP_K=top_k, ENTRIES=entries_per_program,
-            num_warps=_union_warps(entries_per_program))
-    return QueryTileWork(schedule=schedule, union=union, union_members=members,
-                         union_count=count, tile_tokens=tile_tokens)
-
-
-def _query_tile_work_torch(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, tile_tokens: int,
-                           query_start: int = 0) -> QueryTileWork:
-    """``build_query_tile_work`` in torch operations: (block, token) keys sorted per tile."""
-    total, num_index_heads, top_k = block_ids.shape
-    device = block_ids.device
-    schedule, _, token_valid, row = _tile_queries(cu_seqlens, total, tile_tokens, query_start)
-    entries = schedule.shape[0]
-    token = torch.where(token_valid, row, 0)
-    ids = torch.where(token_valid[..., None, None], block_ids[token], -1)  # [E, tok, Hi, k]
-    ids = ids.permute(0, 2, 1, 3).long()  # [E, Hi, tok, k]
-    # Sort (block, token) keys: a block's entries become a run, one per token that kept it.
-    # int32 keys (a radix sort does half the passes of int64) hold blocks * 64 tokens up to
-    # 2^31, far beyond any sequence length.
-    sentinel = torch.iinfo(torch.int32).max
-    tile_token = torch.arange(tile_tokens, device=device)[:, None]
-    keys = torch.where(ids >= 0, ids * tile_tokens + tile_token, sentinel).to(torch.int32)
-    keys = keys.reshape(entries, num_index_heads, -1).sort(dim=-1).values.long()
-    valid = keys < sentinel
-    block = keys // tile_tokens
-    first_of_run = valid.clone()
-    first_of_run[..., 1:] &= block[..., 1:] != block[..., :-1]
-    slot = torch.cumsum(first_of_run, dim=-1) - 1  # the run's place in the union
-    width = keys.shape[-1]
-    # One extra column catches the entries that write nothing; it is dropped.
-    union = torch.full((entries, num_index_heads, width + 1), -1, dtype=torch.int64,
-                       device=device)
-    union.scatter_(-1, torch.where(first_of_run, slot, width), block)
-    members = torch.zeros_like(union)
-    token_bit = torch.bitwise_left_shift(torch.ones_like(keys), keys % tile_tokens)
-    members.scatter_add_(-1, torch.where(valid, slot, width), token_bit)
-    return QueryTileWork(schedule=schedule,
-                         union=union[..., :width].to(torch.int32).contiguous(),
-                         union_members=members[..., :width].contiguous(),
-                         union_count=first_of_run.sum(dim=-1).to(torch.int32).contiguous(),
-                         tile_tokens=tile_tokens)
-
-
-def build_causal_query_tile_work(cu_seqlens: torch.Tensor, num_queries: int,
-                                 num_index_heads: int, tile_tokens: int, block_size: int,
-                                 slots: int, query_start: int = 0) -> QueryTileWork:
-    """``build_query_tile_work`` of warmup's ids (every block up to each query's own, ``slots``
-    slots), built directly instead of by sorting: a tile never crosses a key block, so its
-    union is blocks 0 to its own block, each kept by every query of the tile (the kernels mask
-    the own block causally). Same lists, same shapes."""
-    device = cu_seqlens.device
-    schedule, tile, query, _ = _tile_queries(cu_seqlens, num_queries, tile_tokens, query_start)
-    tile_token = torch.arange(tile_tokens, device=device)
-    members = (query.long() << tile_token).sum(-1)  # [E]: the tile's queries, bit per token
-    count = torch.where(query.any(-1), tile * tile_tokens // block_size + 1, 0)
-    width = tile_tokens * slots
-    slot = torch.arange(width, device=device)
-    kept = slot[None, :] < count[:, None]  # [E, width]
-    shape = (schedule.shape[0], num_index_heads, width)
-    union = torch.where(kept, slot[None, :], -1).to(torch.int32)[:, None].expand(shape)
-    union_members = torch.where(kept, members[:, None], 0)[:, None].expand(shape)
-    return QueryTileWork(schedule=schedule, union=union.contiguous(),
-                         union_members=union_members.contiguous(),
-                         union_count=count.to(torch.int32)[:, None].expand(shape[:2]).contiguous(),
-                         tile_tokens=tile_tokens)

@@ -1,12 +1,13 @@
 """msa_attention as custom operators: opcheck, and torch.compile(fullgraph=True) through a model
-(CPU, Triton interpreter). The GPU versions are in tests/gpu/test_production_gpu.py."""
+(CPU, Triton interpreter); the kernel launch's fallback. The GPU versions are in
+tests/gpu/test_production_gpu.py."""
 
 import pytest
 import torch
 
 import openmsa
 from openmsa.ops import msa as msa_module
-from openmsa.ops.library import msa_backward, msa_forward
+from openmsa.ops.custom_ops import msa_backward, msa_forward
 
 pytestmark = pytest.mark.skipif(not msa_module.INTERPRETING,
                                 reason="needs TRITON_INTERPRET=1 (the README's test command)")
@@ -117,10 +118,10 @@ def test_forward_operator_passes_opcheck_in_every_mode(mode):
     torch.library.opcheck(msa_forward, args)
 
 
-def test_launch_falls_back_to_one_stage_when_shared_memory_runs_out(monkeypatch):
+def test_launch_falls_back_to_one_stage_when_shared_memory_runs_out():
     from triton.runtime.errors import OutOfResources
 
-    from openmsa.ops import attention
+    from openmsa.ops.launch import launch
 
     launches = []
 
@@ -134,8 +135,8 @@ def test_launch_falls_back_to_one_stage_when_shared_memory_runs_out(monkeypatch)
                     raise OutOfResources(246280, 232448, "shared memory")
             return launch
 
-    monkeypatch.setattr(attention, "_ONE_STAGE", set())
-    attention._launch(Kernel(), (1,), num_warps=8, num_stages=2, TOK=64)
-    attention._launch(Kernel(), (1,), num_warps=8, num_stages=2, TOK=64)  # remembered
-    attention._launch(Kernel(), (1,), num_warps=8, num_stages=2, TOK=8)  # another config
+    remembered = set()
+    launch(Kernel(), (1,), num_warps=8, num_stages=2, one_stage=remembered, TOK=64)
+    launch(Kernel(), (1,), num_warps=8, num_stages=2, one_stage=remembered, TOK=64)  # known
+    launch(Kernel(), (1,), num_warps=8, num_stages=2, one_stage=remembered, TOK=8)  # another
     assert launches == [2, 1, 1, 2, 1]

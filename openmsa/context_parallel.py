@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..ops.msa import msa_attention
+from .ops.msa import msa_attention
 
 if dist.is_available():  # torch builds without distributed support still import openmsa
     # Imported with the module, not on first use: imported after init_process_group, it made

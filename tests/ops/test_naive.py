@@ -5,9 +5,19 @@ import torch
 
 import openmsa
 from openmsa.ops import naive
+from openmsa.ops.validate import validate_msa_args
 from openmsa.testing import (INPUT_NAMES, QUANTITY_NAMES, MSACase, random_inputs,
                              run_query_ranges, run_with_grads)
 from loop_reference import loop_msa
+
+
+def _all_options(options):
+    """``msa_attention``'s keyword defaults with ``options`` over them."""
+    defaults = dict(top_k=16, block_size=128, softmax_scale=None, index_softmax_scale=None,
+                    num_local_blocks=1, num_sink_blocks=0, warmup=False, cu_seqlens=None,
+                    max_seqlen=None, deterministic=False, return_indices=False,
+                    backend="reference")
+    return dict(defaults, **options)
 
 
 def _grad_seed(inputs, num_heads, head_dim, seed=7):
@@ -263,16 +273,20 @@ def test_given_block_indices_reproduce_the_selection():
     assert not torch.allclose(out, out3)
 
 
-def test_query_chunking_does_not_change_results(monkeypatch):
+def test_query_chunking_does_not_change_results():
     case, inputs = _dense_inputs(seqlen=230, batch=2)
     out_grad = _grad_seed(inputs, case.num_heads, case.head_dim)
     options = dict(top_k=2, block_size=64, return_indices=True)
     whole, ids = run_with_grads(openmsa.naive_msa_attention, inputs, None, out_grad, 1.0,
                                 **options)
-    # 1000 elements of [B=2, H=4, chunk, S=230]: chunks of one query.
-    monkeypatch.setattr(naive, "_CHUNK_ELEMENTS", 1000)
-    chunked, chunked_ids = run_with_grads(openmsa.naive_msa_attention, inputs, None, out_grad,
-                                          1.0, **options)
+
+    def in_chunks_of_one_query(q, k, v, index_q, index_k, cu_seqlens=None, **options):
+        problem = validate_msa_args(q, k, v, index_q, index_k, **_all_options(options))
+        # 1000 elements of [B=2, H=4, chunk, S=230]: chunks of one query.
+        return naive.naive_msa_forward(q, k, v, index_q, index_k, problem, chunk_elements=1000)
+
+    chunked, chunked_ids = run_with_grads(in_chunks_of_one_query, inputs, None, out_grad, 1.0,
+                                          **options)
     assert torch.equal(ids, chunked_ids)
     for name in QUANTITY_NAMES:
         torch.testing.assert_close(whole[name], chunked[name], rtol=1e-12, atol=1e-12, msg=name)

@@ -135,17 +135,3 @@ def test_msa_attention_triton_backend_uses_the_kernel_selection():
     assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
     torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(kl, ref_kl, rtol=1e-6, atol=1e-6)
-
-
-def test_query_tile_schedule_covers_every_tile_once_longest_first():
-    from openmsa.ops.schedule import query_tile_schedule
-
-    cu_seqlens = torch.tensor([0, 70, 71, 271, 271, 400], dtype=torch.int32)
-    schedule = query_tile_schedule(cu_seqlens, 400, tile_tokens=64)
-    real = schedule[schedule[:, 0] >= 0].tolist()
-    expected = sorted((s, t) for s, n in enumerate([70, 1, 200, 0, 129])
-                      for t in range(-(-n // 64)))
-    assert sorted(map(tuple, real)) == expected
-    tiles = [t for _, t in real]
-    assert tiles == sorted(tiles, reverse=True)
-    assert (schedule[len(real):] == -1).all()

@@ -247,7 +247,7 @@ def test_documented_installs_pin_a_numpy_the_interpreter_runs_with():
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     extras = project["project"]["optional-dependencies"]
     for extra in ("train", "test"):
         assert "numpy<2.4" in extras[extra], extra

@@ -1,14 +1,14 @@
-"""The device-built work lists against per-token loops (openmsa/ops/csr.py)."""
+"""The device-built work lists (openmsa/ops/worklists/) against per-token loops."""
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from openmsa.ops.csr import (BlockWork, _count_at_most_wide, block_work_sizes,
-                             build_block_work, build_causal_block_work,
-                             build_causal_query_tile_work, build_query_tile_work,
-                             wide_search_steps)
+from openmsa.ops.worklists import (BlockWork, block_work_sizes, build_block_work,
+                                   build_causal_block_work, build_causal_query_tile_work,
+                                   build_query_tile_work, query_tile_schedule)
+from openmsa.ops.worklists.key_blocks import _count_at_most_wide, wide_search_steps
 from openmsa.ops.layout import all_causal_block_ids
 from openmsa.ops.validate import query_positions_from_offsets
 
@@ -258,7 +258,6 @@ def test_key_block_builders_give_equal_lists(segment_order, num_index_heads, top
 def test_query_tile_schedule_kernel_equals_torch(seqlens, tile_tokens):
     """The schedule's Triton kernel (the default on a GPU) against the torch operations, over
     the whole packing and over query ranges starting and ending inside sequences."""
-    from openmsa.ops.schedule import query_tile_schedule
 
     cu = torch.tensor([0] + torch.tensor(seqlens).cumsum(0).tolist(), dtype=torch.int32)
     total = cu[-1].item()
@@ -269,15 +268,12 @@ def test_query_tile_schedule_kernel_equals_torch(seqlens, tile_tokens):
         assert torch.equal(lists[0], lists[1]), (first, end)
 
 
-def test_segment_order_by_sort_equals_the_rank_kernel(monkeypatch):
-    """Past RANK_MAX_SEGMENTS segments a torch sort orders them instead of the rank kernel:
-    the same order."""
-    from openmsa.ops import csr
-
+def test_segment_order_by_sort_equals_the_rank_kernel():
+    """Past ``rank_max_segments`` segments a torch sort orders them instead of the rank
+    kernel: the same order."""
     ids, cu = random_block_ids(SEQLENS, 2, 4, 16, seed=9)
     by_rank = build_block_work(ids, cu, 16, 3, use_triton=True)
-    monkeypatch.setattr(csr, "RANK_MAX_SEGMENTS", 0)
-    by_sort = build_block_work(ids, cu, 16, 3, use_triton=True)
+    by_sort = build_block_work(ids, cu, 16, 3, use_triton=True, rank_max_segments=0)
     assert torch.equal(by_rank.segment_order, by_sort.segment_order)
 
 
@@ -306,3 +302,15 @@ def test_wide_search_counts_like_searchsorted(size, fan):
         STEPS=wide_search_steps(size, fan))
     expected = torch.searchsorted(ordered, values, right=True).to(torch.int32)
     assert torch.equal(out, expected)
+
+
+def test_query_tile_schedule_covers_every_tile_once_longest_first():
+    cu_seqlens = torch.tensor([0, 70, 71, 271, 271, 400], dtype=torch.int32)
+    schedule = query_tile_schedule(cu_seqlens, 400, tile_tokens=64)
+    real = schedule[schedule[:, 0] >= 0].tolist()
+    expected = sorted((s, t) for s, n in enumerate([70, 1, 200, 0, 129])
+                      for t in range(-(-n // 64)))
+    assert sorted(map(tuple, real)) == expected
+    tiles = [t for _, t in real]
+    assert tiles == sorted(tiles, reverse=True)
+    assert (schedule[len(real):] == -1).all()

@@ -1,0 +1,90 @@
+"""The sparse main attention over the kept blocks (SPEC section 3, steps 5-6), forward and
+backward: the dispatch between the Triton kernels (``forward``, ``backward``) and the Hopper
+(Gluon) ones (``sm90_forward``, ``sm90_backward``), made here once per phase.
+
+Each token brings only ``GQ = H / Hi`` query rows, too few for the tensor cores, so rows are
+stacked from several tokens: forward and dQ are query-outer (a program per query tile of
+``TOK`` tokens x ``GQ`` heads walks the tile's distinct kept blocks), dK and dV key-outer (a
+program per segment of the pairs that kept one key block). ``use_hopper=False`` forces the
+Triton kernels (benchmarks compare the two).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import sm90
+from ..problem import LOG2_E, SparseAttentionProblem
+from ..segments import reduce_segments
+from . import sm90_backward, sm90_forward
+from .backward import attention_delta, triton_dkdv_parts, triton_dq
+from .forward import index_log_sum_exp, triton_forward
+
+__all__ = ["attention_backward", "attention_delta", "attention_dkdv", "attention_dq",
+           "index_log_sum_exp", "sparse_attention_fwd"]
+
+
+def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
+                         index_max=None, num_warps=None, num_stages=None,
+                         use_hopper: bool | None = None):
+    """q [T, H, D], k, v [T, Hkv, D] (index_q [T, Hi, Di], index_k [T, Hik, Di] or None).
+    Returns out [T, H, D] (q's dtype), lse2 [T, H] and the index log-sum-exp [T, Hi] (natural
+    log over the kept tokens; None without the index branch), both fp32. ``index_max``: fp32
+    [T, Hi], each row's largest index score over its kept tokens when known (selection's
+    largest block score, when selection keeps the best block), or None.
+    The Gluon kernel has no index branch: with one, it runs next to the Triton kernel's index
+    part alone (when selection gives the row maxima; else the Triton kernel does all).
+    ``num_warps``, ``num_stages``: the Triton launch's."""
+    given = p.with_index and index_max is not None
+    if (use_hopper is not False and (given or not p.with_index)
+            and sm90.supported(q, k, v, p)):
+        out, lse = sm90_forward.sparse_attention_fwd(q, k, v, p, p.scale * LOG2_E)
+        if not p.with_index:
+            return out, lse, None
+        return out, lse, index_log_sum_exp(index_q, index_k, index_max, p)
+    return triton_forward(q, k, v, index_q, index_k, p, index_max, num_warps, num_stages)
+
+
+def _hopper_dq(q, k, v, dout, p: SparseAttentionProblem, use_hopper: bool | None) -> bool:
+    """Whether dq runs on the Gluon kernel."""
+    return use_hopper is not False and sm90.supported(q, k, v, p) and dout.stride(2) == 1
+
+
+def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
+                 use_hopper: bool | None = None, **launch_options):
+    """dq, query-outer: on a Hopper GPU the Gluon kernel where it supports the inputs, else (or
+    with ``use_hopper=False``) the Triton kernel (``launch_options``: its num_warps,
+    num_stages)."""
+    if _hopper_dq(q, k, v, dout, p, use_hopper):
+        return sm90_backward.attention_dq(q, k, v, dout, lse, delta, p, p.scale * LOG2_E)
+    return triton_dq(q, k, v, dout, lse, delta, p, **launch_options)
+
+
+def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
+                       use_hopper: bool | None = None):
+    """dq, dk, dv of the main attention: delta, the query-outer dQ, the key-outer dK/dV. The
+    Gluon dQ computes the deltas itself (one pass over out and dout less)."""
+    dout = dout.contiguous()
+    if _hopper_dq(q, k, v, dout, p, use_hopper) and out.stride(2) == 1:
+        delta = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
+        dq = sm90_backward.attention_dq(q, k, v, dout, lse, delta, p, p.scale * LOG2_E,
+                                        out=out)
+    else:
+        delta = attention_delta(out, dout, p)
+        dq = attention_dq(q, k, v, dout, lse, delta, p, use_hopper=use_hopper)
+    return (dq,) + attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=use_hopper)
+
+
+def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
+                   use_hopper: bool | None = None, **launch_options):
+    """dk, dv, key-outer: fp32 partials per segment of pairs, then an in-order sum per key
+    block. The partials come from the Gluon kernel on a Hopper GPU where it supports the inputs
+    (unless ``use_hopper=False``), else from the Triton kernel (``launch_options``: its
+    num_warps, num_stages)."""
+    if use_hopper is not False and sm90_backward.supported_key_outer(q, k, v, dout, p):
+        dk_part, dv_part = sm90_backward.attention_dkdv_parts(q, k, v, dout, lse, delta, p,
+                                                              p.scale * LOG2_E)
+    else:
+        dk_part, dv_part = triton_dkdv_parts(q, k, v, dout, lse, delta, p, **launch_options)
+    return reduce_segments(dk_part, torch.empty_like(k), p.scale, p.shared["KV_GROUP"], p,
+                           dv_part, torch.empty_like(v), 1.0)

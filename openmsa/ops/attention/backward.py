@@ -1,0 +1,188 @@
+"""The main attention's backward on Triton kernels: the deltas (rowsum dO * O), dQ
+query-outer over the tile unions (as the forward), dK and dV key-outer.
+
+dK and dV: a program takes one key block and a segment of the (token, index head) pairs that
+kept it (``worklists.key_blocks``), ``TOK x GQ`` rows at a time, and writes fp32 partials that
+``segments.reduce_segments`` sums per block in a fixed order: no atomics, deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..configs import DKDV_CONFIG, DQ_CONFIG
+from ..launch import launch, strides
+from ..problem import LOG2_E, SparseAttentionProblem
+from ..tiles import (_block_keys, _load_rows, _members, _query_tile, _segment, _walk_block,
+                     _walk_list)
+
+
+@triton.jit
+def _sparse_attn_dq_kernel(
+    Q, K, V, DOUT, LSE, DELTA, DQ, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT, CU_SEQLENS,
+    query_start, query_end,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_do_t, stride_do_h, stride_dq_t, stride_dq_h, scale, scale_log2,
+    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
+    INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
+    UNION_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Query-outer dQ: the forward's walk with the three backward products."""
+    entry = tl.program_id(0).to(tl.int64)
+    index_head = tl.program_id(1).to(tl.int64)
+    if tl.load(SCHEDULE + 2 * entry) < 0:
+        return
+    (seq_start, seq_len, first_position, all_members, row_valid, row_token, row_position,
+     row_head, tok_valid, tok_token, tok_position) = _query_tile(
+        SCHEDULE, CU_SEQLENS, entry, index_head, query_start, query_end, GQ, TOK, TOKP, ROWS)
+    kv_head = index_head // KV_GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
+                + dims[None, :], mask=row_valid[:, None], other=0.0)
+    dout = tl.load(DOUT + row_token[:, None] * stride_do_t + row_head[:, None] * stride_do_h
+                   + dims[None, :], mask=row_valid[:, None], other=0.0)
+    lse = tl.load(LSE + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
+    delta = tl.load(DELTA + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
+    dq = tl.zeros((ROWS, HEAD_DIM), tl.float32)
+    blocks, members_of, walk_length = _walk_list(UNION, UNION_MEMBERS, UNION_COUNT, entry,
+                                                 index_head, HI, UNION_SLOTS)
+    for u in range(0, walk_length):
+        block, members, needs_mask = _walk_block(blocks, members_of, u, first_position,
+                                                 all_members, BLOCK)
+        key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
+        k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
+        v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
+        row_member, tok_member = _members(members, row_valid, tok_valid, TOK, TOKP, ROWS)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        probs = tl.exp2(scores - lse[:, None])
+        if needs_mask:
+            visible = (row_member[:, None] & key_valid[None, :]
+                       & (key_pos[None, :] <= row_position[:, None]))
+            probs = tl.where(visible, probs, 0.0)
+        dprobs = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
+        dscores = probs * (dprobs - delta[:, None])
+        dq = tl.dot(dscores.to(k.dtype), k, dq, input_precision=PRECISION)
+    tl.store(DQ + row_token[:, None] * stride_dq_t + row_head[:, None] * stride_dq_h
+             + dims[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
+def _delta_kernel(OUT, DOUT, DELTA, stride_o_t, stride_o_h, stride_do_t, stride_do_h,
+                  NUM_ROWS, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """DELTA[t, h] = sum_d dO * O (fp32), the softmax-backward correction; rows are (t, h)."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    valid = row < NUM_ROWS
+    token, head = row // NUM_HEADS, row % NUM_HEADS
+    dims = tl.arange(0, HEAD_DIM)
+    out = tl.load(OUT + token[:, None] * stride_o_t + head[:, None] * stride_o_h + dims[None, :],
+                  mask=valid[:, None], other=0.0).to(tl.float32)
+    dout = tl.load(DOUT + token[:, None] * stride_do_t + head[:, None] * stride_do_h
+                   + dims[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    tl.store(DELTA + row, tl.sum(out * dout, axis=1), mask=valid)
+
+
+@triton.jit
+def _pair_rows(PAIR_TOKEN, first_pair, last, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
+               TOK: tl.constexpr):
+    """Packed token and validity of each head-major row (row = g * TOK + t) for the TOK pairs
+    from ``first_pair``. The TOK tokens are loaded once and broadcast over the heads (a load per
+    row is slower)."""
+    pairs = tl.arange(0, TOK)
+    pair_valid = first_pair + pairs < last
+    pair_token = tl.load(PAIR_TOKEN + first_pair + pairs, mask=pair_valid, other=0).to(tl.int64)
+    row_token = tl.reshape(tl.broadcast_to(pair_token[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
+    row_valid = tl.reshape(tl.broadcast_to(pair_valid[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
+    return row_token, row_valid & (tl.arange(0, GQ_PAD * TOK) // TOK < GQ)
+
+
+@triton.jit
+def _sparse_attn_dkdv_kernel(
+    Q, K, V, DOUT, LSE, DELTA, DK_PART, DV_PART,
+    SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+    BLOCK_LOCAL, CU_SEQLENS, query_start,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_do_t, stride_do_h, scale_log2,
+    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
+    INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
+    SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Key-outer dK, dV of one segment: up to SEGMENT_PAIRS (token, index head) pairs that kept
+    one key block, TOK pairs x GQ heads (head-major rows) per step; segments run in
+    SEGMENT_ORDER (csr.SEGMENT_ORDERS). Writes fp32 partials (dK unscaled)."""
+    segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
+        SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
+        CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
+    if segment < 0:
+        return
+    kv_head = index_head // KV_GROUP
+    key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
+    k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
+    v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM)
+    dk = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+    rows = tl.arange(0, ROWS)
+    row_head = index_head * GQ + rows // TOK
+    for first_pair in range(first, last, TOK):
+        row_token, row_valid = _pair_rows(PAIR_TOKEN, first_pair, last, GQ, GQ_PAD, TOK)
+        q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
+                    + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
+        dout = tl.load(DOUT + row_token[:, None] * stride_do_t + row_head[:, None] * stride_do_h
+                       + dims[None, :], mask=row_valid[:, None], other=0.0)
+        lse = tl.load(LSE + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
+        delta = tl.load(DELTA + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
+        # Transposed products keep the block's keys as the MMA's M dimension.
+        scores_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
+        probs_t = tl.exp2(scores_t - lse[None, :])  # [BLOCK, ROWS]
+        # Padding rows (q = dO = 0) add nothing; only queries inside the block (the first
+        # pairs: token order) need the causal mask.
+        if tl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
+            query_pos = row_token - query_base
+            probs_t = tl.where(row_valid[None, :] & (key_pos[:, None] <= query_pos[None, :]),
+                               probs_t, 0.0)
+        dv = tl.dot(probs_t.to(dout.dtype), dout, dv, input_precision=PRECISION)
+        dprobs_t = tl.dot(v, tl.trans(dout), input_precision=PRECISION)
+        dscores_t = probs_t * (dprobs_t - delta[None, :])  # d loss / d (scaled logits)
+        dk = tl.dot(dscores_t.to(q.dtype), q, dk, input_precision=PRECISION)
+    offsets = (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(DK_PART + offsets, dk)
+    tl.store(DV_PART + offsets, dv)
+
+
+def attention_delta(out, dout, p: SparseAttentionProblem):
+    """[T, H] fp32: sum_d dO * O per (token, head)."""
+    delta = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=out.device)
+    rows = 64 if out.is_cuda else 1024  # the interpreter's cost is per program
+    _delta_kernel[(triton.cdiv(p.total * p.num_heads, rows),)](
+        out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+        p.total * p.num_heads, NUM_HEADS=p.num_heads, HEAD_DIM=p.head_dim, ROWS=rows)
+    return delta
+
+
+def triton_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
+              num_warps=DQ_CONFIG["num_warps"], num_stages=DQ_CONFIG["num_stages"]):
+    """dq on the Triton kernel, query-outer (q's dtype)."""
+    dq = torch.empty_like(q)
+    launch(_sparse_attn_dq_kernel, p.query_grid(),
+        q, k, v, dout, lse, delta, dq, *p.query_work_args(), *strides(q, k, v, dout, dq),
+        p.scale, p.scale * LOG2_E, **p.query_constants(), num_warps=num_warps,
+        num_stages=num_stages)
+    return dq
+
+
+def triton_dkdv_parts(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
+                      num_warps=DKDV_CONFIG["num_warps"], num_stages=DKDV_CONFIG["num_stages"]):
+    """fp32 dK (unscaled) and dV partials per segment of ``p``'s key-block list, key-outer."""
+    segments = p.block_work.segments.shape[0]
+    dk_part, dv_part = (torch.empty(segments * p.block_size, p.head_dim, dtype=torch.float32,
+                                    device=q.device) for _ in range(2))
+    launch(_sparse_attn_dkdv_kernel, (segments,),
+        q, k, v, dout, lse, delta, dk_part, dv_part, *p.key_work_args(),
+        *strides(q, k, v, dout), p.scale * LOG2_E,
+        **p.key_constants(p.key_tokens, p.key_rows), num_warps=num_warps,
+        num_stages=num_stages)
+    return dk_part, dv_part

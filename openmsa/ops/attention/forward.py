@@ -1,0 +1,163 @@
+"""The main attention's forward on Triton kernels (SPEC section 3, steps 5-6), and the index
+branch's log-sum-exp over the kept tokens that the KL needs.
+
+Query-outer: one program per (query tile, index head) walks the distinct blocks the tile's
+tokens kept, flash-attention style; a row sees a block only if its own token kept it.
+Neighbouring tokens of a trained index branch keep nearly the same blocks, so the walk is close
+to ``top_k`` blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..configs import FWD_CONFIG, INDEX_ALONE_CONFIG
+from ..launch import launch, strides
+from ..problem import LOG2_E, SparseAttentionProblem
+from ..tiles import _block_keys, _load_rows, _members, _query_tile, _walk_block, _walk_list
+
+
+@triton.jit
+def _sparse_attn_fwd_kernel(
+    Q, K, V, IQ, IK, OUT, LSE, LSE_INDEX, INDEX_MAX, SCHEDULE, UNION, UNION_MEMBERS,
+    UNION_COUNT, CU_SEQLENS, query_start, query_end,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_o_t, stride_o_h, stride_iq_t, stride_iq_h, stride_ik_t, stride_ik_h,
+    scale_log2, index_scale,
+    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
+    INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
+    UNION_SLOTS: tl.constexpr, WITH_MAIN: tl.constexpr, WITH_INDEX: tl.constexpr,
+    INDEX_MAX_GIVEN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Query-outer forward: one program per (query tile, index head) walks the distinct blocks
+    its tokens kept (flash-attention online softmax); a row sees a block only if its own token
+    kept it. WITH_MAIN: writes out and lse2 directly (no partials); WITH_INDEX, also the index
+    branch's log-sum-exp over the kept tokens (natural log), which the KL needs (alone, without
+    WITH_MAIN, next to the Hopper kernel's main branch). INDEX_MAX_GIVEN: each token's largest
+    kept index score is INDEX_MAX (selection's), so the index sum needs no running maximum: its
+    terms add up elementwise and are reduced once, after the walk."""
+    entry = tl.program_id(0).to(tl.int64)
+    index_head = tl.program_id(1).to(tl.int64)
+    if tl.load(SCHEDULE + 2 * entry) < 0:  # padding entry
+        return
+    (seq_start, seq_len, first_position, all_members, row_valid, row_token, row_position,
+     row_head, tok_valid, tok_token, tok_position) = _query_tile(
+        SCHEDULE, CU_SEQLENS, entry, index_head, query_start, query_end, GQ, TOK, TOKP, ROWS)
+    kv_head = index_head // KV_GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    if WITH_MAIN:
+        q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
+                    + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
+    if WITH_INDEX:
+        index_q = _load_rows(IQ, tok_token, tok_valid, index_head, stride_iq_t, stride_iq_h,
+                             INDEX_DIM)  # [TOKP, Di]
+    running_max = tl.full((ROWS,), float("-inf"), tl.float32)
+    running_sum = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
+    index_max = tl.full((TOKP,), float("-inf"), tl.float32)
+    index_sum = tl.zeros((TOKP,), tl.float32)
+    if INDEX_MAX_GIVEN:
+        index_max = tl.load(INDEX_MAX + tok_token * HI + index_head, mask=tok_valid, other=0.0)
+        index_terms = tl.zeros((TOKP, BLOCK), tl.float32)
+    blocks, members_of, walk_length = _walk_list(UNION, UNION_MEMBERS, UNION_COUNT, entry,
+                                                 index_head, HI, UNION_SLOTS)
+    for u in range(0, walk_length):
+        block, members, needs_mask = _walk_block(blocks, members_of, u, first_position,
+                                                 all_members, BLOCK)
+        key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
+        row_member, tok_member = _members(members, row_valid, tok_valid, TOK, TOKP, ROWS)
+        if WITH_MAIN:
+            k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
+            v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            if needs_mask:
+                visible = (row_member[:, None] & key_valid[None, :]
+                           & (key_pos[None, :] <= row_position[:, None]))
+                scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp2(running_max - safe_max)
+            probs = tl.exp2(scores - safe_max[:, None])
+            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+            acc = tl.dot(probs.to(v.dtype), v, acc * rescale[:, None],
+                         input_precision=PRECISION)
+            running_max = new_max
+        if WITH_INDEX:
+            ik = _load_rows(IK, key_token, key_valid, index_head // INDEX_GROUP, stride_ik_t,
+                            stride_ik_h, INDEX_DIM)
+            z = tl.dot(index_q, tl.trans(ik), input_precision=PRECISION) * index_scale
+            tok_visible = (tok_member[:, None] & key_valid[None, :]
+                           & (key_pos[None, :] <= tok_position[:, None]))
+            if INDEX_MAX_GIVEN:
+                # Padding rows (tokens TOK.., or not queries) add garbage that is never stored.
+                terms = tl.exp(z - index_max[:, None])
+                if block * BLOCK + BLOCK > first_position:  # the tile's own block(s)
+                    terms = tl.where(tok_visible, terms, 0.0)
+                elif needs_mask:  # before the tile only whole tokens drop out: a select per row
+                    terms = tl.where(tok_member[:, None], terms, 0.0)
+                index_terms += terms
+            else:
+                z = tl.where(tok_visible, z, float("-inf"))
+                new_index_max = tl.maximum(index_max, tl.max(z, axis=1))
+                safe_index_max = tl.where(new_index_max == float("-inf"), 0.0, new_index_max)
+                index_sum = (index_sum * tl.exp(index_max - safe_index_max)
+                             + tl.sum(tl.exp(z - safe_index_max[:, None]), axis=1))
+                index_max = new_index_max
+    if WITH_MAIN:
+        running_sum = tl.where(row_valid, running_sum, 1.0)
+        tl.store(OUT + row_token[:, None] * stride_o_t + row_head[:, None] * stride_o_h
+                 + dims[None, :], (acc / running_sum[:, None]).to(OUT.dtype.element_ty),
+                 mask=row_valid[:, None])
+        tl.store(LSE + row_token * (HI * GQ) + row_head, running_max + tl.log2(running_sum),
+                 mask=row_valid)
+    if WITH_INDEX:
+        if INDEX_MAX_GIVEN:
+            index_sum = tl.sum(index_terms, axis=1)
+        index_sum = tl.where(tok_valid, index_sum, 1.0)
+        tl.store(LSE_INDEX + tok_token * HI + index_head, index_max + tl.log(index_sum),
+                 mask=tok_valid)
+
+
+def triton_forward(q, k, v, index_q, index_k, p: SparseAttentionProblem, index_max=None,
+                   num_warps=None, num_stages=None):
+    """The Triton forward: out [T, H, D] (q's dtype), lse2 [T, H] and, with the index branch,
+    its log-sum-exp [T, Hi] (natural log over the kept tokens; else None), both fp32.
+    ``index_max``: fp32 [T, Hi], each row's largest kept index score when known, or None.
+    ``num_warps``, ``num_stages``: the launch's (default FWD_CONFIG)."""
+    given = p.with_index and index_max is not None
+    out = torch.empty_like(q)
+    lse = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
+    lse_index = (torch.empty(p.total, p.num_index_heads, dtype=torch.float32, device=q.device)
+                 if p.with_index else lse)
+    iq, ik = (index_q, index_k) if p.with_index else (q, k)  # unused placeholders otherwise
+    launch(_sparse_attn_fwd_kernel, p.query_grid(),
+        q, k, v, iq, ik, out, lse, lse_index, index_max if given else lse,
+        *p.query_work_args(), *strides(q, k, v, out, iq, ik), p.scale * LOG2_E, p.index_scale,
+        **p.query_constants(), WITH_MAIN=True, WITH_INDEX=p.with_index,
+        INDEX_MAX_GIVEN=given, num_warps=num_warps or FWD_CONFIG["num_warps"],
+        num_stages=num_stages or FWD_CONFIG["num_stages"])
+    return out, lse, (lse_index if p.with_index else None)
+
+
+def index_log_sum_exp(index_q, index_k, index_max, p: SparseAttentionProblem):
+    """The index log-sum-exp over the kept tokens alone (natural log, fp32 [T, Hi]), given each
+    row's largest kept index score ``index_max`` (selection's): the forward's index part on
+    the tiles of ``p.index_tile_work``."""
+    work = p.index_tile_work
+    lse_index = torch.empty(p.total, p.num_index_heads, dtype=torch.float32,
+                            device=index_q.device)
+    tokens = work.tile_tokens
+    padded = max(16, tokens)
+    # Without the main branch the kernel reads no q, k, v, out or lse: index tensors stand in.
+    launch(_sparse_attn_fwd_kernel, (work.schedule.shape[0], p.num_index_heads),
+        index_q, index_k, index_k, index_q, index_k, index_q, lse_index, lse_index, index_max,
+        work.schedule, work.union, work.union_members, work.union_count, p.cu_seqlens,
+        p.query_start, p.query_start + p.total,
+        *strides(index_q, index_k, index_k, index_q, index_q, index_k), 0.0, p.index_scale,
+        **dict(p.query_constants(), TOK=tokens, TOKP=padded, ROWS=padded,
+               UNION_SLOTS=work.union.shape[-1]),
+        WITH_MAIN=False, WITH_INDEX=True, INDEX_MAX_GIVEN=True, **INDEX_ALONE_CONFIG)
+    return lse_index

@@ -1,0 +1,86 @@
+"""Launch configurations and tuning constants of every kernel, in one place.
+
+The values were chosen by measurement on an H200 (docs/EXPERIMENTS.md lists the experiments).
+``Tuning`` holds the ones that shape the work lists and the key-outer kernels' steps; the
+pipeline takes it as a parameter (tests pass small values to exercise several segments per key
+block or several steps per segment).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Triton launches (num_warps, num_stages) of the main kernels: the fastest of a sweep of tile
+# rows x warps x stages; stage counts are the most that fit in shared memory at D = Di = 128
+# without register spills (benchmarks/inspect_kernels.py prints both).
+FWD_CONFIG = dict(num_warps=8, num_stages=2)
+DQ_CONFIG = dict(num_warps=8, num_stages=2)
+DKDV_CONFIG = dict(num_warps=8, num_stages=2)
+KL_QUERY_CONFIG = dict(num_warps=8, num_stages=2)
+KL_CONFIG = dict(num_warps=8, num_stages=2)
+# The index log-sum-exp alone (next to the Hopper forward): a light kernel, memory-bound on the
+# index keys, where fewer warps keep more programs resident.
+INDEX_ALONE_CONFIG = dict(num_warps=4, num_stages=2)
+# Tokens per tile of the index log-sum-exp alone: every block a tile walks costs one load of
+# [block, Di] index keys whatever its token count, and neighbouring tokens mostly keep the same
+# blocks, so wide tiles pay per block once for many tokens. 64 is the most a tile's members
+# mask holds.
+INDEX_TILE_TOKENS = 64
+QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
+REDUCE_KEYS = 32  # keys per program of the segment reductions: enough programs at small sizes
+
+# Selection: two 8-warp programs per SM (65536 registers) need at most 128 registers a thread.
+SELECT_MAX_REGISTERS = 128
+
+# Work lists. Up to this many segments one kernel orders them by comparing every pair of keys
+# (a few microseconds); beyond, a torch sort does.
+RANK_MAX_SEGMENTS = 4096
+# Its programs rank RANK_CHUNK keys each against RANK_OTHERS others a step: few dependent steps
+# (a step is one read of the keys), tiles of 16k comparisons.
+RANK_CHUNK, RANK_OTHERS = 16, 1024
+# Up to this many sequences one Triton kernel builds the query-tile schedule; past it, torch
+# operations do (the kernel's one program scans every sequence).
+SCHEDULE_KERNEL_MAX_SEQUENCES = 256
+
+# Hopper (Gluon) kernels.
+KEY_STEP_ROWS = 32  # dK/dV: rows (pairs x heads) per step
+KEY_STEP_STAGES = 4  # dK/dV: steps of q and dO rows in shared memory
+KL_STAGES = 4  # KL: units of q rows in shared memory (two ahead)
+# Registers per thread of the second consumer warpgroup and of the loader (or gather) warp of
+# the warp-specialized kernels; the first consumer warpgroup gets 232 too. With these none of
+# them spills at a supported shape.
+FORWARD_REGISTERS = (232, 40)
+DQ_REGISTERS = (232, 40)
+KEY_STEP_REGISTERS = (232, 40)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The work lists' and key-outer kernels' sizes.
+
+    segment_pairs: (token, index head) pairs per key-outer program (dK/dV, the KL): bounds a
+        program's work when many queries keep the same block.
+    long_segment_pairs, long_segments_min_pairs: from ``long_segments_min_pairs`` (token, index
+        head, slot) entries on, segments hold ``long_segment_pairs``: each segment's fp32 dK and
+        dV partials take ``block x D`` floats, and longer segments bound their memory at 1M
+        tokens.
+    rows_order_min_segments_per_sm: top-k selections run the key-outer segments by query row
+        (their queries then come from L2) once there are this many segments per SM, and the
+        longest segments first below.
+    kl_pairs: pairs per step of the key-outer KL kernel (its teacher is [block, kl_pairs]).
+    """
+
+    segment_pairs: int = 1024
+    long_segment_pairs: int = 2048
+    long_segments_min_pairs: int = 1 << 24
+    rows_order_min_segments_per_sm: int = 6
+    kl_pairs: int = 64
+
+    def segment_pairs_for(self, num_queries: int, num_index_heads: int, slots: int) -> int:
+        """Pairs per key-outer segment for the (token, index head, slot) entries of a problem."""
+        if num_queries * num_index_heads * slots >= self.long_segments_min_pairs:
+            return self.long_segment_pairs
+        return self.segment_pairs
+
+
+DEFAULT_TUNING = Tuning()

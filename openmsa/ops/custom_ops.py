@@ -1,0 +1,182 @@
+"""``msa_attention``'s kernels as PyTorch custom operators (``torch.library``): registration,
+fake implementations and autograd, nothing else (the work is ``openmsa.ops.pipeline``'s).
+
+``openmsa::msa_forward`` runs ``pipeline.forward``; ``openmsa::msa_backward`` runs
+``pipeline.backward`` and is registered as the forward's autograd formula. Each has a fake
+implementation (output shapes from input shapes alone), so ``torch.compile`` traces through
+``msa_attention`` without graph breaks. The work lists the forward builds are outputs, so the
+backward reuses them instead of building them again.
+"""
+
+import functools
+from typing import Optional
+
+import torch
+
+from . import pipeline
+from .attention import attention_backward, sparse_attention_fwd
+from .configs import Tuning
+from .problem import SparseAttentionProblem, query_tile_shape
+from .worklists import query_tile_entries
+
+Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@torch.library.custom_op("openmsa::msa_forward", mutates_args=())
+def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor,
+                index_k: torch.Tensor, cu_seqlens: torch.Tensor,
+                block_ids: Optional[torch.Tensor], top_k: int, block_size: int,
+                softmax_scale: float, index_scale: float, num_local_blocks: int,
+                num_sink_blocks: int, warmup: bool, max_seqlen: int, kl_value: bool,
+                index_grad: bool, query_start: int = 0, kl_num_queries: Optional[int] = None,
+                dense_batch: int = 0, deterministic: bool = False,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                           torch.Tensor, torch.Tensor]:
+    """``pipeline.forward`` as an operator (its fake gives the output shapes from the inputs')."""
+    return pipeline.forward(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size,
+                            softmax_scale, index_scale, num_local_blocks, num_sink_blocks,
+                            warmup, max_seqlen, kl_value, index_grad, query_start,
+                            kl_num_queries, dense_batch, deterministic)
+
+
+@msa_forward.register_fake
+def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softmax_scale,
+      index_scale, num_local_blocks, num_sink_blocks, warmup, max_seqlen, kl_value, index_grad,
+      query_start=0, kl_num_queries=None, dense_batch=0, deterministic=False):
+    total, num_heads, _ = q.shape
+    num_index_heads, index_dim = index_q.shape[1], index_q.shape[2]
+    if warmup:
+        slots = -(-max_seqlen // block_size)
+    elif block_ids is not None:
+        slots = block_ids.shape[2]
+    else:
+        slots = top_k
+    tokens = query_tile_shape(num_heads // num_index_heads)[0]
+    entries = query_tile_entries(total, cu_seqlens.shape[0] - 1, tokens, query_start)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    i32 = dict(dtype=torch.int32, device=q.device)
+    grad_q_shape = (total, num_index_heads, index_dim) if index_grad else (0,)
+    grad_k_shape = index_k.shape if index_grad else (0,)
+    (pairs, blocks, segments), _ = pipeline.block_work_shape(q, k, index_q, cu_seqlens, slots,
+                                                              block_size)
+    work_size = pairs + 3 * blocks * num_index_heads + 2 * blocks + 3 * segments
+    width = tokens * slots
+    return (torch.empty_like(q), q.new_empty((), **f32), q.new_empty(total, num_heads, **f32),
+            q.new_empty(total, num_index_heads, **f32),
+            q.new_empty(total, num_index_heads, slots, **i32), q.new_empty(grad_q_shape, **f32),
+            q.new_empty(grad_k_shape, **f32),
+            q.new_empty(work_size if index_grad else 0, **i32),
+            q.new_empty(entries, 2, **i32), q.new_empty(entries, num_index_heads, width, **i32),
+            q.new_empty(entries, num_index_heads, width, dtype=torch.int64, device=q.device),
+            q.new_empty(entries, num_index_heads, **i32))
+
+
+@torch.library.custom_op("openmsa::msa_backward", mutates_args=())
+def msa_backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, lse_index: torch.Tensor,
+                 block_ids: torch.Tensor, d_index_q: torch.Tensor, d_index_k: torch.Tensor,
+                 block_work: torch.Tensor, schedule: torch.Tensor, union: torch.Tensor,
+                 union_members: torch.Tensor, union_count: torch.Tensor,
+                 cu_seqlens: torch.Tensor, block_size: int, softmax_scale: float,
+                 index_scale: float, index_grads: bool, main_grads: bool, query_start: int = 0,
+                 kl_num_queries: Optional[int] = None, dense_batch: int = 0,
+                 deterministic: bool = False) -> Tensors:
+    """``pipeline.backward`` as an operator."""
+    return pipeline.backward(dout, dkl, q, k, v, index_q, index_k, out, lse, lse_index,
+                             block_ids, d_index_q, d_index_k, block_work, schedule, union,
+                             union_members, union_count, cu_seqlens, block_size, softmax_scale,
+                             index_scale, index_grads, main_grads, query_start, kl_num_queries,
+                             dense_batch, deterministic)
+
+
+@msa_backward.register_fake
+def _(dout, dkl, q, k, v, index_q, index_k, out, lse, lse_index, block_ids, d_index_q,
+      d_index_k, block_work, schedule, union, union_members, union_count, cu_seqlens,
+      block_size, softmax_scale, index_scale, index_grads, main_grads, query_start=0,
+      kl_num_queries=None, dense_batch=0, deterministic=False):
+    main = ((torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if main_grads
+            else tuple(q.new_empty(0) for _ in range(3)))
+    index = ((torch.empty_like(index_q), torch.empty_like(index_k)) if index_grads
+             else (q.new_empty(0), q.new_empty(0)))
+    return main + index
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, index_q, index_k, cu_seqlens, _, _, block_size, softmax_scale, index_scale, *_,
+     query_start, kl_num_queries, dense_batch, deterministic) = inputs
+    out, _, *saved = output
+    ctx.save_for_backward(q, k, v, index_q, index_k, out, cu_seqlens, *saved)
+    # Gradients of outputs that reach nothing stay None instead of zero-filled tensors (ten
+    # fill kernels a step); _backward handles None for out and kl.
+    ctx.set_materialize_grads(False)
+    ctx.options = (block_size, softmax_scale, index_scale)
+    # Both operators take them.
+    ctx.trailing_options = (query_start, kl_num_queries, dense_batch, deterministic)
+
+
+def _backward_with(backward):
+    """The autograd formula of a forward operator whose backward is ``backward``
+    (``msa_backward``'s arguments)."""
+
+    def formula(ctx, dout, dkl, *_):
+        q, k, v, index_q, index_k, out, cu_seqlens, *saved = ctx.saved_tensors
+        main_grads = any(ctx.needs_input_grad[:3])
+        index_grads = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
+        if dkl is None:
+            dkl = torch.zeros((), dtype=torch.float32, device=q.device)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv, grad_index_q, grad_index_k = backward(
+            dout, dkl, q, k, v, index_q, index_k, out, *saved, cu_seqlens, *ctx.options,
+            index_grads, main_grads, *ctx.trailing_options)
+        if not main_grads:
+            dq = dk = dv = None
+        if not index_grads:
+            grad_index_q = grad_index_k = None
+        return (dq, dk, dv, grad_index_q, grad_index_k) + (None,) * 16
+
+    return formula
+
+
+msa_forward.register_autograd(_backward_with(msa_backward), setup_context=_setup_context)
+
+
+def tuned_msa_forward(tuning: Tuning):
+    """``msa_forward`` with other work-list and key-outer sizes (``configs.Tuning``), through a
+    plain autograd Function instead of the registered operators: tests run the kernels at
+    sizes the defaults reach only on long sequences (several segments per key block, several
+    steps per segment)."""
+    formula = _backward_with(functools.partial(pipeline.backward, tuning=tuning))
+
+    class TunedMSAForward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = pipeline.forward(*inputs, tuning=tuning)
+            _setup_context(ctx, inputs, output)
+            return output
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return formula(ctx, *grads)
+
+    return TunedMSAForward.apply
+
+
+class SparseAttentionFunction(torch.autograd.Function):
+    """Autograd of the main attention alone over given kept blocks (``sparse_attention``):
+    q [T, H, D]; k, v [T, Hkv, D]; block_ids int32 [T, Hi, k] token-major."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, block_ids, cu_seqlens, block_size, softmax_scale):
+        problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale)
+        out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.problem = problem
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return attention_backward(q, k, v, out, dout, lse, ctx.problem) + (None,) * 4

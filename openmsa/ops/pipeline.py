@@ -1,0 +1,157 @@
+"""``msa_attention`` on the kernels, stage by stage: select -> work lists -> attention -> KL
+(``forward``), and the attention's and the KL's gradients (``backward``). ``custom_ops`` wraps
+both as PyTorch operators.
+
+Inputs are packed: q ``[Tq, H, D]``, k and v ``[T, Hkv, D]``, index_q ``[Tq, Hi, Di]``, index_k
+``[T, Hik, Di]``, cu_seqlens int32 ``[N + 1]``; block ids are token-major int32 ``[Tq, Hi, k]``.
+The queries are the packed tokens ``[query_start, query_start + Tq)`` of the keys' packing (all
+of them by default: ``query_start = 0``, ``Tq = T``), and the KL is a mean over
+``kl_num_queries`` query tokens (None: Tq); context parallelism runs each rank's queries so.
+
+The KL's gradients do not depend on ``dout`` (only on the scalar gradient reaching ``kl``), so
+the forward computes them unscaled, along with the value, and the backward only scales them.
+The forward also returns the work lists it built (the query-tile lists and the key-block ->
+queries list the KL walked), so the backward does not build them again.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .attention import attention_backward, sparse_attention_fwd
+from .configs import DEFAULT_TUNING, Tuning
+from .dense import dense_attention_backward, dense_attention_forward, dense_log_sum_exp
+from .kl import index_branch_kl, scaled_kl_gradients
+from .layout import all_causal_block_ids
+from .problem import SparseAttentionProblem, query_tile_shape
+from .select import select_blocks_fwd
+from .validate import query_positions_from_offsets
+from .worklists import BlockWork, QueryTileWork, block_work_sizes, build_causal_query_tile_work
+
+
+def block_work_shape(q, k, index_q, cu_seqlens, slots: int, block_size: int,
+                     tuning: Tuning = DEFAULT_TUNING):
+    """(pairs, global blocks, segments) of the key-block list, from the shapes alone, and its
+    pairs per segment: as ``SparseAttentionProblem`` builds it."""
+    pairs_per_segment = tuning.segment_pairs_for(q.shape[0], index_q.shape[1], slots)
+    sizes = block_work_sizes(q.shape[0], index_q.shape[1], slots, k.shape[0],
+                             cu_seqlens.shape[0] - 1, block_size, pairs_per_segment)
+    return sizes, pairs_per_segment
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor,
+            index_k: torch.Tensor, cu_seqlens: torch.Tensor, block_ids: Optional[torch.Tensor],
+            top_k: int, block_size: int, softmax_scale: float, index_scale: float,
+            num_local_blocks: int, num_sink_blocks: int, warmup: bool, max_seqlen: int,
+            kl_value: bool, index_grad: bool, query_start: int = 0,
+            kl_num_queries: Optional[int] = None, dense_batch: int = 0,
+            deterministic: bool = False, tuning: Tuning = DEFAULT_TUNING):
+    """Returns out, kl (fp32 0-dim: the exact KL, clamped at 0, or 0 with ``kl_value=False``),
+    the main lse2 ``[Tq, H]``, the index log-sum-exp ``[Tq, Hi]``, the kept block ids, the
+    unscaled KL gradients of index_q (fp32 ``[Tq, Hi, Di]``) and index_k (fp32, index_k's
+    shape) and the packed key-block -> queries list (all three empty unless ``index_grad``),
+    and the query-tile work lists (schedule, union, union members, union count).
+
+    ``block_ids``: given kept blocks, or None to select (or, in warmup, keep every causal block
+    of sequences up to ``max_seqlen`` tokens). ``dense_batch`` > 0: warmup's main attention runs
+    on cuDNN over that many equal batch rows (``openmsa.ops.dense``; every token a query).
+    ``deterministic``: the KL's gradients and value are summed in a fixed order
+    (``kl.index_branch_kl``)."""
+    total = q.shape[0]
+    # 1. Selection: the kept block ids [Tq, Hi, k].
+    query_work = index_max = None
+    if warmup:
+        positions = query_positions_from_offsets(cu_seqlens, k.shape[0])
+        ids = all_causal_block_ids(positions[query_start:query_start + total],
+                                   index_q.shape[1], block_size, max_seqlen)
+        tile_tokens = query_tile_shape(q.shape[1] // index_q.shape[1])[0]
+        query_work = build_causal_query_tile_work(cu_seqlens, total, index_q.shape[1],
+                                                  tile_tokens, block_size, ids.shape[2],
+                                                  query_start)
+    elif block_ids is not None:
+        ids = block_ids.clone()  # outputs may not alias inputs
+    else:
+        # Selection's largest block score is each row's largest kept index score when a slot
+        # is left for the best block beside the forced ones; the forward then needs no running
+        # maximum for the index log-sum-exp.
+        keeps_best = top_k > num_local_blocks + num_sink_blocks
+        selected = select_blocks_fwd(
+            index_q, index_k, cu_seqlens, top_k=top_k, block_size=block_size,
+            index_softmax_scale=index_scale, num_local_blocks=num_local_blocks,
+            num_sink_blocks=num_sink_blocks, query_start=query_start, return_max=keeps_best)
+        ids, index_max = selected if keeps_best else (selected, None)
+    # 2. Work lists: the query tiles' block unions now, the key-block list when first needed.
+    problem = SparseAttentionProblem(q, k, ids, cu_seqlens, block_size, softmax_scale, index_k,
+                                     index_scale, query_start=query_start,
+                                     kl_num_queries=kl_num_queries, query_work=query_work,
+                                     all_causal=warmup, tuning=tuning)
+    # 3. Main attention, with the index branch's log-sum-exp over the kept tokens.
+    if dense_batch:
+        out, lse = dense_attention_forward(q, k, v, dense_batch, softmax_scale)
+        lse_index = dense_log_sum_exp(index_q, index_k, dense_batch, index_scale)
+    else:
+        out, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem,
+                                                   index_max)
+    # 4. The KL's value and unscaled gradients.
+    kl = torch.zeros((), dtype=torch.float32, device=q.device)
+    d_index_q, d_index_k = (q.new_empty(0, dtype=torch.float32) for _ in range(2))
+    block_work = q.new_empty(0, dtype=torch.int32)
+    if kl_value or index_grad:
+        value_parts, grad_q, grad_k = index_branch_kl(q, k, index_q, index_k, lse, lse_index,
+                                                      problem, kl_value, index_grad,
+                                                      deterministic)
+        if kl_value:
+            # Rounding can leave a KL of nearly agreeing distributions a hair below 0; a KL
+            # divergence never is. The gradient (the registered backward) is unaffected.
+            kl = problem.kl_mean(value_parts).clamp_min(0.0)
+        if index_grad:
+            d_index_q, d_index_k = grad_q, grad_k
+            block_work = problem.block_work.packed()
+    work = problem.query_work
+    return (out, kl, lse, lse_index, ids, d_index_q, d_index_k, block_work, work.schedule,
+            work.union, work.union_members, work.union_count)
+
+
+def backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, lse_index: torch.Tensor, block_ids: torch.Tensor,
+             d_index_q: torch.Tensor, d_index_k: torch.Tensor, block_work: torch.Tensor,
+             schedule: torch.Tensor, union: torch.Tensor, union_members: torch.Tensor,
+             union_count: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
+             softmax_scale: float, index_scale: float, index_grads: bool, main_grads: bool,
+             query_start: int = 0, kl_num_queries: Optional[int] = None, dense_batch: int = 0,
+             deterministic: bool = False, tuning: Tuning = DEFAULT_TUNING):
+    """With ``main_grads``, dq, dk, dv, and with ``index_grads``, the KL gradients of index_q
+    and index_k (empty tensors otherwise: a frozen main or index branch costs no kernel).
+    ``dkl``: the fp32 0-dim gradient reaching kl. ``d_index_q``, ``d_index_k``, ``block_work``:
+    the forward's unscaled KL gradients and packed key-block list, or empty to compute them
+    here. ``tuning`` must be the forward's."""
+    work = QueryTileWork(schedule, union, union_members, union_count,
+                         tile_tokens=query_tile_shape(q.shape[1] // block_ids.shape[1])[0])
+    blocks = None
+    if block_work.numel():
+        sizes, pairs_per_segment = block_work_shape(q, k, index_q, cu_seqlens,
+                                                    block_ids.shape[2], block_size, tuning)
+        blocks = BlockWork.unpacked(block_work, *sizes, num_index_heads=block_ids.shape[1],
+                                    segment_pairs=pairs_per_segment)
+    problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
+                                     index_k, index_scale, query_work=work, block_work=blocks,
+                                     query_start=query_start, kl_num_queries=kl_num_queries,
+                                     tuning=tuning)
+    # Outputs may not alias each other: every skipped gradient is an empty tensor of its own.
+    if not main_grads:
+        dq, dk, dv = (q.new_empty(0) for _ in range(3))
+    elif dense_batch:
+        dq, dk, dv = dense_attention_backward(dout, q, k, v, out, lse, dense_batch,
+                                              softmax_scale)
+    else:
+        dq, dk, dv = attention_backward(q, k, v, out, dout, lse, problem)
+    if not index_grads:
+        return dq, dk, dv, q.new_empty(0), q.new_empty(0)
+    if d_index_q.numel() == 0:  # the forward ran without index gradients
+        _, d_index_q, d_index_k = index_branch_kl(q, k, index_q, index_k, lse, lse_index,
+                                                  problem, False, True, deterministic)
+    return (dq, dk, dv) + scaled_kl_gradients(d_index_q, d_index_k, dkl, problem,
+                                              index_q.dtype, index_k.dtype)

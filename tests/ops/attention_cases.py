@@ -1,0 +1,37 @@
+"""Problem shapes and the kernels-against-reference run that tests/ops/test_attention.py and
+tests/ops/test_kl.py share (CPU interpreter)."""
+
+import torch
+
+import openmsa
+from openmsa.testing import MSACase, random_inputs, run_with_grads, tuned_msa_attention
+
+CASES = [
+    MSACase("batch2_partial_block", batch=2, seqlen=200, num_heads=4, num_kv_heads=2,
+            num_index_heads=2, options=dict(top_k=3, block_size=64)),
+    MSACase("packed_with_sink", seqlens=(70, 1, 150, 65), num_heads=8, num_kv_heads=2,
+            num_index_heads=4, num_index_kv_heads=2,
+            options=dict(top_k=3, block_size=64, num_sink_blocks=1)),
+    MSACase("three_heads_per_index_head", batch=1, seqlen=200, num_heads=6, num_kv_heads=2,
+            num_index_heads=2, options=dict(top_k=2, block_size=64)),
+    MSACase("block_128_head_dim_128", batch=1, seqlen=300, num_heads=4, num_kv_heads=1,
+            num_index_heads=1, head_dim=128, options=dict(top_k=2, block_size=128)),
+    MSACase("one_main_head_per_index_head", batch=1, seqlen=140, num_heads=4, num_kv_heads=4,
+            num_index_heads=4, options=dict(top_k=1, block_size=64, softmax_scale=0.3)),
+]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def kernel_and_reference(case, dtype, seed=0, tuning=None, **extra_options):
+    """The kernels' out, kl and gradients (``backend="triton"``; with ``tuning``, at those
+    work-list sizes), the reference's in float64 on the kernels' kept blocks, and the blocks."""
+    inputs, cu_seqlens = random_inputs(case, dtype, "cpu", seed=seed)
+    out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(seed + 1))
+    options = dict(case.options, return_indices=True, **extra_options)
+    kernels = openmsa.msa_attention if tuning is None else tuned_msa_attention(tuning)
+    got, ids = run_with_grads(kernels, inputs, cu_seqlens, out_grad, 1.0, backend="triton",
+                              **options)
+    high = [t.double() for t in inputs]
+    expected, _ = run_with_grads(openmsa.msa_attention, high, cu_seqlens, out_grad, 1.0,
+                                 backend="reference", block_indices=ids, **options)
+    return got, expected, ids

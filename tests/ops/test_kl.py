@@ -1,0 +1,89 @@
+"""The KL's kernels (value and index gradients, both passes) against the reference, under the
+CPU interpreter, on the same kept blocks."""
+
+import pytest
+import torch
+
+import openmsa
+from openmsa.ops import msa as msa_module
+from openmsa.ops.configs import Tuning
+from openmsa.testing import (QUANTITY_NAMES, MSACase, random_inputs, rel_rms_error,
+                             run_with_grads)
+
+from attention_cases import CASES, TOLERANCE, kernel_and_reference
+
+pytestmark = pytest.mark.skipif(not msa_module.INTERPRETING,
+                                reason="needs TRITON_INTERPRET=1 (the README's test command)")
+
+
+SCALED = MSACase("scales_not_the_defaults", seqlens=(100, 130), num_heads=4, num_kv_heads=2,
+                 num_index_heads=2, options=dict(top_k=2, block_size=64, softmax_scale=0.3,
+                                                 index_softmax_scale=0.7))
+
+
+@pytest.mark.parametrize("case", CASES[1:3] + [SCALED], ids=lambda c: c.name)
+def test_deterministic_kl_path_matches_reference(case):
+    """deterministic=True takes the KL's value and index_q gradient from the query-side walk
+    instead of the key-outer kernel's atomic adds; both walks use the given scales."""
+    got, expected, _ = kernel_and_reference(case, torch.float32, deterministic=True)
+    for name in QUANTITY_NAMES:
+        error = rel_rms_error(got[name], expected[name])
+        assert error < TOLERANCE[torch.float32], (name, error)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_kl_value_without_gradients_uses_the_given_scales(deterministic):
+    """No gradient needed: the value alone comes from the query-side walk, with the given
+    main and index scales (the default scales would give another KL)."""
+    inputs, cu_seqlens = random_inputs(SCALED, torch.float32, "cpu", seed=17)
+    tensors = [t.detach() for t in inputs]
+    options = dict(SCALED.options, cu_seqlens=cu_seqlens, deterministic=deterministic)
+    with torch.no_grad():
+        _, kl, ids = openmsa.msa_attention(*tensors, backend="triton", return_indices=True,
+                                           **options)
+        _, expected = openmsa.msa_attention(*(t.double() for t in tensors),
+                                            backend="reference", block_indices=ids, **options)
+        _, at_default_scales = openmsa.msa_attention(
+            *(t.double() for t in tensors), backend="reference", block_indices=ids,
+            **dict(options, softmax_scale=None, index_softmax_scale=None))
+    assert rel_rms_error(kl, expected) < 1e-5
+    assert rel_rms_error(at_default_scales, expected) > 1e-2  # the scales matter here
+
+def test_kl_value_and_index_k_gradient_need_no_index_q_gradient():
+    """Without gradients the value comes from the query-side walk alone; with only index_k
+    requiring one, the forward still computes the KL's gradients."""
+    case = CASES[1]
+    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=13)
+    options = dict(case.options, backend="triton", cu_seqlens=cu_seqlens)
+    q, k, v, index_q, index_k = (t.detach() for t in inputs)
+    full_index_k = index_k.clone().requires_grad_()
+    _, full_kl = openmsa.msa_attention(q, k, v, index_q.clone().requires_grad_(), full_index_k,
+                                       **options)
+    expected = torch.autograd.grad(full_kl, full_index_k)[0]
+    with torch.no_grad():
+        _, value_only = openmsa.msa_attention(q, k, v, index_q, index_k, **options)
+    torch.testing.assert_close(value_only, full_kl.detach(), rtol=1e-5, atol=0)
+    index_k_only = index_k.clone().requires_grad_()
+    _, kl = openmsa.msa_attention(q, k, v, index_q, index_k_only, **options)
+    torch.testing.assert_close(torch.autograd.grad(kl, index_k_only)[0], expected, rtol=1e-5,
+                               atol=1e-7)
+
+
+def test_kl_gradient_scales_with_the_weight_on_kl():
+    """Loss scaling composes: the index gradients are exactly linear in the KL weight."""
+    case = CASES[0]
+    inputs, _ = random_inputs(case, torch.float32, "cpu", seed=12)
+    out_grad = torch.zeros(*inputs[0].shape)
+    options = dict(case.options, backend="triton")
+    one, _ = run_with_grads(openmsa.msa_attention, inputs, None, out_grad, 1.0, **options)
+    four, _ = run_with_grads(openmsa.msa_attention, inputs, None, out_grad, 4.0, **options)
+    for name in ("dindex_q", "dindex_k"):
+        torch.testing.assert_close(four[name], 4 * one[name], rtol=1e-6, atol=0)
+    assert torch.count_nonzero(one["dq"]) == 0  # kl sends nothing to q, k, v
+
+def test_kl_kernel_with_several_steps_per_segment():
+    """8 pairs per step of the KL kernel: every segment takes several steps."""
+    got, expected, _ = kernel_and_reference(CASES[1], torch.float32, seed=14,
+                                            tuning=Tuning(kl_pairs=8))
+    for name in ("kl", "dindex_q", "dindex_k"):
+        assert rel_rms_error(got[name], expected[name]) < 1e-5, name

@@ -1,0 +1,108 @@
+"""Developer tooling: the Hopper (Gluon) kernels compiled for sm_90a on any machine, GPU or not,
+and what ptxas says of them (registers, spills, whether it serialized the asynchronous
+tensor-core products). Used by tests/ops/test_sm90.py and benchmarks/inspect_kernels.py.
+
+    python tools/sm90_compile.py [forward|dq|dkdv|kl] [HEAD_DIM BLOCK DTYPE HEADS_PER_TOKEN]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from openmsa.ops.attention.sm90_backward import (_dkdv_maxnreg, _sparse_attn_dkdv_hopper_kernel,
+                                                 _sparse_attn_dq_hopper_kernel)
+from openmsa.ops.attention.sm90_forward import _sparse_attn_fwd_hopper_kernel
+from openmsa.ops.configs import (DQ_REGISTERS, FORWARD_REGISTERS, KEY_STEP_REGISTERS,
+                                 KEY_STEP_STAGES, KL_STAGES)
+from openmsa.ops.kl.sm90 import _kl_hopper_kernel
+from openmsa.ops.sm90 import NUM_WARPS, ROWS, _maxnreg, key_step_tokens
+
+
+def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "bf16",
+                     kernel: str = "forward", heads_per_token: int = 16):
+    """The ``kernel`` ("forward", "dq", "dkdv" or "kl") compiled for sm_90a on any machine, GPU
+    or not (nothing runs): the compiled kernel, whose ``asm["ptx"]`` ``ptxas_report`` reports on
+    (benchmarks/inspect_kernels.py, tests/ops/test_sm90.py)."""
+    element = gl.bfloat16 if dtype == "bf16" else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([block_size, head_dim], element)
+    fn = {"forward": _sparse_attn_fwd_hopper_kernel, "dq": _sparse_attn_dq_hopper_kernel,
+          "dkdv": _sparse_attn_dkdv_hopper_kernel, "kl": _kl_hopper_kernel}[kernel]
+    tile_tokens = ROWS // (1 << (heads_per_token - 1).bit_length())  # 128-row query tiles
+    constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, TOK=tile_tokens, BLOCK=block_size,
+                     HEAD_DIM=head_dim, UNION_SLOTS=tile_tokens * 16)
+    options = dict(num_warps=NUM_WARPS)
+    if kernel == "dq":  # as the backward launches it: computing the deltas, warp-specialized
+        constants.update(WRITE_DELTA=True, CONSUMER_REGS=DQ_REGISTERS[0],
+                         LOADER_REGS=DQ_REGISTERS[1])
+        options = dict(num_warps=4, maxnreg=_maxnreg(3, DQ_REGISTERS))
+    if kernel == "forward":  # warp-specialized (sparse_attention_fwd's launch)
+        constants.update(CONSUMER_REGS=FORWARD_REGISTERS[0], LOADER_REGS=FORWARD_REGISTERS[1])
+        options = dict(num_warps=4, maxnreg=_maxnreg(3, FORWARD_REGISTERS))
+    if kernel == "dkdv":  # 32-row steps, warp-specialized (attention_dkdv_parts' launch)
+        consumer, gather = KEY_STEP_REGISTERS
+        constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1,
+                         TOK=key_step_tokens(heads_per_token), BLOCK=block_size,
+                         HEAD_DIM=head_dim, SEGMENT_PAIRS=2048, STAGES=KEY_STEP_STAGES,
+                         CONSUMER_REGS=consumer, GATHER_REGS=gather)
+        options = dict(num_warps=4, maxnreg=_dkdv_maxnreg(block_size, KEY_STEP_REGISTERS))
+    if kernel == "kl":  # with its query side and value
+        constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, INDEX_GROUP=4, PAIRS=64,
+                         BLOCK=block_size, HEAD_DIM=head_dim, SEGMENT_PAIRS=2048,
+                         QUERY_SIDE=True, WITH_VALUE=True, STAGES=KL_STAGES)
+    pointers = dict(Q=f"*{dtype}", OUT=f"*{dtype}", DOUT=f"*{dtype}", DQ=f"*{dtype}",
+                    LSE="*fp32", DELTA="*fp32", DK_PART="*fp32", DV_PART="*fp32",
+                    UNION_MEMBERS="*i64", IQ=f"*{dtype}", LSE_INDEX="*fp32", DIK="*fp32",
+                    KL_PARTS="*fp32", DIQ="*fp32")
+    types = {}
+    for name in fn.arg_names:
+        if name in constants:
+            types[name] = "constexpr"
+        elif name.endswith("_desc"):
+            types[name] = f"tensordesc<{dtype}[{block_size}, {head_dim}],{layout!r}>"
+        elif name.isupper():
+            types[name] = pointers.get(name, "*i32")
+        else:
+            types[name] = "fp32" if name.startswith(("scale", "index_scale")) else "i32"
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+               if types[name].startswith("*") or name.startswith("stride")}
+    source = GluonASTSource(fn=fn, signature=types, constexprs=constants, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def ptxas_report(ptx: str) -> dict:
+    """What Triton's bundled ptxas says of a kernel's PTX for sm_90a: registers, spilled bytes,
+    whether it serialized the asynchronous products (a slow loop), and its whole text."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        with open(path, "w") as handle:
+            handle.write(ptx)
+        text = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
+    registers = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores", text)
+    return dict(registers=int(registers.group(1)),
+                spill_bytes=int(spills.group(1)) if spills else 0,
+                serialized="wgmma.mma_async instructions are serialized" in text, text=text)
+
+
+if __name__ == "__main__":
+    name = sys.argv[1] if len(sys.argv) > 1 else "forward"
+    shape = sys.argv[2:6]
+    head_dim, block_size, dtype, heads = (int(shape[0]), int(shape[1]), shape[2],
+                                          int(shape[3])) if shape else (128, 128, "bf16", 16)
+    compiled = compile_for_sm90(head_dim, block_size, dtype, kernel=name,
+                                heads_per_token=heads)
+    report = ptxas_report(compiled.asm["ptx"])
+    print(f"{name}: {report['registers']} registers, {report['spill_bytes']} bytes spilled, "
+          f"{compiled.metadata.shared} bytes of shared memory, products "
+          f"{'serialized' if report['serialized'] else 'asynchronous'}")
