@@ -30,6 +30,10 @@ def _order_preserving_bits(score):
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
+# _order_preserving_bits(-inf): the key bits of a block that no visible key scores.
+_NEGATIVE_INFINITY_BITS = tl.constexpr(-0x7F800001)
+
+
 @triton.jit
 def _merge_block(keys, block_score, block_id, forced):
     """Merges one candidate block per row into the rows' top-k keys [ROWS, TOPK_SLOTS]."""
@@ -118,13 +122,15 @@ def _select_fwd_kernel(
     else:
         pooled = tl.max(tl.where(visible, scores, float("-inf")), axis=1) * scale
     keys = _merge_block(keys, pooled, own_block, rows >= 0)
+    # A slot is unused while it holds its initial key, or a block of score -inf (never kept).
+    score_bits = (keys >> 32).to(tl.int32)
+    unused = (keys < TOP_K - 0x7FFFFFFFFFFFFFFF) | (score_bits == _NEGATIVE_INFINITY_BITS)
     if WITH_MAX:
         # The best unforced block, when a slot is left for it, is among the kept keys: its
         # score comes back from the key's bits (the bit map is its own inverse). Forced blocks'
         # keys hold +inf instead of their scores, so those (the own block's is at hand) are
         # scored again, which needs fewer registers than a running maximum in the loop.
-        score_bits = (keys >> 32).to(tl.int32)
-        unforced = (keys >= -(1 << 62)) & (score_bits != 0x7F800000)
+        unforced = ~unused & (score_bits != 0x7F800000)
         kept_score = _order_preserving_bits(score_bits).to(tl.float32, bitcast=True)
         row_max = tl.maximum(tl.max(tl.where(unforced, kept_score, float("-inf")), axis=1),
                              pooled)
@@ -142,7 +148,7 @@ def _select_fwd_kernel(
                  mask=row_valid)
 
     block_ids = 0x7FFFFFFF - keys.to(tl.int32)  # the low 32 bits
-    block_ids = tl.where(keys < -(1 << 62), -1, block_ids)
+    block_ids = tl.where(unused, -1, block_ids)
     tl.store(IDS + query_row[:, None] * stride_ids_t + head[:, None] * stride_ids_h
              + slots[None, :], block_ids, mask=row_valid[:, None] & (slots[None, :] < TOP_K))
 

@@ -87,3 +87,18 @@ def test_work_lists_from_a_selection_equal_the_torch_built_ones(seqlens):
     tiles = [build_query_tile_work(ids, cu_seqlens, 32, use_triton=use) for use in (True, False)]
     for name in ("schedule", "union", "union_members", "union_count"):
         assert torch.equal(getattr(tiles[0], name), getattr(tiles[1], name)), name
+
+
+def test_blocks_scoring_far_below_zero_are_kept():
+    """Every index score negative, most below -2 (index queries opposite to the keys): the
+    kept blocks are the reference's, not only the forced ones."""
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    index_q = -(torch.randn(1, 4096, 4, 128, device="cuda", generator=generator).abs() + 1)
+    index_k = torch.randn(1, 4096, 1, 128, device="cuda", generator=generator).abs() + 1
+    index_q, index_k = index_q.bfloat16(), index_k.bfloat16()
+    options = dict(top_k=8, block_size=128)
+    ids = openmsa.select_blocks(index_q, index_k, **options)
+    reference = openmsa.select_blocks(index_q.float(), index_k.float(), backend="reference",
+                                      **options)
+    assert (reference >= 0).float().mean() > 0.9
+    assert same_block_sets(ids, reference).float().mean() >= 0.99

@@ -100,6 +100,36 @@ def test_row_max_is_the_largest_visible_score(scale, top_k, local, sinks):
     torch.testing.assert_close(row_max, expected[first:], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("return_max", [False, True])
+def test_blocks_scoring_far_below_zero_are_kept(return_max):
+    """Every score negative (index queries opposite to the keys), most of them below -2: the
+    kernel keeps the same blocks as the reference (an unused-slot test by magnitude once
+    dropped every block scoring -2 or less), and with ``return_max`` its row maxima are the
+    largest visible scores."""
+    seqlens = (150, 1, 250)
+    index_q, index_k = integer_index_inputs((sum(seqlens),), 4, 2, seed=5)
+    index_q, index_k = -(index_q.abs() + 1), index_k.abs() + 1  # every product negative
+    cu = torch.tensor([0, *seqlens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    options = dict(top_k=3, block_size=64, index_softmax_scale=0.5, num_local_blocks=1,
+                   num_sink_blocks=0)
+    reference = openmsa.select_blocks(index_q, index_k, cu_seqlens=cu, backend="reference",
+                                      **options)
+    assert (reference >= 0).sum() > 2 * sum(seqlens) * 4  # more than the own blocks are kept
+    kernel = select_module.select_blocks_fwd(index_q, index_k, cu, return_max=return_max,
+                                             **options)
+    ids, row_max = kernel if return_max else (kernel, None)
+    assert torch.equal(ids.permute(1, 0, 2).sort(-1).values, reference.sort(-1).values)
+    if return_max:
+        expected = torch.empty(sum(seqlens), 4)
+        for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            scores = 0.5 * torch.einsum("ihd,jhd->hij", index_q[start:end],
+                                        index_k[start:end].repeat_interleave(2, dim=1))
+            causal = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+            expected[start:end] = scores.masked_fill(~causal, float("-inf")).amax(-1).T
+        assert expected.max() < -2
+        torch.testing.assert_close(row_max, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_ties_go_to_the_lower_block_id():
     index_q, index_k = integer_index_inputs((1, 64 * 6), 2, 1)
     index_k[:] = 1.0  # every key scores the same: all blocks tie
