@@ -29,14 +29,20 @@ def check_interpreter() -> None:
     """Raises a ``RuntimeError`` that says what to install where this Triton's interpreter
     cannot run loops whose bounds are loaded values (Triton 3.6 turns such a bound into an
     int with ``int(array)``, which numpy 2.4 made an error), instead of an ``InterpreterError``
-    from deep inside a kernel."""
+    from deep inside a kernel. The probe runs once per process."""
     global _interpreter_works
-    if _interpreter_works:
-        return
+    if not _interpreter_works:
+        probe_loaded_loop_bounds()
+        _interpreter_works = True
+
+
+def probe_loaded_loop_bounds(kernel=_loaded_loop_bound_kernel) -> None:
+    """Runs ``kernel`` (a 3-trip loop to a loaded bound) under the interpreter; raises a
+    ``RuntimeError`` naming the fix if it fails or counts wrong."""
     bound = torch.tensor([3], dtype=torch.int32)
     count = torch.zeros(1, dtype=torch.int32)
     try:
-        _loaded_loop_bound_kernel[(1,)](bound, count)
+        kernel[(1,)](bound, count)
     except Exception as error:  # the interpreter wraps the numpy error in its own type
         import numpy
 
@@ -47,4 +53,3 @@ def check_interpreter() -> None:
     if int(count) != 3:
         raise RuntimeError(f"Triton {triton.__version__}'s CPU interpreter ran a 3-trip loop "
                            f"{int(count)} times")
-    _interpreter_works = True

@@ -211,7 +211,7 @@ def test_float64_is_refused_by_the_kernels_naming_the_reference():
         openmsa.msa_attention(*inputs, **BATCH.options, backend="triton")
 
 
-def test_the_interpreter_check_says_what_to_install(monkeypatch):
+def test_the_interpreter_check_says_what_to_install():
     """Triton 3.6's interpreter fails with numpy 2.4 deep inside a kernel; the library says
     what to install instead. Stand-in: a probe kernel that fails as it does."""
     from openmsa.ops import interpreter
@@ -223,11 +223,9 @@ def test_the_interpreter_check_says_what_to_install(monkeypatch):
                                    "Python scalars')")
             return launch
 
-    monkeypatch.setattr(interpreter, "_interpreter_works", False)
-    monkeypatch.setattr(interpreter, "_loaded_loop_bound_kernel", FailingProbe())
     with pytest.raises(RuntimeError, match=r"CPU interpreter cannot run openmsa's kernels with "
                        r"numpy .* install 'numpy<2.4'"):
-        interpreter.check_interpreter()
+        interpreter.probe_loaded_loop_bounds(FailingProbe())
 
 
 @needs_interpreter
@@ -235,9 +233,7 @@ def test_the_interpreter_runs_loops_to_loaded_bounds_here():
     """The probe itself passes with this machine's numpy (the suite runs the kernels)."""
     from openmsa.ops import interpreter
 
-    interpreter._interpreter_works = False
-    interpreter.check_interpreter()
-    assert interpreter._interpreter_works
+    interpreter.probe_loaded_loop_bounds()
 
 
 def test_documented_installs_pin_a_numpy_the_interpreter_runs_with():
