@@ -91,7 +91,7 @@ def _tile_rows(index_head, first_position, first_query, end_query, query_base,
 @gluon.jit
 def _tile_of(CU_SEQLENS, sequence, tile, query_start, query_end, TOK: gl.constexpr):
     """A query tile's sequence start and length, first position, queries (its tokens
-    [first_query, end_query), see attention._query_tile), the members mask of a block all its
+    [first_query, end_query), see tiles._query_tile), the members mask of a block all its
     queries kept, and the query row of the sequence's position 0."""
     seq_start = gl.load(CU_SEQLENS + sequence)
     seq_len = gl.load(CU_SEQLENS + sequence + 1) - seq_start
@@ -119,7 +119,7 @@ def _mma_rows(first_position, first_query, end_query, GQ: gl.constexpr, TOK: gl.
 @gluon.jit
 def _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry, index_head, HI: gl.constexpr,
              UNION_SLOTS: gl.constexpr):
-    """The tile's walk list (attention._walk_list): blocks, token masks, length."""
+    """The tile's walk list (tiles._walk_list): blocks, token masks, length."""
     walk = (entry * HI + index_head) * UNION_SLOTS
     return (UNION + walk, UNION_MEMBERS + walk,
             gl.load(UNION_COUNT + entry * HI + index_head))
@@ -183,7 +183,7 @@ def _block_rings(k_desc, v_desc, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
 def _segment_of(SEGMENTS, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
                 query_start, segment, bucket, HI: gl.constexpr, SEGMENT_PAIRS: gl.constexpr):
     """A key-outer segment's pairs [first, last), index head, key block, its sequence's first
-    row and the query row of the sequence's position 0 (as attention._segment)."""
+    row and the query row of the sequence's position 0 (as tiles._segment)."""
     first = gl.load(SEGMENTS + 2 * segment + 1)
     global_block = bucket // HI
     sequence = gl.load(BLOCK_SEQUENCE + global_block)

@@ -112,7 +112,7 @@ def _sparse_attn_dkdv_kernel(
 ):
     """Key-outer dK, dV of one segment: up to SEGMENT_PAIRS (token, index head) pairs that kept
     one key block, TOK pairs x GQ heads (head-major rows) per step; segments run in
-    SEGMENT_ORDER (csr.SEGMENT_ORDERS). Writes fp32 partials (dK unscaled)."""
+    SEGMENT_ORDER (worklists.key_blocks.SEGMENT_ORDERS). Writes fp32 partials (dK unscaled)."""
     segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
         CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)

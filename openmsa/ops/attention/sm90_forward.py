@@ -22,7 +22,7 @@ def _online_softmax(scores, u, running_max, running_sum, blocks, members_of, fir
                     all_members, row_bit, row_valid, row_position, scale_log2,
                     BLOCK: gl.constexpr, layout: gl.constexpr):
     """Walk entry u's probabilities (unnormalized, base 2) and the running max and sum. Masked
-    only where the block needs it (see attention._walk_block)."""
+    only where the block needs it (see tiles._walk_block)."""
     block = gl.load(blocks + u)
     members = gl.load(members_of + u)
     scores = scores * scale_log2

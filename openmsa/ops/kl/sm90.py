@@ -166,7 +166,7 @@ def _kl_hopper_kernel(
     SEGMENT_PAIRS: gl.constexpr, QUERY_SIDE: gl.constexpr, WITH_VALUE: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """attention._kl_kernel's work (the KL of one segment of the key-block list, PAIRS pairs a
+    """kl.kernels._kl_kernel's work (the KL of one segment of the key-block list, PAIRS pairs a
     step) on Hopper, index head dim = head dim. A step is GQ units, one per main head of the
     index head: ``K q_g^T`` ([BLOCK, PAIRS], transposed: the block's keys are the MMA rows)
     and its exponentials, added into the teacher; head g's exponentials run while the tensor
