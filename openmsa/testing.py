@@ -124,17 +124,19 @@ def _reference_computing_in_input_dtype(q, k, v, index_q, index_k, *, cu_seqlens
                                         block_indices=None, return_indices=False, **options):
     """The reference with every matmul and softmax in the inputs' dtype (FlashAttention's
     baseline: what the same math costs in that precision)."""
-    problem = validate_msa_args(q, k, v, index_q, index_k, cu_seqlens=cu_seqlens,
-                                return_indices=return_indices, backend="reference",
-                                **_with_defaults(options))
+    problem = validate_msa_args(q, k, v, index_q, index_k, **msa_options(
+        dict(options, cu_seqlens=cu_seqlens, return_indices=return_indices, backend="reference")))
     return naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens, block_indices,
                              compute_dtype=q.dtype)
 
 
-def _with_defaults(options: dict) -> dict:
+def msa_options(options: dict) -> dict:
+    """Every keyword argument ``validate_msa_args`` takes: ``msa_attention``'s defaults with
+    ``options`` over them."""
     defaults = dict(top_k=16, block_size=128, softmax_scale=None, index_softmax_scale=None,
-                    num_local_blocks=1, num_sink_blocks=0, warmup=False, max_seqlen=None,
-                    deterministic=False)
+                    num_local_blocks=1, num_sink_blocks=0, warmup=False, cu_seqlens=None,
+                    max_seqlen=None, deterministic=False, return_indices=False, backend="auto",
+                    query_start=None, kl_num_queries=None, kl_value=True)
     return dict(defaults, **options)
 
 
@@ -175,10 +177,7 @@ def tuned_msa_attention(tuning: Tuning):
     operator = tuned_msa_forward(tuning)
 
     def run(q, k, v, index_q, index_k, *, block_indices=None, **options):
-        arguments = dict(_with_defaults(options), return_indices=False, cu_seqlens=None,
-                         backend="triton", query_start=None, kl_num_queries=None,
-                         kl_value=True)
-        arguments.update(options)
+        arguments = msa_options(dict(options, backend="triton"))
         problem = validate_msa_args(q, k, v, index_q, index_k, **arguments)
         if block_indices is not None:
             validate_block_indices(block_indices, problem, arguments["cu_seqlens"], q.device)

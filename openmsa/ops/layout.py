@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 
-
 def packed_tokens(tensor: torch.Tensor) -> torch.Tensor:
     """``[B, S, heads, dim]`` or ``[T, heads, dim]`` -> ``[tokens, heads, dim]`` with a unit
     stride in the last dim (a view when the input allows one)."""

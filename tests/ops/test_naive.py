@@ -6,18 +6,10 @@ import torch
 import openmsa
 from openmsa.ops import naive
 from openmsa.ops.validate import validate_msa_args
-from openmsa.testing import (INPUT_NAMES, QUANTITY_NAMES, MSACase, random_inputs,
+from openmsa.testing import (INPUT_NAMES, QUANTITY_NAMES, MSACase, msa_options, random_inputs,
                              run_query_ranges, run_with_grads)
 from loop_reference import loop_msa
 
-
-def _all_options(options):
-    """``msa_attention``'s keyword defaults with ``options`` over them."""
-    defaults = dict(top_k=16, block_size=128, softmax_scale=None, index_softmax_scale=None,
-                    num_local_blocks=1, num_sink_blocks=0, warmup=False, cu_seqlens=None,
-                    max_seqlen=None, deterministic=False, return_indices=False,
-                    backend="reference")
-    return dict(defaults, **options)
 
 
 def _grad_seed(inputs, num_heads, head_dim, seed=7):
@@ -281,7 +273,8 @@ def test_query_chunking_does_not_change_results():
                                 **options)
 
     def in_chunks_of_one_query(q, k, v, index_q, index_k, cu_seqlens=None, **options):
-        problem = validate_msa_args(q, k, v, index_q, index_k, **_all_options(options))
+        problem = validate_msa_args(q, k, v, index_q, index_k,
+                                    **msa_options(dict(options, backend="reference")))
         # 1000 elements of [B=2, H=4, chunk, S=230]: chunks of one query.
         return naive.naive_msa_forward(q, k, v, index_q, index_k, problem, chunk_elements=1000)
 
