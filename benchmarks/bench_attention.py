@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 
 from openmsa.bench.flops import kept_triples
-from openmsa.bench.run import index_inputs
+from openmsa.bench.selection import index_inputs
 from openmsa.bench.timing import median_ms
 from openmsa.ops import sm90
 from openmsa.ops.attention import (attention_backward, attention_delta, attention_dkdv,

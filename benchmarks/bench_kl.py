@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.testing
 
-from openmsa.bench.run import index_inputs
+from openmsa.bench.selection import index_inputs
 from openmsa.ops.attention import sparse_attention_fwd
 from openmsa.ops.kl import kl_key_walk, kl_query_side
 from openmsa.ops.layout import all_causal_block_ids, batch_cu_seqlens

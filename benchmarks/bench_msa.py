@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 
 from bench_attention import kernel_times
-from openmsa.bench.run import index_inputs
+from openmsa.bench.selection import index_inputs
 from openmsa.bench.timing import graphed, median_ms
 from openmsa import msa_attention
 from openmsa.ops import sm90

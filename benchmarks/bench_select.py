@@ -1,11 +1,14 @@
 """Benchmark of the fused block-selection kernel against the plain PyTorch route (GPU only).
 
-    python benchmarks/bench_select.py --out DIR [--seqlens 32768,131072,524288,1048576]
+    python benchmarks/bench_select.py --out DIR [--seqlens 131072,524288,1048576]
+        [--precisions input,fp8] [--kinds coherent,mid,random] [--tune fp8]
 
-Effective TFLOP/s count 2 * Hi * Di FLOPs per causal (i, j) pair. The PyTorch route is what one
-writes without a kernel: bf16 matmul, causal mask, block max-pool, torch.topk, chunked over
-queries so that it fits in memory; it runs only up to --torch-max-seqlen. A sweep of kernel
-configurations runs first at --tune-seqlen, and the best one is used for the sweep.
+Effective TFLOP/s count 2 * Hi * Di FLOPs per causal (i, j) pair, in either precision. Both
+index precisions run on the same bf16 inputs; fp8's time includes its quantization pass, which
+is also timed alone (quant ms). The PyTorch route is what one writes without a kernel: bf16
+matmul, causal mask, block max-pool, torch.topk, chunked over queries so that it fits in memory;
+it runs only up to --torch-max-seqlen. With --tune, a sweep of kernel configurations runs first
+at --tune-seqlen, and the best one is used (configs.SELECT_CONFIG holds the chosen ones).
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ import triton
 import triton.testing
 
 from openmsa.bench.flops import index_scoring_flops
+from openmsa.bench.selection import index_inputs
+from openmsa.ops.configs import SELECT_CONFIG
 from openmsa.ops.layout import batch_cu_seqlens
+from openmsa.ops.quantize import quantize_rows_e4m3
 from openmsa.ops.select import select_blocks_fwd
 
 
@@ -48,95 +54,118 @@ def bench(fn, reps=5):
     return triton.testing.do_bench(fn, warmup=1, rep=reps, return_mode="median")
 
 
+SWEEP = [dict(tile_rows=rows, num_warps=warps, num_stages=stages)
+         for rows in (64, 128, 256) for warps in (4, 8) for stages in (2, 3, 4)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True, help="folder for results.json")
-    parser.add_argument("--seqlens", default="32768,131072,524288,1048576")
+    parser.add_argument("--out", required=True, help="folder for bench_select.json")
+    parser.add_argument("--seqlens", default="131072,524288,1048576")
+    parser.add_argument("--precisions", default="input,fp8", help="index precisions to time")
+    parser.add_argument("--kinds", default="coherent,mid,random",
+                        help="selection kinds (openmsa.bench.selection)")
     parser.add_argument("--heads", type=int, default=4, help="index heads Hi (Hik = 1)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=16)
+    parser.add_argument("--tune", default="",
+                        help="precisions whose kernel configurations to sweep at --tune-seqlen "
+                        "first (the best is then used), e.g. fp8")
     parser.add_argument("--tune-seqlen", type=int, default=131072)
-    parser.add_argument("--torch-max-seqlen", type=int, default=131072)
+    parser.add_argument("--torch-max-seqlen", type=int, default=131072,
+                        help="time the PyTorch route (input precision) up to this length")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda")
     scale = args.head_dim ** -0.5
+    precisions = args.precisions.split(",")
+    kinds = args.kinds.split(",")
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": triton.__version__, "python": platform.python_version(),
                "date": time.strftime("%Y-%m-%d"), "args": vars(args), "tuning": [], "rows": []}
 
-    def make_inputs(seqlen):
+    def make_inputs(seqlen, kind):
         generator = torch.Generator(device=device).manual_seed(seqlen)
-        index_q = torch.randn(seqlen, args.heads, args.head_dim, device=device,
-                              generator=generator, dtype=torch.bfloat16)
-        index_k = torch.randn(seqlen, 1, args.head_dim, device=device, generator=generator,
-                              dtype=torch.bfloat16)
+        index_q, index_k = index_inputs(kind, seqlen, args.heads, args.head_dim, generator)
         return index_q, index_k, batch_cu_seqlens(1, seqlen, device)
 
-    def run_kernel(index_q, index_k, cu, **config):
+    def run_kernel(index_q, index_k, cu, precision, **config):
         return select_blocks_fwd(index_q, index_k, cu, top_k=args.top_k,
                                  block_size=args.block_size, index_softmax_scale=scale,
-                                 num_local_blocks=1, num_sink_blocks=0, **config)
+                                 num_local_blocks=1, num_sink_blocks=0,
+                                 index_precision=precision, **config)
 
-    # 1. Configuration sweep.
-    index_q, index_k, cu = make_inputs(args.tune_seqlen)
-    flops = index_scoring_flops(args.tune_seqlen, args.heads, args.head_dim)
-    best = None
-    for tile_rows in (64, 128, 256):
-        for num_warps in (4, 8):
-            for num_stages in (2, 3):
-                config = dict(tile_rows=tile_rows, num_warps=num_warps, num_stages=num_stages)
-                try:
-                    ms = bench(lambda: run_kernel(index_q, index_k, cu, **config))
-                except Exception as error:  # a config can exceed shared memory or registers
-                    print(f"config {config} failed: {type(error).__name__}: {error}"[:200])
-                    continue
-                tflops = flops / ms / 1e9
-                results["tuning"].append(dict(config, ms=ms, tflops=tflops))
-                print(f"tune S={args.tune_seqlen} {config}: {ms:.2f} ms {tflops:.0f} TFLOP/s",
-                      flush=True)
-                if best is None or ms < best[1]:
-                    best = (config, ms)
-    config = best[0]
-    results["best_config"] = config
-    del index_q, index_k
+    # 1. Configuration sweeps.
+    configs = {precision: dict(SELECT_CONFIG[precision]) for precision in precisions}
+    for precision in filter(None, args.tune.split(",")):
+        index_q, index_k, cu = make_inputs(args.tune_seqlen, kinds[0])
+        flops = index_scoring_flops(args.tune_seqlen, args.heads, args.head_dim)
+        best = None
+        for config in SWEEP:
+            try:
+                ms = bench(lambda: run_kernel(index_q, index_k, cu, precision, **config))
+            except Exception as error:  # a config can exceed shared memory or registers
+                print(f"{precision} config {config} failed: {type(error).__name__}: {error}"
+                      [:200])
+                continue
+            tflops = flops / ms / 1e9
+            results["tuning"].append(dict(config, precision=precision, ms=ms, tflops=tflops))
+            print(f"tune {precision} S={args.tune_seqlen} {config}: {ms:.2f} ms "
+                  f"{tflops:.0f} TFLOP/s", flush=True)
+            if best is None or ms < best[1]:
+                best = (config, ms)
+        configs[precision] = best[0]
+    results["configs"] = configs
 
-    # 2. Sweep over sequence lengths with the best configuration.
+    # 2. Sequence lengths x selection kinds x precisions, same inputs for both precisions.
     for seqlen in [int(s) for s in args.seqlens.split(",")]:
-        index_q, index_k, cu = make_inputs(seqlen)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        ids = run_kernel(index_q, index_k, cu, **config)
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - base
-        reps = 3 if seqlen >= 524288 else 10
-        ms = bench(lambda: run_kernel(index_q, index_k, cu, **config), reps=reps * 20)
-        ms_again = bench(lambda: run_kernel(index_q, index_k, cu, **config), reps=reps * 20)
-        flops = index_scoring_flops(seqlen, args.heads, args.head_dim)
-        row = dict(seqlen=seqlen, kernel_ms=ms, kernel_ms_repeat=ms_again,
-                   kernel_tflops=flops / ms / 1e9, extra_memory_bytes=extra,
-                   ids_bytes=ids.numel() * ids.element_size())
-        if seqlen <= args.torch_max_seqlen:
-            torch_ms = bench(lambda: torch_route(index_q, index_k, args.top_k, args.block_size,
-                                                 scale), reps=reps * 20)
-            row.update(torch_ms=torch_ms, speedup_vs_torch=torch_ms / ms)
-        results["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        del index_q, index_k, ids
+        for kind in kinds:
+            index_q, index_k, cu = make_inputs(seqlen, kind)
+            flops = index_scoring_flops(seqlen, args.heads, args.head_dim)
+            reps = 3 if seqlen >= 524288 else 10
+            times = {}
+            for precision in precisions:
+                config = configs[precision]
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                ids = run_kernel(index_q, index_k, cu, precision, **config)
+                torch.cuda.synchronize()
+                extra = torch.cuda.max_memory_allocated() - base
+                ms = bench(lambda: run_kernel(index_q, index_k, cu, precision, **config),
+                           reps=reps * 20)
+                times[precision] = ms
+                row = dict(seqlen=seqlen, selection=kind, precision=precision, config=config,
+                           kernel_ms=ms, kernel_tflops=flops / ms / 1e9,
+                           extra_memory_bytes=extra, ids_bytes=ids.numel() * ids.element_size())
+                if precision == "fp8":
+                    row["quantize_ms"] = bench(lambda: (quantize_rows_e4m3(index_q),
+                                                        quantize_rows_e4m3(index_k)))
+                    if "input" in times:
+                        row["speedup_vs_input"] = times["input"] / ms
+                if precision == "input" and seqlen <= args.torch_max_seqlen:
+                    torch_ms = bench(lambda: torch_route(index_q, index_k, args.top_k,
+                                                         args.block_size, scale), reps=reps * 20)
+                    row.update(torch_ms=torch_ms, speedup_vs_torch=torch_ms / ms)
+                results["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                del ids
 
     with open(os.path.join(args.out, "bench_select.json"), "w") as f:
         json.dump(results, f, indent=2)
-    print(f"\nselection kernel, {results['gpu']}, bf16, Hi={args.heads} Hik=1 "
-          f"Di={args.head_dim} block={args.block_size} top_k={args.top_k}, config {config}")
-    print(f"{'S':>8} {'kernel ms':>10} {'TFLOP/s':>8} {'torch ms':>9} {'speedup':>8} "
-          f"{'extra MiB':>9}")
+    print(f"\nselection kernel, {results['gpu']}, bf16 inputs, Hi={args.heads} Hik=1 "
+          f"Di={args.head_dim} block={args.block_size} top_k={args.top_k}, configs {configs}")
+    print(f"{'S':>8} {'selection':>9} {'precision':>9} {'kernel ms':>10} {'TFLOP/s':>8} "
+          f"{'quant ms':>8} {'x input':>8} {'torch ms':>9} {'extra MiB':>9}")
     for row in results["rows"]:
-        torch_ms = f"{row['torch_ms']:.1f}" if "torch_ms" in row else "-"
-        speedup = f"{row['speedup_vs_torch']:.1f}x" if "torch_ms" in row else "-"
-        print(f"{row['seqlen']:>8} {row['kernel_ms']:>10.2f} {row['kernel_tflops']:>8.0f} "
-              f"{torch_ms:>9} {speedup:>8} {row['extra_memory_bytes'] / 2**20:>9.1f}")
+        def cell(key, fmt):
+            return fmt.format(row[key]) if key in row else "-"
+
+        print(f"{row['seqlen']:>8} {row['selection']:>9} {row['precision']:>9} "
+              f"{row['kernel_ms']:>10.2f} {row['kernel_tflops']:>8.0f} "
+              f"{cell('quantize_ms', '{:.2f}'):>8} {cell('speedup_vs_input', '{:.2f}x'):>8} "
+              f"{cell('torch_ms', '{:.1f}'):>9} {row['extra_memory_bytes'] / 2**20:>9.1f}")
 
 
 if __name__ == "__main__":

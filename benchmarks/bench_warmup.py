@@ -23,7 +23,7 @@ import triton
 import triton.testing
 
 from openmsa import msa_attention
-from openmsa.bench.run import index_inputs
+from openmsa.bench.selection import index_inputs
 
 
 def bench(fn):

@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from openmsa import msa_attention
-from openmsa.bench.run import index_inputs
+from openmsa.bench.selection import index_inputs
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ import torch
 
 from .ops.interpreter import INTERPRETING
 from .ops.msa import msa_attention
+from .ops.quantize import INDEX_PRECISIONS
 from .testing import QUANTITY_NAMES, TOLERANCE, MSACase, compare_with_reference
 
 # Small enough for a 2-core CPU in seconds; they cover GQA, index-key GQA, partial last blocks,
@@ -24,6 +25,8 @@ CPU_CASES = (
                                                num_sink_blocks=1)),
     MSACase("warmup", batch=1, seqlen=200, num_heads=4, num_kv_heads=1, num_index_heads=2,
             options=dict(block_size=64, warmup=True)),
+    MSACase("fp8 index", batch=1, seqlen=300, num_heads=4, num_kv_heads=2, num_index_heads=2,
+            options=dict(top_k=3, block_size=64, index_precision="fp8")),
 )
 GPU_CASES = (
     MSACase("gqa", batch=2, seqlen=1000, num_heads=8, num_kv_heads=2, num_index_heads=2,
@@ -35,6 +38,9 @@ GPU_CASES = (
             head_dim=128, index_head_dim=128, options=dict(top_k=16, block_size=128)),
     MSACase("warmup", batch=1, seqlen=2048, num_heads=8, num_kv_heads=2, num_index_heads=2,
             head_dim=128, index_head_dim=128, options=dict(block_size=128, warmup=True)),
+    MSACase("paper fp8 index", batch=1, seqlen=4096, num_heads=16, num_kv_heads=2,
+            num_index_heads=4, head_dim=128, index_head_dim=128,
+            options=dict(top_k=16, block_size=128, index_precision="fp8")),
 )
 EXAMPLES = """examples:
   openmsa train                       MSA against dense on a retrieval task (~3 min, 2-core CPU)
@@ -152,7 +158,8 @@ def _bench(args) -> int:
 def _train(args) -> int:
     from .train.run import run
 
-    run(args.preset, args.out, device=args.device, seed=args.seed, steps=args.steps)
+    run(args.preset, args.out, device=args.device, seed=args.seed, steps=args.steps,
+        index_precision=args.index_precision)
     return 0
 
 
@@ -175,6 +182,9 @@ def main(argv=None) -> int:
     train.add_argument("--steps", type=positive_int,
                        help="total steps instead of the preset's; its warmup, curriculum and "
                        "evaluation interval scale along")
+    train.add_argument("--index-precision", default="input", choices=INDEX_PRECISIONS,
+                       help="the MSA model's selection scores: input (its autocast dtype) or "
+                       "fp8 (e4m3 with a scale per row; GPU of compute capability 8.9 on)")
     train.set_defaults(handler=_train)
     bench = commands.add_parser(
         "bench", formatter_class=HelpFormatter,

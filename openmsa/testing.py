@@ -136,7 +136,8 @@ def msa_options(options: dict) -> dict:
     defaults = dict(top_k=16, block_size=128, softmax_scale=None, index_softmax_scale=None,
                     num_local_blocks=1, num_sink_blocks=0, warmup=False, cu_seqlens=None,
                     max_seqlen=None, deterministic=False, return_indices=False, backend="auto",
-                    query_start=None, kl_num_queries=None, kl_value=True)
+                    query_start=None, kl_num_queries=None, kl_value=True,
+                    index_precision="input")
     return dict(defaults, **options)
 
 

@@ -41,6 +41,11 @@ def test_bench_arguments_are_parsed_and_validated(capsys):
     assert "H16/Hkv2/Hi4" in plan and "4096" in plan and "16384" in plan and "top_k=8" in plan
     assert cli.main(["bench", "--dry-run", "--heads", "32,8,8", "--seqlens", "1m"]) == 0
     assert "H32/Hkv8/Hi8" in capsys.readouterr().out
+    assert cli.main(["bench", "--dry-run", "--selection", "mid", "--index-precision",
+                     "fp8"]) == 0
+    assert "selection=mid index_precision=fp8" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--index-precision", "fp4"])
     with pytest.raises(SystemExit):
         cli.main(["bench", "--seqlens", "4q"])
     with pytest.raises(SystemExit):
@@ -122,3 +127,32 @@ def test_plots_are_written_when_no_baseline_ran(tmp_path):
             for seqlen, ms in ((524288, 880.0), (1048576, 2290.0))]
     plot(rows, str(tmp_path))
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_selection_statistics_count_neighbours_overlap_and_unions():
+    from openmsa.bench.selection import selection_statistics
+
+    ids = torch.tensor([[0, 1, -1], [0, 1, 2], [3, 4, 5], [3, 4, 5]] * 4,
+                       dtype=torch.int32)[:, None, :]  # [16 tokens, 1 head, 3 slots]
+    stats = selection_statistics(ids)
+    # Pairs: {0,1}-{0,1,2} 2/3, {0,1,2}-{3,4,5} 0, {3,4,5}-{3,4,5} 1, {3,4,5}-{0,1} 0, ...
+    assert abs(stats["jaccard"] - (4 * (2 / 3 + 0 + 1) + 3 * 0) / 15) < 1e-6
+    assert stats["union_8"] == 6  # each group of 8 tokens keeps blocks 0..5
+
+
+def test_selection_kinds_order_by_neighbours_overlap():
+    """coherent > mid > random in neighbours' Jaccard, on the reference selection."""
+    import openmsa
+    from openmsa.bench.selection import index_inputs, selection_statistics
+
+    jaccard = {}
+    for kind in ("coherent", "mid", "random"):
+        generator = torch.Generator().manual_seed(0)
+        index_q, index_k = index_inputs(kind, 4096, 2, 64, generator, device="cpu")
+        ids = openmsa.select_blocks(index_q[None].float(), index_k[None].float(), top_k=8,
+                                    block_size=64, backend="reference")
+        jaccard[kind] = selection_statistics(ids[0].permute(1, 0, 2))["jaccard"]
+    # At 4k tokens and top 8 of 64 blocks: about 0.97, 0.70 and 0.33.
+    assert jaccard["coherent"] > jaccard["mid"] + 0.15 > jaccard["random"] + 0.3, jaccard
+    with pytest.raises(ValueError, match="kind"):
+        index_inputs("sorted", 64, 1, 64, torch.Generator(), device="cpu")

@@ -181,3 +181,28 @@ def test_context_parallel_example_runs_on_three_processes_and_the_modes_agree(tm
         assert found, result.stdout
         totals[mode] = found.group(1)
     assert totals["sequence"] == totals["head"]
+
+
+def test_train_index_precision_reaches_every_msa_layer_and_the_metrics(tmp_path, monkeypatch):
+    import json
+
+    from openmsa.train import run as train_run
+
+    built = []
+    original = train_run.RetrievalModel
+
+    def recording(*args, **kwargs):
+        model = original(*args, **kwargs)
+        built.append(model)
+        return model
+
+    monkeypatch.setattr(train_run, "RetrievalModel", recording)
+    assert cli.main(["train", "--preset", "tiny", "--index-precision", "fp8",
+                     "--out", str(tmp_path)]) == 0
+    layers = [module for model in built for module in model.modules()
+              if getattr(module, "is_msa_layer", False)]
+    assert layers and all(layer.options["index_precision"] == "fp8" for layer in layers)
+    summary = json.loads((tmp_path / "metrics.json").read_text())["summary"]
+    assert summary["index_precision"] == "fp8"
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--preset", "tiny", "--index-precision", "int4"])

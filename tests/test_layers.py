@@ -133,8 +133,13 @@ def test_layer_passes_its_attention_options_through(monkeypatch):
 
     monkeypatch.setattr(layer_module, "msa_attention", recording)
     layer = MSAAttention(64, num_heads=4, num_kv_heads=2, head_dim=64, top_k=2, block_size=64,
-                         num_sink_blocks=1, deterministic=True)
+                         num_sink_blocks=1, deterministic=True, index_precision="fp8")
     layer(torch.randn(1, 130, 64))
     assert {key: seen[key] for key in ("top_k", "block_size", "num_sink_blocks",
-                                       "deterministic")} == dict(
-        top_k=2, block_size=64, num_sink_blocks=1, deterministic=True)
+                                       "deterministic", "index_precision")} == dict(
+        top_k=2, block_size=64, num_sink_blocks=1, deterministic=True, index_precision="fp8")
+
+
+def test_layer_refuses_an_unknown_index_precision_when_built():
+    with pytest.raises(ValueError, match="index_precision"):
+        MSAAttention(64, num_heads=4, num_kv_heads=2, index_precision="int8")

@@ -91,3 +91,21 @@ def test_warmup_switch_and_clear_errors():
         model(tokens, use_cache=True)
     with pytest.raises(ValueError, match="^model:"):
         convert_to_msa(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="^index_precision:"):
+        convert_to_msa(tiny_model("llama"), index_precision="fp4")
+
+
+def test_converted_layers_select_with_the_given_index_precision():
+    """fp8 selection through the converted model: its output is the model's with the fp8
+    reference's blocks, and differs from the input-precision model's somewhere."""
+    tokens = torch.randint(101, (1, 700), generator=torch.Generator().manual_seed(4))
+    logits = {}
+    for precision in ("input", "fp8"):
+        model = tiny_model("llama")
+        convert_to_msa(model, top_k=2, block_size=64, backend="reference",
+                       index_precision=precision)
+        assert all(layer.self_attn.options["index_precision"] == precision
+                   for layer in model.model.layers)
+        with torch.no_grad():
+            logits[precision] = model(tokens, use_cache=False).logits
+    assert not torch.equal(logits["input"], logits["fp8"])

@@ -19,8 +19,10 @@ import time
 import torch
 
 from ..ops.msa import GPU_HEAD_DIMS
+from ..ops.quantize import INDEX_PRECISIONS
 from ..ops.validate import MAX_TOP_K, SUPPORTED_BLOCK_SIZES
 from . import flops
+from .selection import SELECTION_KINDS, index_inputs, selection_statistics
 
 PRESETS = {"h64": (64, 4, 4), "h16": (16, 2, 4)}  # (H, Hkv, Hi), Hik = 1
 DEFAULT_SEQLENS = "4k,16k,32k,128k"
@@ -83,8 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="blocks kept per query token and index head")
     parser.add_argument("--block-size", type=int, choices=SUPPORTED_BLOCK_SIZES, default=128,
                         help="tokens per key block")
-    parser.add_argument("--selection", choices=("coherent", "random"), default="coherent",
-                        help="index inputs: coherent (like a trained index branch) or random")
+    parser.add_argument("--selection", choices=SELECTION_KINDS, default="coherent",
+                        help="index inputs: coherent (like a trained index branch), mid "
+                        "(neighbours' Jaccard about 0.5) or random")
+    parser.add_argument("--index-precision", choices=INDEX_PRECISIONS, default="input",
+                        help="selection's index scores: input (bf16) or fp8")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     parser.add_argument("--baseline-max-seqlen", type=parse_length, default="128k",
                         help="time dense SDPA and FlexAttention up to this length (a dense "
@@ -112,7 +117,8 @@ def plan(args) -> list[dict]:
 def run(args) -> int:
     rows = plan(args)
     print(f"openmsa bench: top_k={args.top_k} block_size={args.block_size} "
-          f"selection={args.selection}; FLOPs (TFLOP, forward): dense / MSA main / index")
+          f"selection={args.selection} index_precision={args.index_precision}; FLOPs (TFLOP, "
+          "forward): dense / MSA main / index")
     for row in rows:
         print(f"  {row['shape']} S={row['seqlen']}: {row['dense_fwd_tflop']:.2f} / "
               f"{row['msa_main_fwd_tflop']:.2f} / {row['index_tflop']:.2f}")
@@ -135,24 +141,6 @@ def run(args) -> int:
     return 0
 
 
-def index_inputs(kind: str, seqlen: int, num_index_heads: int, head_dim: int, generator,
-                 device="cuda"):
-    """bf16 index_q ``[S, Hi, Di]`` and index_k ``[S, 1, Di]``: "random" (neighbouring tokens
-    keep unrelated blocks) or "coherent" (a slow random walk: neighbouring tokens ask similar
-    questions, as a trained index branch does)."""
-    index_k = torch.randn(seqlen, 1, head_dim, device=device, generator=generator)
-    if kind == "random":
-        index_q = torch.randn(seqlen, num_index_heads, head_dim, device=device,
-                              generator=generator)
-    else:
-        steps = torch.randn(seqlen, num_index_heads, head_dim, device=device,
-                            generator=generator)
-        index_q = torch.cumsum(steps * 0.05, dim=0) + torch.randn(
-            1, num_index_heads, head_dim, device=device, generator=generator)
-        index_q = index_q / index_q.norm(dim=-1, keepdim=True) * head_dim ** 0.5
-    return index_q.bfloat16(), index_k.bfloat16()
-
-
 def make_inputs(row, seqlen, selection, device="cuda", seed=0):
     """bf16 q, k, v, index_q, index_k ``[1, S, heads, D]`` requiring grad."""
     generator = torch.Generator(device=device).manual_seed(seed + seqlen)
@@ -169,7 +157,8 @@ def measure(row, args) -> dict:
     from .timing import median_ms
 
     seqlen = row["seqlen"]
-    options = dict(top_k=args.top_k, block_size=args.block_size)
+    options = dict(top_k=args.top_k, block_size=args.block_size,
+                   index_precision=args.index_precision)
     result = dict(row)
     case = MSACase("check", batch=1, seqlen=min(seqlen, CHECK_TOKENS), num_heads=row["heads"],
                    num_kv_heads=row["kv_heads"], num_index_heads=row["index_heads"],
@@ -213,6 +202,7 @@ def measure(row, args) -> dict:
     result["main_attention_fwd_bwd_ms"] = bench(attention_step)
     result["kl_fwd_bwd_ms"] = (result["msa_fwd_bwd_ms"] - result["selection_ms"]
                                - result["main_attention_fwd_bwd_ms"])
+    result.update(selection_statistics(ids[0].permute(1, 0, 2)))
     triples = flops.kept_triples(ids[0].permute(1, 0, 2), args.block_size,
                                  row["heads"] // row["index_heads"])
     main_flops = flops.main_attention_flops(triples, row["head_dim"])
@@ -320,7 +310,8 @@ def flex_baseline(q, k, v, dout, ids, block_size, bench) -> dict:
 
 def print_table(results: list[dict]) -> None:
     print(f"\n{'shape':>13} {'S':>8} {'msa f+b ms':>11} {'select':>7} {'attn':>7} {'kl':>7} "
-          f"{'dense f+b':>10} {'flex f+b':>9} {'x dense':>8} {'GiB':>6}")
+          f"{'dense f+b':>10} {'flex f+b':>9} {'x dense':>8} {'GiB':>6} {'Jaccard':>7} "
+          f"{'union8':>6}")
     for r in results:
         if r.get("status") != "ok":
             print(f"{r['shape']:>13} {r['seqlen']:>8}  {r.get('status')}")
@@ -333,7 +324,8 @@ def print_table(results: list[dict]) -> None:
               f"{number('selection_ms'):>7} {number('main_attention_fwd_bwd_ms'):>7} "
               f"{number('kl_fwd_bwd_ms'):>7} {number('dense_fwd_bwd_ms'):>10} "
               f"{number('flex_fwd_bwd_ms'):>9} {number('speedup_vs_dense'):>8} "
-              f"{number('msa_step_extra_gib'):>6}")
+              f"{number('msa_step_extra_gib'):>6} {number('jaccard'):>7} "
+              f"{number('union_8', '{:.1f}'):>6}")
 
 
 def plot(results: list[dict], out_dir: str) -> None:

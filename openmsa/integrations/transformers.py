@@ -20,6 +20,7 @@ from torch import nn
 
 from ..layers.msa_attention import rotate_half
 from ..ops.msa import msa_attention
+from ..ops.validate import check_index_precision
 
 SUPPORTED = ("LlamaAttention", "Qwen3Attention")
 
@@ -44,7 +45,8 @@ class HFMSAAttention(nn.Module):
     is_msa_layer = True  # openmsa.set_msa_warmup / MSAWarmupSchedule switch it
 
     def __init__(self, original: nn.Module, *, top_k: int, block_size: int,
-                 num_local_blocks: int, num_sink_blocks: int, backend: str):
+                 num_local_blocks: int, num_sink_blocks: int, backend: str,
+                 index_precision: str = "input"):
         super().__init__()
         config = original.config
         self.config, self.layer_idx = config, original.layer_idx
@@ -72,7 +74,7 @@ class HFMSAAttention(nn.Module):
         self.index_k_proj.to(self.q_proj.weight)
         self.options = dict(top_k=top_k, block_size=block_size,
                             num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
-                            backend=backend)
+                            backend=backend, index_precision=index_precision)
         self.warmup = False
         self.last_kl = None
 
@@ -101,9 +103,12 @@ class HFMSAAttention(nn.Module):
 
 def convert_to_msa(model: nn.Module, *, top_k: int = 16, block_size: int = 128,
                    num_local_blocks: int = 1, num_sink_blocks: int = 0,
-                   backend: str = "auto") -> int:
-    """Replaces every Llama / Qwen3 attention module of ``model`` in place; returns how many."""
+                   backend: str = "auto", index_precision: str = "input") -> int:
+    """Replaces every Llama / Qwen3 attention module of ``model`` in place; returns how many.
+    The options are ``msa_attention``'s (``index_precision="fp8"``: selection on fp8 index
+    scores)."""
     _require_transformers()
+    check_index_precision(index_precision)
     targets = [(name, module) for name, module in model.named_modules()
                if type(module).__name__ in SUPPORTED]
     if not targets:
@@ -113,7 +118,7 @@ def convert_to_msa(model: nn.Module, *, top_k: int = 16, block_size: int = 128,
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, HFMSAAttention(
             module, top_k=top_k, block_size=block_size, num_local_blocks=num_local_blocks,
-            num_sink_blocks=num_sink_blocks, backend=backend))
+            num_sink_blocks=num_sink_blocks, backend=backend, index_precision=index_precision))
     return len(targets)
 
 

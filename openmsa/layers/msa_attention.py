@@ -8,7 +8,7 @@ from torch import nn
 from ..context_parallel import (MODES, context_parallel_msa_attention,
                                              shard_sequence)
 from ..ops.msa import msa_attention
-from ..ops.validate import query_positions_from_offsets
+from ..ops.validate import check_index_precision, query_positions_from_offsets
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -38,8 +38,9 @@ class MSAAttention(nn.Module):
     index branch reads a detached copy of the hidden states, so the KL trains only the index
     projections. ``warmup = True`` runs dense causal attention (the KL then covers the whole
     prefix); ``MSAWarmupSchedule`` switches every layer of a model by step. ``top_k``,
-    ``block_size``, ``num_local_blocks``, ``num_sink_blocks``, ``backend`` and
-    ``deterministic`` are passed to ``msa_attention``.
+    ``block_size``, ``num_local_blocks``, ``num_sink_blocks``, ``backend``, ``deterministic``
+    and ``index_precision`` (``"fp8"``: selection on fp8 index scores) are passed to
+    ``msa_attention``.
     """
 
     is_msa_layer = True  # set_msa_warmup switches every module that says so
@@ -50,7 +51,8 @@ class MSAAttention(nn.Module):
                  top_k: int = 16, block_size: int = 128, num_local_blocks: int = 1,
                  num_sink_blocks: int = 0, rope_theta: float = 10000.0, qk_norm: bool = False,
                  bias: bool = False, backend: str = "auto", deterministic: bool = False,
-                 context_parallel_group=None, context_parallel_mode: str = "head"):
+                 index_precision: str = "input", context_parallel_group=None,
+                 context_parallel_mode: str = "head"):
         super().__init__()
         # With a process group, hidden_states is this rank's shard of the sequence and the
         # attention runs across the group (openmsa.context_parallel): head mode
@@ -58,6 +60,7 @@ class MSAAttention(nn.Module):
         if context_parallel_mode not in MODES:
             raise ValueError(f"context_parallel_mode: expected one of {MODES}, received "
                              f"{context_parallel_mode!r}")
+        check_index_precision(index_precision)  # here, not at the first forward
         self.context_parallel_group = context_parallel_group
         self.context_parallel_mode = context_parallel_mode
         head_dim = head_dim or hidden_size // num_heads
@@ -68,7 +71,8 @@ class MSAAttention(nn.Module):
         self.index_head_dim = index_head_dim
         self.options = dict(top_k=top_k, block_size=block_size,
                             num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
-                            backend=backend, deterministic=deterministic)
+                            backend=backend, deterministic=deterministic,
+                            index_precision=index_precision)
         self.rope_theta = rope_theta
         self.warmup = False
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)

@@ -29,6 +29,9 @@ INDEX_TILE_TOKENS = 64
 QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
 REDUCE_KEYS = 32  # keys per program of the segment reductions: enough programs at small sizes
 
+# Selection (tile_rows: MMA rows per program, G index heads x tokens), by index precision.
+SELECT_CONFIG = {"input": dict(tile_rows=128, num_warps=8, num_stages=2),
+                 "fp8": dict(tile_rows=128, num_warps=8, num_stages=2)}
 # Selection: two 8-warp programs per SM (65536 registers) need at most 128 registers a thread.
 SELECT_MAX_REGISTERS = 128
 

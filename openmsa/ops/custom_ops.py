@@ -30,6 +30,7 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
                 num_sink_blocks: int, warmup: bool, max_seqlen: int, kl_value: bool,
                 index_grad: bool, query_start: int = 0, kl_num_queries: Optional[int] = None,
                 dense_batch: int = 0, deterministic: bool = False,
+                index_precision: str = "input",
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                            torch.Tensor, torch.Tensor]:
@@ -37,13 +38,14 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
     return pipeline.forward(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size,
                             softmax_scale, index_scale, num_local_blocks, num_sink_blocks,
                             warmup, max_seqlen, kl_value, index_grad, query_start,
-                            kl_num_queries, dense_batch, deterministic)
+                            kl_num_queries, dense_batch, deterministic, index_precision)
 
 
 @msa_forward.register_fake
 def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softmax_scale,
       index_scale, num_local_blocks, num_sink_blocks, warmup, max_seqlen, kl_value, index_grad,
-      query_start=0, kl_num_queries=None, dense_batch=0, deterministic=False):
+      query_start=0, kl_num_queries=None, dense_batch=0, deterministic=False,
+      index_precision="input"):
     total, num_heads, _ = q.shape
     num_index_heads, index_dim = index_q.shape[1], index_q.shape[2]
     if warmup:
@@ -104,8 +106,10 @@ def _(dout, dkl, q, k, v, index_q, index_k, out, lse, lse_index, block_ids, d_in
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, index_q, index_k, cu_seqlens, _, _, block_size, softmax_scale, index_scale, *_,
-     query_start, kl_num_queries, dense_batch, deterministic) = inputs
+    q, k, v, index_q, index_k, cu_seqlens, _, _, block_size, softmax_scale, index_scale = (
+        inputs[:11])
+    # The backward's trailing options; index_precision (selection's alone) is not one.
+    query_start, kl_num_queries, dense_batch, deterministic = inputs[17:21]
     out, _, *saved = output
     ctx.save_for_backward(q, k, v, index_q, index_k, out, cu_seqlens, *saved)
     # Gradients of outputs that reach nothing stay None instead of zero-filled tensors (ten
@@ -135,7 +139,7 @@ def _backward_with(backward):
             dq = dk = dv = None
         if not index_grads:
             grad_index_q = grad_index_k = None
-        return (dq, dk, dv, grad_index_q, grad_index_k) + (None,) * 16
+        return (dq, dk, dv, grad_index_q, grad_index_k) + (None,) * 17
 
     return formula
 

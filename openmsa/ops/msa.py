@@ -11,14 +11,15 @@ from .layout import (ids_from_token_major, ids_to_token_major,
                      packed_offsets, packed_tokens)
 from .naive import naive_msa_forward, naive_select_blocks
 from .select import select_blocks_fwd
-from .validate import (check_backend, runs_reference, validate_block_indices,
+from .validate import (check_backend, check_fp8_device, runs_reference, validate_block_indices,
                        validate_msa_args, validate_select_args, validate_sparse_args)
 
 
-def _use_kernels(backend: str, device: torch.device) -> bool:
+def _use_kernels(backend: str, device: torch.device, index_precision: str = "input") -> bool:
     """Whether ``backend`` runs the Triton kernels for tensors on ``device``."""
     if runs_reference(backend, device):
         return False
+    check_fp8_device(index_precision, device)
     if device.type == "cpu" and not INTERPRETING:
         raise ValueError("backend: expected CUDA tensors for 'triton' (or CPU tensors with "
                          "TRITON_INTERPRET=1 set before importing openmsa), received CPU tensors")
@@ -56,7 +57,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
                   deterministic: bool = False, return_indices: bool = False,
                   backend: str = "auto", block_indices: torch.Tensor | None = None,
                   kl_value: bool = True, query_start: int | None = None,
-                  kl_num_queries: int | None = None):
+                  kl_num_queries: int | None = None, index_precision: str = "input"):
     """MiniMax Sparse Attention: returns ``(out, kl)`` (``(out, kl, indices)`` with
     ``return_indices=True``).
 
@@ -99,6 +100,11 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         kl_num_queries: the number of query tokens the KL is a mean over (default: those of
             q). With the global count, the KLs of disjoint query ranges add up to the KL of
             all queries, and so do their gradients.
+        index_precision: the index scores selection ranks: ``"input"`` (in the inputs'
+            precision) or ``"fp8"``: index_q and index_k quantized to float8 e4m3 with one
+            scale per (token, head) row (SPEC section 8), scored on the fp8 tensor cores
+            (compute capability 8.9 on). The KL and its gradients always use the
+            input-precision scores; warmup, which selects nothing, ignores it.
 
     Returns:
         ``out`` with q's shape and dtype; ``kl``, a float32 0-dim tensor holding the exact
@@ -126,10 +132,10 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks, warmup=warmup,
         cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, deterministic=deterministic,
         return_indices=return_indices, backend=backend, query_start=query_start,
-        kl_num_queries=kl_num_queries, kl_value=kl_value)
+        kl_num_queries=kl_num_queries, kl_value=kl_value, index_precision=index_precision)
     if block_indices is not None:
         validate_block_indices(block_indices, problem, cu_seqlens, q.device)
-    if not _use_kernels(backend, q.device):
+    if not _use_kernels(backend, q.device, index_precision):
         out, kl, block_ids = naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens,
                                                block_indices)
         return _return(out, kl if kl_value else kl - kl.detach(), block_ids, return_indices)
@@ -154,7 +160,7 @@ def msa_kernels(operator, q, k, v, index_q, index_k, problem, cu_seqlens, max_se
         packed_tokens(index_k), cu, ids, problem.top_k, problem.block_size,
         problem.softmax_scale, problem.index_softmax_scale, problem.num_local_blocks,
         problem.num_sink_blocks, warmup, longest, kl_value, index_grad, problem.query_start,
-        problem.kl_num_queries, dense_batch, deterministic)
+        problem.kl_num_queries, dense_batch, deterministic, problem.index_precision)
     # The operator's ids are its own tensor (int32, also when the caller gave int64 ids).
     block_ids = None if warmup else ids_from_token_major(token_major_ids, problem.packed,
                                                          problem.batch, problem.seqlen)
@@ -165,7 +171,7 @@ def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, top_k: int = 
                   block_size: int = 128, index_softmax_scale: float | None = None,
                   num_local_blocks: int = 1, num_sink_blocks: int = 0,
                   cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                  backend: str = "auto") -> torch.Tensor:
+                  backend: str = "auto", index_precision: str = "input") -> torch.Tensor:
     """The index branch's block selection alone (SPEC section 3, steps 1-4).
 
     Args are those of ``msa_attention``. Returns the kept block ids, int32 ``[B, Hi, S, top_k]``
@@ -177,10 +183,11 @@ def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, top_k: int = 
         index_q, index_k, top_k=top_k, block_size=block_size,
         index_softmax_scale=index_softmax_scale, num_local_blocks=num_local_blocks,
         num_sink_blocks=num_sink_blocks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-        backend=backend)
+        backend=backend, index_precision=index_precision)
     options = dict(top_k=top_k, block_size=block_size, index_softmax_scale=scale,
-                   num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks)
-    if not _use_kernels(backend, index_q.device):
+                   num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
+                   index_precision=index_precision)
+    if not _use_kernels(backend, index_q.device, index_precision):
         return naive_select_blocks(index_q, index_k, cu_seqlens, **options)
     packed = cu_seqlens is not None
     batch, seqlen = (1, index_q.shape[-3]) if packed else index_q.shape[:2]
@@ -222,7 +229,7 @@ def naive_msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
                         deterministic: bool = False, return_indices: bool = False,
                         backend: str = "reference", block_indices: torch.Tensor | None = None,
                         kl_value: bool = True, query_start: int | None = None,
-                        kl_num_queries: int | None = None):
+                        kl_num_queries: int | None = None, index_precision: str = "input"):
     """The eager PyTorch reference of ``msa_attention`` (same signature and results).
 
     Plain autograd over chunked, checkpointed queries: exact, slow, and the test oracle. It
@@ -236,7 +243,7 @@ def naive_msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
         num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks, warmup=warmup,
         cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, deterministic=deterministic,
         return_indices=return_indices, backend="reference", query_start=query_start,
-        kl_num_queries=kl_num_queries, kl_value=kl_value)
+        kl_num_queries=kl_num_queries, kl_value=kl_value, index_precision=index_precision)
     if block_indices is not None:
         validate_block_indices(block_indices, problem, cu_seqlens, q.device)
     out, kl, block_ids = naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens,

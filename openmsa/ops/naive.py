@@ -4,7 +4,9 @@ Written to be obviously correct, not fast. For one sequence (a batch row or one 
 with ``i`` a query position, ``j`` a key position and ``blk(j) = j // block_size``:
 
 1. Index scores ``z[r,i,j] = index_softmax_scale * <index_q[i,r], index_k[j, r // (Hi/Hik)]>``
-   for ``j <= i``, ``-inf`` otherwise.
+   for ``j <= i``, ``-inf`` otherwise. With ``index_precision="fp8"`` selection (steps 2-4)
+   ranks ``index_softmax_scale * s_q * s_k * <q8, k8>`` instead, from the e4m3 codes and row
+   scales of ``openmsa.ops.quantize``; the KL keeps ``z``.
 2. Block scores ``m[r,i,n] = max_{j in block n, j <= i} z[r,i,j]`` (``-inf`` if the block is not
    visible yet).
 3. Forced blocks: the own block ``blk(i)``, the ``num_local_blocks - 1`` blocks before it and the
@@ -30,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .quantize import quantize_rows_e4m3
 from .validate import MSAProblem
 
 # Elements of one chunk's [B, H, chunk, S] score tensor (fp32: 256 MiB).
@@ -78,6 +81,25 @@ def _index_scores(index_q, index_k, causal, scale):
     return z.masked_fill(~causal, float("-inf"))
 
 
+def _quantized_index_scores(index_q, index_k, causal, scale, compute_dtype):
+    """Step 1 in fp8 (SPEC section 8): ``scale * s_q * s_k * <q8, k8>``, ``[B, Hi, C, N]``."""
+    q8, q_scale = quantize_rows_e4m3(index_q)  # [B, C, Hi, Di], [B, C, Hi]
+    k8, k_scale = quantize_rows_e4m3(index_k)
+    group = index_q.shape[2] // index_k.shape[2]
+    k8, k_scale = k8.repeat_interleave(group, dim=2), k_scale.repeat_interleave(group, dim=2)
+    codes_dot = torch.einsum("bird,bjrd->brij", q8.to(compute_dtype), k8.to(compute_dtype))
+    z = (scale * q_scale.transpose(1, 2)[..., None].to(compute_dtype)
+         * k_scale.transpose(1, 2)[..., None, :].to(compute_dtype) * codes_dot)
+    return z.masked_fill(~causal, float("-inf"))
+
+
+def _selection_scores(index_q, index_k, causal, scale, index_precision, compute_dtype):
+    """The index scores selection ranks: ``[B, Hi, C, N]`` in the given precision."""
+    if index_precision == "fp8":
+        return _quantized_index_scores(index_q, index_k, causal, scale, compute_dtype)
+    return _index_scores(index_q.to(compute_dtype), index_k.to(compute_dtype), causal, scale)
+
+
 def _select_from_index_scores(z, query_pos, block_size, top_k, num_local_blocks, num_sink_blocks):
     """Steps 2-4: index scores ``[B, Hi, C, N]`` -> kept block ids ``[B, Hi, C, top_k]``."""
     num_keys = z.shape[-1]
@@ -92,7 +114,7 @@ def _select_from_index_scores(z, query_pos, block_size, top_k, num_local_blocks,
 
 @torch.no_grad()
 def naive_select_blocks(index_q, index_k, cu_seqlens, *, top_k, block_size, index_softmax_scale,
-                        num_local_blocks, num_sink_blocks):
+                        num_local_blocks, num_sink_blocks, index_precision="input"):
     """Reference of steps 1-4 alone: kept block ids, int32 ``[B, Hi, S, top_k]`` for ``[B, S, ...]``
     inputs, ``[Hi, T, top_k]`` for packed ones."""
     compute_dtype = torch.float64 if index_q.dtype == torch.float64 else torch.float32
@@ -111,8 +133,8 @@ def naive_select_blocks(index_q, index_k, cu_seqlens, *, top_k, block_size, inde
             end = min(start + chunk, seqlen)
             query_pos = torch.arange(start, end, device=seq_q.device)
             causal = torch.arange(end, device=seq_q.device)[None, :] <= query_pos[:, None]
-            z = _index_scores(seq_q[:, start:end].to(compute_dtype),
-                              seq_k[:, :end].to(compute_dtype), causal, index_softmax_scale)
+            z = _selection_scores(seq_q[:, start:end], seq_k[:, :end], causal,
+                                  index_softmax_scale, index_precision, compute_dtype)
             ids.append(_select_from_index_scores(z, query_pos, block_size, top_k,
                                                  num_local_blocks, num_sink_blocks))
     if cu_seqlens is None:
@@ -148,7 +170,10 @@ def _attend_chunk(q, k, v, index_q, index_k, block_ids, first_query: int, proble
         kept = causal.expand(batch, p.num_index_heads, num_queries, num_keys)
     else:
         if block_ids is None:  # Steps 2-4.
-            block_ids = _select_from_index_scores(z.detach(), query_pos, p.block_size, p.top_k,
+            ranked = z.detach() if p.index_precision == "input" else _selection_scores(
+                index_q.detach(), index_k.detach(), causal, p.index_softmax_scale,
+                p.index_precision, compute_dtype)
+            block_ids = _select_from_index_scores(ranked, query_pos, p.block_size, p.top_k,
                                                   p.num_local_blocks, p.num_sink_blocks)
         # Step 5.
         kept = _kept_token_mask(block_ids, num_keys, p.block_size) & causal  # [B, Hi, C, N]

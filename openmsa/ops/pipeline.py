@@ -47,7 +47,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Te
             num_local_blocks: int, num_sink_blocks: int, warmup: bool, max_seqlen: int,
             kl_value: bool, index_grad: bool, query_start: int = 0,
             kl_num_queries: Optional[int] = None, dense_batch: int = 0,
-            deterministic: bool = False, tuning: Tuning = DEFAULT_TUNING):
+            deterministic: bool = False, index_precision: str = "input",
+            tuning: Tuning = DEFAULT_TUNING):
     """Returns out, kl (fp32 0-dim: the exact KL, clamped at 0, or 0 with ``kl_value=False``),
     the main lse2 ``[Tq, H]``, the index log-sum-exp ``[Tq, Hi]``, the kept block ids, the
     unscaled KL gradients of index_q (fp32 ``[Tq, Hi, Di]``) and index_k (fp32, index_k's
@@ -58,7 +59,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Te
     of sequences up to ``max_seqlen`` tokens). ``dense_batch`` > 0: warmup's main attention runs
     on cuDNN over that many equal batch rows (``openmsa.ops.dense``; every token a query).
     ``deterministic``: the KL's gradients and value are summed in a fixed order
-    (``kl.index_branch_kl``)."""
+    (``kl.index_branch_kl``). ``index_precision``: the scores selection ranks ("input" or
+    "fp8", SPEC section 8); the KL always uses the input-precision ones."""
     total = q.shape[0]
     # 1. Selection: the kept block ids [Tq, Hi, k].
     query_work = index_max = None
@@ -75,12 +77,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Te
     else:
         # Selection's largest block score is each row's largest kept index score when a slot
         # is left for the best block beside the forced ones; the forward then needs no running
-        # maximum for the index log-sum-exp.
-        keeps_best = top_k > num_local_blocks + num_sink_blocks
+        # maximum for the index log-sum-exp. fp8 scores are not the KL's: the forward keeps
+        # its running maximum then (an fp8 shift far off could overflow the sum).
+        keeps_best = (top_k > num_local_blocks + num_sink_blocks
+                      and index_precision == "input")
         selected = select_blocks_fwd(
             index_q, index_k, cu_seqlens, top_k=top_k, block_size=block_size,
             index_softmax_scale=index_scale, num_local_blocks=num_local_blocks,
-            num_sink_blocks=num_sink_blocks, query_start=query_start, return_max=keeps_best)
+            num_sink_blocks=num_sink_blocks, query_start=query_start,
+            index_precision=index_precision, return_max=keeps_best)
         ids, index_max = selected if keeps_best else (selected, None)
     # 2. Work lists: the query tiles' block unions now, the key-block list when first needed.
     problem = SparseAttentionProblem(q, k, ids, cu_seqlens, block_size, softmax_scale, index_k,

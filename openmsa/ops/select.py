@@ -11,6 +11,11 @@ Top-k bookkeeping: each candidate becomes one int64 key ``(order-preserving scor
 (MAX_ID - block id)``. Keys are unique, a larger key is a better block, and equal scores prefer the
 lower id, as the SPEC asks. Forced blocks get the score +inf so they enter and are never evicted.
 A new key replaces the row's smallest key when it is larger.
+
+``index_precision="fp8"`` (SPEC section 8): the kernel reads e4m3 codes and fp32 row scales
+(``openmsa.ops.quantize``) and scores ``scale * s_q * max_j(s_k[j] * <q8, k8[j]>)`` on the fp8
+tensor cores. Under the CPU interpreter, whose fp8 casts and dots are wrong, the same codes
+travel as fp32 values (each e4m3 value is exact in fp32).
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import SELECT_MAX_REGISTERS
+from .configs import SELECT_CONFIG, SELECT_MAX_REGISTERS
+from .quantize import quantize_rows_e4m3
 from .worklists import query_tile_schedule
 
 
@@ -45,12 +51,16 @@ def _merge_block(keys, block_score, block_id, forced):
 
 
 @triton.jit
-def _block_score(iq, ik_base, block, key_offsets, dims, stride_ik_t, scale, BLOCK: tl.constexpr,
-                 NEGATIVE_SCALE: tl.constexpr, PRECISION: tl.constexpr):
-    """The rows' scaled max-pooled scores of a block before their own (every key visible)."""
-    ik = tl.load(ik_base + (block * BLOCK + key_offsets)[:, None] * stride_ik_t
-                 + dims[None, :])  # [BLOCK, D]
+def _block_score(iq, ik_base, ik_scale_base, block, key_offsets, dims, stride_ik_t,
+                 stride_iks_t, scale, BLOCK: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
+                 PRECISION: tl.constexpr, QUANTIZED: tl.constexpr):
+    """The rows' scaled max-pooled scores of a block before their own (every key visible).
+    ``scale``: [ROWS] (fp8: the index scale times the rows' scales) or a scalar."""
+    key_pos = block * BLOCK + key_offsets
+    ik = tl.load(ik_base + key_pos[:, None] * stride_ik_t + dims[None, :])  # [BLOCK, D]
     scores = tl.dot(iq, tl.trans(ik), input_precision=PRECISION)  # [ROWS, BLOCK]
+    if QUANTIZED:
+        scores = scores * tl.load(ik_scale_base + key_pos * stride_iks_t)[None, :]
     if NEGATIVE_SCALE:
         return tl.min(scores, axis=1) * scale
     return tl.max(scores, axis=1) * scale
@@ -58,15 +68,16 @@ def _block_score(iq, ik_base, block, key_offsets, dims, stride_ik_t, scale, BLOC
 
 @triton.jit
 def _select_fwd_kernel(
-    IQ, IK, IDS, ROW_MAX, CU_SEQLENS, SCHEDULE, query_start, query_end,
+    IQ, IK, IQ_SCALE, IK_SCALE, IDS, ROW_MAX, CU_SEQLENS, SCHEDULE, query_start, query_end,
     stride_iq_t, stride_iq_h, stride_ik_t, stride_ik_h, stride_ids_t, stride_ids_h,
-    scale,
+    stride_iqs_t, stride_iks_t, scale,
     G: tl.constexpr, TILE_TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     TOP_K: tl.constexpr, TOPK_SLOTS: tl.constexpr, NUM_LOCAL: tl.constexpr,
     NUM_SINK: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, WITH_MAX: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
-    """WITH_MAX: also each row's largest scaled score over its visible keys (the largest block
+    """QUANTIZED: IQ and IK hold e4m3 codes, IQ_SCALE [Tq, Hi] and IK_SCALE [T, Hik] their
+    rows' scales. WITH_MAX: also each row's largest scaled score over its visible keys (the largest block
     score), into ROW_MAX; exact when TOP_K leaves a slot beside the forced blocks (else the
     largest over the kept and forced blocks)."""
     entry = tl.program_id(0).to(tl.int64)
@@ -91,6 +102,9 @@ def _select_fwd_kernel(
     dims = tl.arange(0, HEAD_DIM)
     iq = tl.load(IQ + query_row[:, None] * stride_iq_t + head[:, None] * stride_iq_h
                  + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
+    if QUANTIZED:  # one factor per row: the index scale times the row's scale
+        scale = scale * tl.load(IQ_SCALE + query_row * stride_iqs_t + head, mask=row_valid,
+                                other=1.0)
 
     # Every token of the tile lies in one block: BLOCK is a multiple of TILE_TOKENS.
     own_block = ((tile * TILE_TOKENS) // BLOCK).to(tl.int32)
@@ -104,9 +118,10 @@ def _select_fwd_kernel(
 
     key_offsets = tl.arange(0, BLOCK).to(tl.int64)  # int64: positions x strides can pass 2^31
     ik_base = IK + seq_start * stride_ik_t + key_head * stride_ik_h
+    ik_scale_base = IK_SCALE + seq_start * stride_iks_t + key_head
     for block in range(0, own_block):  # blocks before the own block are fully visible
-        pooled = _block_score(iq, ik_base, block, key_offsets, dims, stride_ik_t, scale, BLOCK,
-                              NEGATIVE_SCALE, PRECISION)
+        pooled = _block_score(iq, ik_base, ik_scale_base, block, key_offsets, dims, stride_ik_t,
+                              stride_iks_t, scale, BLOCK, NEGATIVE_SCALE, PRECISION, QUANTIZED)
         behind = own_block - block
         forced = (behind < NUM_LOCAL) | (block < NUM_SINK)
         keys = _merge_block(keys, pooled, block, forced)
@@ -116,6 +131,9 @@ def _select_fwd_kernel(
     ik = tl.load(ik_base + key_pos[:, None] * stride_ik_t + dims[None, :],
                  mask=(key_pos <= last_token)[:, None], other=0.0)
     scores = tl.dot(iq, tl.trans(ik), input_precision=PRECISION)
+    if QUANTIZED:
+        scores = scores * tl.load(ik_scale_base + key_pos * stride_iks_t,
+                                  mask=key_pos <= last_token, other=1.0)[None, :]
     visible = key_pos[None, :] <= token[:, None]
     if NEGATIVE_SCALE:
         pooled = tl.min(tl.where(visible, scores, float("inf")), axis=1) * scale
@@ -136,13 +154,13 @@ def _select_fwd_kernel(
                              pooled)
         forced_before = tl.maximum(own_block - (NUM_LOCAL - 1), 0)
         for block in range(forced_before, own_block):  # local blocks before the own one
-            row_max = tl.maximum(row_max, _block_score(iq, ik_base, block, key_offsets, dims,
-                                                       stride_ik_t, scale, BLOCK,
-                                                       NEGATIVE_SCALE, PRECISION))
+            row_max = tl.maximum(row_max, _block_score(
+                iq, ik_base, ik_scale_base, block, key_offsets, dims, stride_ik_t, stride_iks_t,
+                scale, BLOCK, NEGATIVE_SCALE, PRECISION, QUANTIZED))
         for block in range(0, tl.minimum(NUM_SINK, forced_before)):  # sinks not local
-            row_max = tl.maximum(row_max, _block_score(iq, ik_base, block, key_offsets, dims,
-                                                       stride_ik_t, scale, BLOCK,
-                                                       NEGATIVE_SCALE, PRECISION))
+            row_max = tl.maximum(row_max, _block_score(
+                iq, ik_base, ik_scale_base, block, key_offsets, dims, stride_ik_t, stride_iks_t,
+                scale, BLOCK, NEGATIVE_SCALE, PRECISION, QUANTIZED))
         # ROW_MAX is [Tq, Hi], Hi = G x the grid's key heads.
         tl.store(ROW_MAX + query_row * (G * tl.num_programs(1)) + head, row_max,
                  mask=row_valid)
@@ -165,7 +183,8 @@ def _tile_tokens(index_heads_per_key_head: int, block_size: int, tile_rows: int)
 def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: torch.Tensor,
                       *, top_k: int, block_size: int, index_softmax_scale: float,
                       num_local_blocks: int, num_sink_blocks: int, query_start: int = 0,
-                      tile_rows: int = 128, num_warps: int = 8, num_stages: int = 2,
+                      index_precision: str = "input", tile_rows: int | None = None,
+                      num_warps: int | None = None, num_stages: int | None = None,
                       return_max: bool = False):
     """Kept block ids for packed inputs.
 
@@ -175,34 +194,54 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
     with ``return_max`` also fp32 [Tq, Hi], each row's largest scaled index score over its
     visible keys (when ``top_k > num_local_blocks + num_sink_blocks``; else over the kept
     blocks only), which is then also its largest kept score.
-    ``tile_rows``, ``num_warps`` and ``num_stages`` tune the kernel; the defaults won the sweep
-    of benchmarks/bench_select.py.
+    ``index_precision="fp8"``: rank the fp8 scores of SPEC section 8 (quantized here, in a
+    pass over index_q and index_k); no ``return_max`` then, as the row maxima would be fp8
+    scores and their users need the input-precision ones.
+    ``tile_rows``, ``num_warps`` and ``num_stages`` tune the kernel; the defaults
+    (``configs.SELECT_CONFIG``) won the sweep of benchmarks/bench_select.py.
     """
+    config = SELECT_CONFIG[index_precision]
+    tile_rows = tile_rows or config["tile_rows"]
+    num_warps = num_warps or config["num_warps"]
+    num_stages = num_stages or config["num_stages"]
     total, num_index_heads, head_dim = index_q.shape
     num_key_heads = index_k.shape[1]
     heads_per_key_head = num_index_heads // num_key_heads
+    interpreting = index_q.device.type == "cpu"  # the Triton interpreter
+    quantized = index_precision == "fp8"
+    if quantized:
+        if return_max:
+            raise ValueError("return_max: expected False with index_precision='fp8' (the row "
+                             "maxima would be of fp8 scores), received True")
+        (index_q, q_scale), (index_k, k_scale) = (quantize_rows_e4m3(t)
+                                                  for t in (index_q, index_k))
+        if interpreting:
+            index_q, index_k = index_q.float(), index_k.float()
     if index_q.stride(-1) != 1:
         index_q = index_q.contiguous()
     if index_k.stride(-1) != 1:
         index_k = index_k.contiguous()
+    if not quantized:
+        q_scale, k_scale = index_q, index_k  # unread placeholders
     ids = torch.empty(total, num_index_heads, top_k, dtype=torch.int32, device=index_q.device)
     row_max = (torch.empty(total, num_index_heads, dtype=torch.float32, device=index_q.device)
                if return_max else ids)  # a placeholder without
     tile_tokens = _tile_tokens(heads_per_key_head, block_size, tile_rows)
     schedule = query_tile_schedule(cu_seqlens, total, tile_tokens, query_start)
-    interpreting = index_q.device.type == "cpu"  # the Triton interpreter
     precision = "ieee" if index_q.dtype == torch.float32 else "tf32"
     grid = (schedule.shape[0], num_key_heads)
     _select_fwd_kernel[grid](
-        index_q, index_k, ids, row_max, cu_seqlens, schedule, query_start, query_start + total,
+        index_q, index_k, q_scale, k_scale, ids, row_max, cu_seqlens, schedule, query_start,
+        query_start + total,
         index_q.stride(0), index_q.stride(1), index_k.stride(0), index_k.stride(1),
-        ids.stride(0), ids.stride(1),
+        ids.stride(0), ids.stride(1), num_index_heads, num_key_heads,
         index_softmax_scale,
         G=heads_per_key_head, TILE_TOKENS=tile_tokens,
         ROWS=max(16, triton.next_power_of_2(heads_per_key_head * tile_tokens)), BLOCK=block_size, HEAD_DIM=head_dim,
         TOP_K=top_k, TOPK_SLOTS=max(2, triton.next_power_of_2(top_k)),
         NUM_LOCAL=num_local_blocks, NUM_SINK=num_sink_blocks,
         NEGATIVE_SCALE=index_softmax_scale < 0, WITH_MAX=return_max, PRECISION=precision,
+        QUANTIZED=quantized,
         num_warps=num_warps, num_stages=1 if interpreting else num_stages,
         # The row maximum's epilogue raised ptxas's allocation from 124 to 191 registers per
         # thread, halving the programs per SM; capped, it spills 24 bytes (sm_90a).

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .quantize import INDEX_PRECISIONS
+
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BLOCK_SIZES = (64, 128)
 MAX_TOP_K = 64
@@ -45,6 +47,7 @@ class MSAProblem:
     query_start: int  # q and index_q hold the tokens of k from query_start on (0: all)
     num_keys: int  # tokens of k per batch row (S, or T packed)
     kl_num_queries: int  # the KL's mean divides by this many query tokens
+    index_precision: str = "input"  # selection's index scores: "input" or "fp8" (SPEC 8)
 
 
 def _fail(name: str, expected: str, received) -> ValueError:
@@ -268,6 +271,25 @@ def _check_index_heads(index_q, index_k) -> None:
                     "index_q", index_k.shape[-2])
 
 
+def check_index_precision(index_precision) -> None:
+    if not isinstance(index_precision, str):
+        raise TypeError("index_precision: expected a str, received "
+                        f"{type(index_precision).__name__}")
+    if index_precision not in INDEX_PRECISIONS:
+        raise _fail("index_precision", f"one of {INDEX_PRECISIONS}", repr(index_precision))
+
+
+def check_fp8_device(index_precision: str, device: torch.device) -> None:
+    """fp8 index scores on the kernels need fp8 tensor cores (compute capability 8.9 on)."""
+    if index_precision != "fp8" or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise _fail("index_precision", "'input' on this GPU: 'fp8' needs compute capability "
+                    "8.9 or later for the Triton kernels (backend='reference' runs it anywhere)",
+                    f"'fp8' on a GPU of capability {capability[0]}.{capability[1]}")
+
+
 def _check_selection_options(top_k, block_size, num_local_blocks, num_sink_blocks) -> None:
     _check_int("block_size", block_size)
     if block_size not in SUPPORTED_BLOCK_SIZES:
@@ -289,9 +311,10 @@ def _check_selection_options(top_k, block_size, num_local_blocks, num_sink_block
 
 def validate_select_args(index_q, index_k, *, top_k, block_size, index_softmax_scale,
                          num_local_blocks, num_sink_blocks, cu_seqlens, max_seqlen,
-                         backend) -> float:
+                         backend, index_precision="input") -> float:
     """Validates the arguments of ``select_blocks``; returns the resolved index scale."""
     check_backend(backend)
+    check_index_precision(index_precision)
     _check_tensors({"index_q": index_q, "index_k": index_k}, backend, cu_seqlens, max_seqlen)
     _check_index_heads(index_q, index_k)
     _check_selection_options(top_k, block_size, num_local_blocks, num_sink_blocks)
@@ -301,7 +324,8 @@ def validate_select_args(index_q, index_k, *, top_k, block_size, index_softmax_s
 def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_scale,
                       index_softmax_scale, num_local_blocks, num_sink_blocks, warmup, cu_seqlens,
                       max_seqlen, deterministic, return_indices, backend, query_start=None,
-                      kl_num_queries=None, kl_value=True) -> MSAProblem:
+                      kl_num_queries=None, kl_value=True,
+                      index_precision="input") -> MSAProblem:
     """Validates the arguments of ``msa_attention`` (SPEC sections 2, 5, 6 and 7)."""
     tensors = {"q": q, "k": k, "v": v, "index_q": index_q, "index_k": index_k}
     for name, tensor in tensors.items():
@@ -311,6 +335,7 @@ def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_s
     for name, flag in (("warmup", warmup), ("deterministic", deterministic),
                        ("return_indices", return_indices), ("kl_value", kl_value)):
         _check_bool(name, flag)
+    check_index_precision(index_precision)
     _check_query_range(query_start, kl_num_queries)
     key_names = ("k", "v", "index_k") if query_start is not None else ()
     _check_tensors(tensors, backend, cu_seqlens, max_seqlen, key_names)
@@ -377,6 +402,7 @@ def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_s
         query_start=query_start or 0,
         num_keys=num_keys,
         kl_num_queries=kl_num_queries or batch * num_queries,
+        index_precision=index_precision,
     )
 
 

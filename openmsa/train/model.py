@@ -64,7 +64,8 @@ class RetrievalModel(nn.Module):
 
     def __init__(self, task: RetrievalTask, attention: str, hidden_size: int = 128,
                  layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 64,
-                 top_k: int = 2, block_size: int = 64, rope_theta: float = 10000.0):
+                 top_k: int = 2, block_size: int = 64, rope_theta: float = 10000.0,
+                 index_precision: str = "input"):
         super().__init__()
         self.key_embedding = nn.Embedding(task.vocab_keys, hidden_size)
         self.value_embedding = nn.Embedding(task.vocab_values, hidden_size)
@@ -74,7 +75,8 @@ class RetrievalModel(nn.Module):
                 return DenseAttention(hidden_size, num_heads, num_kv_heads, head_dim,
                                       rope_theta=rope_theta)
             return MSAAttention(hidden_size, num_heads, num_kv_heads, head_dim,
-                                top_k=top_k, block_size=block_size, rope_theta=rope_theta)
+                                top_k=top_k, block_size=block_size, rope_theta=rope_theta,
+                                index_precision=index_precision)
 
         self.blocks = nn.ModuleList(Block(make_attention(), hidden_size) for _ in range(layers))
         self.norm = nn.RMSNorm(hidden_size, eps=1e-6)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.msa_attention import MSAWarmupSchedule, set_msa_warmup
+from ..ops.validate import check_index_precision
 from .model import RetrievalModel
 from .task import RetrievalTask
 
@@ -130,7 +131,8 @@ def evaluate(model, tokens, answers, fact_positions, block_size):
     return result
 
 
-def train_model(kind: str, preset: Preset, device, seed: int, progress) -> list[dict]:
+def train_model(kind: str, preset: Preset, device, seed: int, progress,
+                index_precision: str = "input") -> list[dict]:
     task = _task(preset)
     torch.manual_seed(seed)
     phases = []  # (last step, task, batch) of each curriculum phase
@@ -138,7 +140,8 @@ def train_model(kind: str, preset: Preset, device, seed: int, progress) -> list[
         phases.append(((phases[-1][0] if phases else 0) + steps, _task(preset, seqlen), batch))
     model = RetrievalModel(task, kind, layers=preset.layers, top_k=preset.top_k,
                            block_size=preset.block_size, rope_theta=preset.rope_theta,
-                           num_kv_heads=preset.num_kv_heads).to(device)
+                           num_kv_heads=preset.num_kv_heads,
+                           index_precision=index_precision).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
     schedule = MSAWarmupSchedule(preset.warmup_steps if kind == "msa" else 0)
     data = torch.Generator().manual_seed(seed + 1)
@@ -273,7 +276,10 @@ def _write_plot(histories: dict, out_dir: str, preset_name: str) -> str:
 
 
 def run(preset_name: str, out_dir: str, device: str | torch.device | None = None, seed: int = 0,
-        steps: int | None = None) -> dict:
+        steps: int | None = None, index_precision: str = "input") -> dict:
+    """Trains the dense and the MSA model of a preset; ``index_precision`` is the MSA
+    model's (``msa_attention``'s option)."""
+    check_index_precision(index_precision)
     if preset_name not in PRESETS:
         raise ValueError(f"preset_name: expected one of {sorted(PRESETS)}, received "
                          f"{preset_name!r}")
@@ -288,13 +294,14 @@ def run(preset_name: str, out_dir: str, device: str | torch.device | None = None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: expected a device this torch can use, received {device} "
                          f"(torch {torch.__version__} sees no CUDA GPU)")
-    print(f"openmsa train: preset {preset_name} on {device}: {asdict(preset)}")
+    print(f"openmsa train: preset {preset_name} on {device}, index precision "
+          f"{index_precision}: {asdict(preset)}")
     progress = _progress_printer()
-    histories = {kind: train_model(kind, preset, device, seed, progress)
+    histories = {kind: train_model(kind, preset, device, seed, progress, index_precision)
                  for kind in ("dense", "msa")}
     final = {kind: history[-1] for kind, history in histories.items()}
     summary = {"preset": preset_name, "settings": asdict(preset), "device": str(device),
-               "seed": seed, "final": final}
+               "seed": seed, "index_precision": index_precision, "final": final}
     os.makedirs(out_dir, exist_ok=True)  # only now: a run that fails early leaves no folder
     with open(os.path.join(out_dir, "metrics.json"), "w") as f:
         json.dump({"summary": summary, "history": histories}, f, indent=2)

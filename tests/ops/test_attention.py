@@ -35,6 +35,26 @@ def test_msa_attention_kernels_match_reference(case, dtype):
         assert error < TOLERANCE[dtype], (name, error)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_selection_runs_the_same_attention_and_kl_kernels(dtype):
+    """index_precision="fp8": the kernels' fp8 selection equals the reference's (exactly, on
+    these inputs), and out, KL and gradients on those blocks match the reference: the KL
+    kernels keep the input-precision scores (and the forward its running index maximum)."""
+    case = MSACase("packed_many_blocks", seqlens=(130, 600), num_heads=4, num_kv_heads=2,
+                   num_index_heads=2, options=dict(top_k=3, block_size=64, num_sink_blocks=1))
+    got, expected, ids = kernel_and_reference(case, dtype, seed=6, index_precision="fp8")
+    for name in QUANTITY_NAMES:
+        error = rel_rms_error(got[name], expected[name])
+        assert error < TOLERANCE[dtype], (name, error)
+    inputs, cu_seqlens = random_inputs(case, dtype, "cpu", seed=6)
+    options = dict(case.options, cu_seqlens=cu_seqlens, return_indices=True)
+    _, _, reference_ids = openmsa.msa_attention(*inputs, backend="reference",
+                                                index_precision="fp8", **options)
+    _, _, input_ids = openmsa.msa_attention(*inputs, backend="reference", **options)
+    assert torch.equal(ids.sort(-1).values, reference_ids.sort(-1).values)
+    assert not torch.equal(ids.sort(-1).values, input_ids.sort(-1).values)
+
+
 def test_sparse_attention_decomposed_api_matches_reference():
     case = CASES[1]
     inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=3)

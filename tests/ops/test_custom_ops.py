@@ -103,6 +103,14 @@ def test_model_with_a_frozen_branch_compiles_and_matches_eager(frozen):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
 
 
+def test_forward_operator_passes_opcheck_with_fp8_selection():
+    """index_precision is the operator's last argument; autograd's formula skips it."""
+    q, k, v, index_q, index_k, cu_seqlens = packed_problem()
+    args = (q, k, v, index_q, index_k, cu_seqlens, None, 2, 64, 0.125, 0.125, 1, 0, False, 80,
+            True, True, 0, None, 0, False, "fp8")
+    torch.library.opcheck(msa_forward, args)
+
+
 @pytest.mark.parametrize("mode", ["warmup", "given_blocks"])
 def test_forward_operator_passes_opcheck_in_every_mode(mode):
     """The fake implementation's shapes hold for warmup (every causal block) and given blocks."""

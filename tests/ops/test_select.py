@@ -45,10 +45,13 @@ SELECT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("index_precision", ["input", "fp8"])
 @pytest.mark.parametrize("case", SELECT_CASES, ids=lambda c: c[0])
-def test_kernel_selection_equals_reference(case):
+def test_kernel_selection_equals_reference(case, index_precision):
+    """fp8 too: integers in [-2, 2] have codes 0, +-224, +-448 and scales 2^e / 448, so the fp8
+    scores are exact multiples of one float and ties stay exact ties."""
     _, lead, hi, hik, head_dim, dtype, options = case
-    options = dict(options)
+    options = dict(options, index_precision=index_precision)
     options.setdefault("index_softmax_scale", 1.0)
     index_q, index_k = integer_index_inputs(lead, hi, hik, head_dim, dtype)
     kernel = openmsa.select_blocks(index_q, index_k, backend="triton", **options)
@@ -58,11 +61,14 @@ def test_kernel_selection_equals_reference(case):
                                rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("seqlens", [(70, 1, 200, 129), (64, 128, 65)])
-def test_packed_selection_equals_reference_and_each_sequence_alone(seqlens):
+@pytest.mark.parametrize("seqlens,index_precision", [((70, 1, 200, 129), "input"),
+                                                     ((64, 128, 65), "input"),
+                                                     ((70, 1, 200, 129), "fp8")])
+def test_packed_selection_equals_reference_and_each_sequence_alone(seqlens, index_precision):
     index_q, index_k = integer_index_inputs((sum(seqlens),), 4, 2, seed=1)
     cu_seqlens = torch.tensor([0, *seqlens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    options = dict(top_k=3, block_size=64, index_softmax_scale=1.0, num_sink_blocks=1)
+    options = dict(top_k=3, block_size=64, index_softmax_scale=1.0, num_sink_blocks=1,
+                   index_precision=index_precision)
     kernel = openmsa.select_blocks(index_q, index_k, cu_seqlens=cu_seqlens, backend="triton",
                                    **options)
     reference = openmsa.select_blocks(index_q, index_k, cu_seqlens=cu_seqlens,
@@ -165,3 +171,46 @@ def test_msa_attention_triton_backend_uses_the_kernel_selection():
     assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
     torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(kl, ref_kl, rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_kernel_ranks_the_quantized_scores():
+    """Inputs where fp8 reverses two blocks' order (tests/ops/test_quantize.py): the kernel
+    keeps the block the fp8 scores rank first, also with a query range."""
+    from test_quantize import flip_inputs
+
+    index_q, index_k, options = flip_inputs()
+    by_input = openmsa.select_blocks(index_q, index_k, backend="triton", **options)
+    by_fp8 = openmsa.select_blocks(index_q, index_k, backend="triton", index_precision="fp8",
+                                   **options)
+    assert set(by_input[0, 0, -1].tolist()) == {2, 0}
+    assert set(by_fp8[0, 0, -1].tolist()) == {2, 1}
+    cu = torch.tensor([0, index_k.shape[1]], dtype=torch.int32)
+    first = index_k.shape[1] - 5
+    ranged = select_module.select_blocks_fwd(
+        index_q[0, first:], index_k[0], cu, top_k=2, block_size=64, index_softmax_scale=1.0,
+        num_local_blocks=1, num_sink_blocks=0, query_start=first, index_precision="fp8")
+    assert set(ranged[-1, 0].tolist()) == {2, 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_kernel_agrees_with_the_reference_on_random_inputs(dtype):
+    """Random (non-integer) inputs: kernel and reference sum the same fp8 products in other
+    orders, so only near-ties may differ."""
+    generator = torch.Generator().manual_seed(4)
+    index_q = torch.randn(1, 700, 4, 64, generator=generator).to(dtype)
+    index_k = torch.randn(1, 700, 1, 64, generator=generator).to(dtype)
+    options = dict(top_k=4, block_size=64, index_precision="fp8")
+    kernel = openmsa.select_blocks(index_q, index_k, backend="triton", **options)
+    reference = openmsa.select_blocks(index_q, index_k, backend="reference", **options)
+    agree = (kernel.sort(-1).values == reference.sort(-1).values).all(-1).float().mean()
+    assert agree >= 0.995
+
+
+def test_fp8_refuses_row_maxima():
+    index_q, index_k = integer_index_inputs((200,), 2, 1)
+    cu = torch.tensor([0, 200], dtype=torch.int32)
+    with pytest.raises(ValueError, match="return_max"):
+        select_module.select_blocks_fwd(index_q, index_k, cu, top_k=2, block_size=64,
+                                        index_softmax_scale=1.0, num_local_blocks=1,
+                                        num_sink_blocks=0, index_precision="fp8",
+                                        return_max=True)
