@@ -30,7 +30,7 @@ def test_check_on_a_cpu_runs_the_kernels_under_the_interpreter(capsys, monkeypat
     assert cli.main(["check", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert "backend=triton" in printed and "interpreted on the CPU" in printed
-    assert "3 passed, 0 failed" in printed
+    assert f"{len(cli.CPU_CASES)} passed, 0 failed" in printed
     for case in cli.CPU_CASES:
         assert re.search(rf"^{case.name}\s.*PASS", printed, re.MULTILINE)
     assert calls  # the kernels ran
@@ -44,7 +44,8 @@ def test_check_without_the_interpreter_starts_one(tmp_path):
                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "under Triton's CPU interpreter" in result.stdout
-    assert "backend=triton" in result.stdout and "3 passed, 0 failed" in result.stdout
+    assert "backend=triton" in result.stdout
+    assert f"{len(cli.CPU_CASES)} passed, 0 failed" in result.stdout
 
 
 def test_check_of_the_reference_says_it_checks_no_kernel(capsys):

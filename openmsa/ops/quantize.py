@@ -26,10 +26,13 @@ def quantize_rows_e4m3(x: torch.Tensor, chunk_rows: int = _CHUNK_ROWS):
     scales = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     rows = x.reshape(-1, dim)
     flat_codes, flat_scales = codes.view(-1, dim), scales.view(-1)
+    # A tensor divisor: CUDA divides by a Python number as a product with its reciprocal,
+    # which can differ from max / 448 in the last bit (the CPU divides exactly).
+    e4m3_max = torch.full((), E4M3_MAX, device=x.device)
     for start in range(0, rows.shape[0], chunk_rows):
         part = rows[start:start + chunk_rows].float()
         row_max = part.abs().amax(dim=-1)
-        scale = torch.where(row_max > 0, row_max / E4M3_MAX, torch.ones_like(row_max))
+        scale = torch.where(row_max > 0, row_max / e4m3_max, torch.ones_like(row_max))
         flat_scales[start:start + chunk_rows] = scale
         # The cast rounds to nearest even but turns values past 448 into NaN: the clamp makes
         # it saturate (x / s can land a rounding step above 448).

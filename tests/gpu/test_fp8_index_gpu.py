@@ -47,7 +47,7 @@ CASES = [
     ("coherent", 8192, 4, 1, 128, 128, 16, {}),
     ("random", 8192, 4, 1, 128, 128, 16, {}),
     ("random", 3000, 4, 2, 64, 64, 8, dict(num_local_blocks=2, num_sink_blocks=1)),
-    ("random", 2500, 8, 1, 128, 64, 64, dict(index_softmax_scale=-0.3)),
+    ("random", 6000, 8, 1, 128, 64, 64, dict(index_softmax_scale=-0.3)),
 ]
 
 
