@@ -42,10 +42,10 @@ HEADS, KV_HEADS, INDEX_HEADS, DIM, TOP_K, BLOCK = 64, 4, 4, 128, 16, 128
 DEVICE = "cuda"
 
 
-def reference_rows(index_q, index_k, positions, precision):
+def reference_rows(index_q, index_k, positions, precision, top_k=TOP_K, block_size=BLOCK):
     """fp32 reference selection of the query tokens at ``positions`` (sorted) of one sequence
-    ``[S, heads, Di]``: ids ``[n, Hi, top_k]``."""
-    scale = DIM ** -0.5
+    (index_q ``[S, Hi, Di]``, index_k ``[S, 1, Di]``): ids ``[n, Hi, top_k]``."""
+    scale = index_q.shape[-1] ** -0.5
     keys = positions[-1].item() + 1
     if precision == "fp8":
         q8, q_scale = quantize_rows_e4m3(index_q[positions])
@@ -57,11 +57,18 @@ def reference_rows(index_q, index_k, positions, precision):
                                  index_k[:keys, 0].float())
     z = z.masked_fill(torch.arange(keys, device=z.device)[None, None, :]
                       > positions[None, :, None], float("-inf"))
-    blocks = -(-keys // BLOCK)
-    z = F.pad(z, (0, blocks * BLOCK - keys), value=float("-inf"))
-    block_scores = z.view(*z.shape[:2], blocks, BLOCK).amax(-1)
-    ids = select_blocks_from_scores(block_scores, positions // BLOCK, TOP_K, 1, 0)
+    blocks = -(-keys // block_size)
+    z = F.pad(z, (0, blocks * block_size - keys), value=float("-inf"))
+    block_scores = z.view(*z.shape[:2], blocks, block_size).amax(-1)
+    ids = select_blocks_from_scores(block_scores, positions // block_size, top_k, 1, 0)
     return ids.permute(1, 0, 2)
+
+
+def sampled_positions(seqlen, samples, generator):
+    """``samples`` sorted query positions from the second quarter on (earlier rows keep every
+    visible block in any precision)."""
+    return torch.randperm(seqlen - seqlen // 4, device=generator.device,
+                          generator=generator)[:samples].sort().values + seqlen // 4
 
 
 def mass_recall(q, k, ids, positions, chunk=32):
@@ -106,9 +113,7 @@ def quality(seqlen, kind, samples, seed=0):
     both = (ids["fp8"].sort(-1).values[..., :, None] == ids["input"][..., None, :])
     both = (both & (ids["input"][..., None, :] >= 0)).any(-2).sum(-1).float()
     counts = (ids["input"] >= 0).sum(-1).float()
-    # Rows from the second quarter on: early rows keep every visible block in any precision.
-    positions = torch.randperm(seqlen - seqlen // 4, device=DEVICE,
-                               generator=generator)[:samples].sort().values + seqlen // 4
+    positions = sampled_positions(seqlen, samples, generator)
     row = dict(seqlen=seqlen, selection=kind, samples=samples,
                agreement_with_bf16_selection=float(same.float().mean()),
                shared_blocks_with_bf16_selection=float((both / counts).mean()),

@@ -30,8 +30,10 @@ QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
 REDUCE_KEYS = 32  # keys per program of the segment reductions: enough programs at small sizes
 
 # Selection (tile_rows: MMA rows per program, G index heads x tokens), by index precision.
+# imprecise_acc (fp8): products summed by the tensor cores before each partial sum is added in
+# full fp32 (Triton's max_num_imprecise_acc; None: the whole 128-long dot, Hopper's default).
 SELECT_CONFIG = {"input": dict(tile_rows=128, num_warps=8, num_stages=2),
-                 "fp8": dict(tile_rows=128, num_warps=8, num_stages=2)}
+                 "fp8": dict(tile_rows=128, num_warps=4, num_stages=3, imprecise_acc=32)}
 # Selection: two 8-warp programs per SM (65536 registers) need at most 128 registers a thread.
 SELECT_MAX_REGISTERS = 128
 

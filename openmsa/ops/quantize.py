@@ -10,6 +10,8 @@ input-precision scores.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 INDEX_PRECISIONS = ("input", "fp8")
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
@@ -20,7 +22,9 @@ _CHUNK_ROWS = 1 << 16
 
 def quantize_rows_e4m3(x: torch.Tensor, chunk_rows: int = _CHUNK_ROWS):
     """``x [..., D]`` (any float dtype) -> ``(codes, scales)``: float8_e4m3fn ``[..., D]`` and
-    fp32 ``[...]``, one scale per row of the last dimension."""
+    fp32 ``[...]``, one scale per row of the last dimension. In PyTorch operations: the
+    reference's quantization, and the kernels' on a CPU (``quantize_rows_e4m3_fused`` is
+    theirs on a GPU)."""
     dim = x.shape[-1]
     codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
@@ -38,4 +42,42 @@ def quantize_rows_e4m3(x: torch.Tensor, chunk_rows: int = _CHUNK_ROWS):
         # it saturate (x / s can land a rounding step above 448).
         flat_codes[start:start + chunk_rows] = (part / scale[:, None]).clamp_(-E4M3_MAX,
                                                                               E4M3_MAX)
+    return codes, scales
+
+
+@triton.jit
+def _quantize_rows_kernel(X, CODES, SCALES, num_rows, stride_row, DIM: tl.constexpr,
+                          ROWS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    dims = tl.arange(0, DIM)
+    valid = rows < num_rows
+    x = tl.load(X + rows[:, None] * stride_row + dims[None, :], mask=valid[:, None],
+                other=0.0).to(tl.float32)
+    row_max = tl.max(tl.abs(x), axis=1)
+    # Correctly rounded divisions (Triton's "/" is approximate in fp32), as PyTorch's.
+    scale = tl.where(row_max > 0, tl.math.div_rn(row_max, tl.full([ROWS], 448.0, tl.float32)),
+                     1.0)
+    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    codes = tl.clamp(scaled, -448.0, 448.0).to(tl.float8e4nv)  # round to nearest even
+    tl.store(CODES + rows[:, None] * DIM + dims[None, :], codes, mask=valid[:, None])
+    tl.store(SCALES + rows, scale, mask=valid)
+
+
+def quantize_rows_e4m3_fused(x: torch.Tensor):
+    """``quantize_rows_e4m3`` in one Triton kernel (CUDA tensors): one read of ``x``, one write
+    of the codes and scales. Bit for bit the PyTorch operations' result
+    (tests/gpu/test_fp8_index_gpu.py); the CPU interpreter's fp8 casts are wrong, so on a CPU the
+    operations run instead."""
+    if x.device.type != "cuda":
+        return quantize_rows_e4m3(x)
+    dim = x.shape[-1]
+    rows = x.reshape(-1, dim)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    block_rows = max(1, 4096 // dim)
+    _quantize_rows_kernel[(triton.cdiv(rows.shape[0], block_rows),)](
+        rows, codes, scales, rows.shape[0], rows.stride(0), DIM=dim, ROWS=block_rows,
+        num_warps=4)
     return codes, scales

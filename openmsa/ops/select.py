@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .configs import SELECT_CONFIG, SELECT_MAX_REGISTERS
-from .quantize import quantize_rows_e4m3
+from .quantize import quantize_rows_e4m3_fused
 from .worklists import query_tile_schedule
 
 
@@ -51,16 +51,28 @@ def _merge_block(keys, block_score, block_id, forced):
 
 
 @triton.jit
-def _block_score(iq, ik_base, ik_scale_base, block, key_offsets, dims, stride_ik_t,
-                 stride_iks_t, scale, BLOCK: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
-                 PRECISION: tl.constexpr, QUANTIZED: tl.constexpr):
+def _key_scales(ik_scale_base, block, key_offsets, stride_iks_t, num_blocks,
+                BLOCK: tl.constexpr, QUANTIZED: tl.constexpr):
+    """fp8: the scales [BLOCK] of a block's keys (1 past ``num_blocks``); else a placeholder."""
+    if QUANTIZED:
+        return tl.load(ik_scale_base + (block * BLOCK + key_offsets) * stride_iks_t,
+                       mask=block < num_blocks, other=1.0)
+    return 1.0
+
+
+@triton.jit
+def _block_score(iq, ik_base, key_scale, block, key_offsets, dims, stride_ik_t, scale,
+                 BLOCK: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+                 QUANTIZED: tl.constexpr, IMPRECISE_ACC: tl.constexpr):
     """The rows' scaled max-pooled scores of a block before their own (every key visible).
-    ``scale``: [ROWS] (fp8: the index scale times the rows' scales) or a scalar."""
+    ``scale``: [ROWS] (fp8: the index scale times the rows' scales) or a scalar; ``key_scale``:
+    fp8, the keys' scales [BLOCK]."""
     key_pos = block * BLOCK + key_offsets
     ik = tl.load(ik_base + key_pos[:, None] * stride_ik_t + dims[None, :])  # [BLOCK, D]
-    scores = tl.dot(iq, tl.trans(ik), input_precision=PRECISION)  # [ROWS, BLOCK]
+    scores = tl.dot(iq, tl.trans(ik), input_precision=PRECISION,
+                    max_num_imprecise_acc=IMPRECISE_ACC)  # [ROWS, BLOCK]
     if QUANTIZED:
-        scores = scores * tl.load(ik_scale_base + key_pos * stride_iks_t)[None, :]
+        scores = scores * key_scale[None, :]
     if NEGATIVE_SCALE:
         return tl.min(scores, axis=1) * scale
     return tl.max(scores, axis=1) * scale
@@ -74,10 +86,12 @@ def _select_fwd_kernel(
     G: tl.constexpr, TILE_TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     TOP_K: tl.constexpr, TOPK_SLOTS: tl.constexpr, NUM_LOCAL: tl.constexpr,
     NUM_SINK: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, WITH_MAX: tl.constexpr,
-    PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
+    PRECISION: tl.constexpr, QUANTIZED: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
 ):
     """QUANTIZED: IQ and IK hold e4m3 codes, IQ_SCALE [Tq, Hi] and IK_SCALE [T, Hik] their
-    rows' scales. WITH_MAX: also each row's largest scaled score over its visible keys (the largest block
+    rows' scales; IMPRECISE_ACC: the fp8 products the tensor cores sum before each sum is
+    added in full fp32 precision (None: the whole dot; Hopper sums fp8 products with fewer
+    mantissa bits than fp32). WITH_MAX: also each row's largest scaled score over its visible keys (the largest block
     score), into ROW_MAX; exact when TOP_K leaves a slot beside the forced blocks (else the
     largest over the kept and forced blocks)."""
     entry = tl.program_id(0).to(tl.int64)
@@ -119,9 +133,16 @@ def _select_fwd_kernel(
     key_offsets = tl.arange(0, BLOCK).to(tl.int64)  # int64: positions x strides can pass 2^31
     ik_base = IK + seq_start * stride_ik_t + key_head * stride_ik_h
     ik_scale_base = IK_SCALE + seq_start * stride_iks_t + key_head
+    # fp8: each block's key scales are loaded one block ahead, so the load's latency hides
+    # behind the block before (loaded at its use, it cost a third of the kernel's time).
+    next_key_scale = _key_scales(ik_scale_base, 0, key_offsets, stride_iks_t, own_block, BLOCK,
+                                 QUANTIZED)
     for block in range(0, own_block):  # blocks before the own block are fully visible
-        pooled = _block_score(iq, ik_base, ik_scale_base, block, key_offsets, dims, stride_ik_t,
-                              stride_iks_t, scale, BLOCK, NEGATIVE_SCALE, PRECISION, QUANTIZED)
+        key_scale = next_key_scale
+        next_key_scale = _key_scales(ik_scale_base, block + 1, key_offsets, stride_iks_t,
+                                     own_block, BLOCK, QUANTIZED)
+        pooled = _block_score(iq, ik_base, key_scale, block, key_offsets, dims, stride_ik_t,
+                              scale, BLOCK, NEGATIVE_SCALE, PRECISION, QUANTIZED, IMPRECISE_ACC)
         behind = own_block - block
         forced = (behind < NUM_LOCAL) | (block < NUM_SINK)
         keys = _merge_block(keys, pooled, block, forced)
@@ -130,7 +151,8 @@ def _select_fwd_kernel(
     key_pos = own_block * BLOCK + key_offsets
     ik = tl.load(ik_base + key_pos[:, None] * stride_ik_t + dims[None, :],
                  mask=(key_pos <= last_token)[:, None], other=0.0)
-    scores = tl.dot(iq, tl.trans(ik), input_precision=PRECISION)
+    scores = tl.dot(iq, tl.trans(ik), input_precision=PRECISION,
+                    max_num_imprecise_acc=IMPRECISE_ACC)
     if QUANTIZED:
         scores = scores * tl.load(ik_scale_base + key_pos * stride_iks_t,
                                   mask=key_pos <= last_token, other=1.0)[None, :]
@@ -155,12 +177,16 @@ def _select_fwd_kernel(
         forced_before = tl.maximum(own_block - (NUM_LOCAL - 1), 0)
         for block in range(forced_before, own_block):  # local blocks before the own one
             row_max = tl.maximum(row_max, _block_score(
-                iq, ik_base, ik_scale_base, block, key_offsets, dims, stride_ik_t, stride_iks_t,
-                scale, BLOCK, NEGATIVE_SCALE, PRECISION, QUANTIZED))
+                iq, ik_base, _key_scales(ik_scale_base, block, key_offsets, stride_iks_t,
+                                         own_block, BLOCK, QUANTIZED),
+                block, key_offsets, dims, stride_ik_t, scale, BLOCK, NEGATIVE_SCALE, PRECISION,
+                QUANTIZED, IMPRECISE_ACC))
         for block in range(0, tl.minimum(NUM_SINK, forced_before)):  # sinks not local
             row_max = tl.maximum(row_max, _block_score(
-                iq, ik_base, ik_scale_base, block, key_offsets, dims, stride_ik_t, stride_iks_t,
-                scale, BLOCK, NEGATIVE_SCALE, PRECISION, QUANTIZED))
+                iq, ik_base, _key_scales(ik_scale_base, block, key_offsets, stride_iks_t,
+                                         own_block, BLOCK, QUANTIZED),
+                block, key_offsets, dims, stride_ik_t, scale, BLOCK, NEGATIVE_SCALE, PRECISION,
+                QUANTIZED, IMPRECISE_ACC))
         # ROW_MAX is [Tq, Hi], Hi = G x the grid's key heads.
         tl.store(ROW_MAX + query_row * (G * tl.num_programs(1)) + head, row_max,
                  mask=row_valid)
@@ -185,7 +211,7 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
                       num_local_blocks: int, num_sink_blocks: int, query_start: int = 0,
                       index_precision: str = "input", tile_rows: int | None = None,
                       num_warps: int | None = None, num_stages: int | None = None,
-                      return_max: bool = False):
+                      imprecise_acc: int | None | str = "config", return_max: bool = False):
     """Kept block ids for packed inputs.
 
     index_q: [Tq, Hi, Di], the packed tokens [query_start, query_start + Tq) of the packing
@@ -197,8 +223,8 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
     ``index_precision="fp8"``: rank the fp8 scores of SPEC section 8 (quantized here, in a
     pass over index_q and index_k); no ``return_max`` then, as the row maxima would be fp8
     scores and their users need the input-precision ones.
-    ``tile_rows``, ``num_warps`` and ``num_stages`` tune the kernel; the defaults
-    (``configs.SELECT_CONFIG``) won the sweep of benchmarks/bench_select.py.
+    ``tile_rows``, ``num_warps``, ``num_stages`` and (fp8) ``imprecise_acc`` tune the kernel;
+    the defaults (``configs.SELECT_CONFIG``) won the sweep of benchmarks/bench_select.py.
     """
     config = SELECT_CONFIG[index_precision]
     tile_rows = tile_rows or config["tile_rows"]
@@ -213,7 +239,7 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
         if return_max:
             raise ValueError("return_max: expected False with index_precision='fp8' (the row "
                              "maxima would be of fp8 scores), received True")
-        (index_q, q_scale), (index_k, k_scale) = (quantize_rows_e4m3(t)
+        (index_q, q_scale), (index_k, k_scale) = (quantize_rows_e4m3_fused(t)
                                                   for t in (index_q, index_k))
         if interpreting:
             index_q, index_k = index_q.float(), index_k.float()
@@ -242,6 +268,7 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
         NUM_LOCAL=num_local_blocks, NUM_SINK=num_sink_blocks,
         NEGATIVE_SCALE=index_softmax_scale < 0, WITH_MAX=return_max, PRECISION=precision,
         QUANTIZED=quantized,
+        IMPRECISE_ACC=config.get("imprecise_acc") if imprecise_acc == "config" else imprecise_acc,
         num_warps=num_warps, num_stages=1 if interpreting else num_stages,
         # The row maximum's epilogue raised ptxas's allocation from 124 to 191 registers per
         # thread, halving the programs per SM; capped, it spills 24 bytes (sm_90a).

@@ -14,7 +14,7 @@ import torch
 
 import openmsa
 from openmsa.bench.selection import index_inputs
-from openmsa.ops.quantize import quantize_rows_e4m3
+from openmsa.ops.quantize import quantize_rows_e4m3, quantize_rows_e4m3_fused
 from openmsa.testing import TOLERANCE, MSACase, compare_with_reference, same_block_sets
 
 fp8_cores = pytest.mark.skipif(
@@ -29,17 +29,24 @@ def _record(entry: dict) -> None:
             f.write(json.dumps(entry) + "\n")
 
 
-def test_quantization_on_the_gpu_equals_the_cpu_one():
-    """The quantizer's CUDA ops (division, amax, cast) give the CPU's codes and scales, bit for
-    bit: the reference on the CPU and the kernels' quantization on the GPU are one scheme."""
+@pytest.mark.parametrize("strided", [False, True])
+def test_fused_quantization_equals_the_reference_one_bit_for_bit(strided):
+    """The kernels' quantization (one Triton kernel) gives the reference's codes and scales
+    (PyTorch operations, on the GPU and on the CPU), bit for bit: one scheme everywhere."""
     generator = torch.Generator(device="cuda").manual_seed(0)
-    x = (torch.randn(3000, 4, 128, device="cuda", generator=generator) * 5).bfloat16()
+    x = (torch.randn(3000, 6, 128, device="cuda", generator=generator)
+         * torch.logspace(-2, 2, 128, device="cuda")).bfloat16()
     x[7, 2] = 0  # an all-zero row: scale 1
-    codes, scales = quantize_rows_e4m3(x, chunk_rows=1000)
-    cpu_codes, cpu_scales = quantize_rows_e4m3(x.cpu())
-    assert torch.equal(scales.cpu(), cpu_scales)
-    assert torch.equal(codes.cpu().view(torch.uint8), cpu_codes.view(torch.uint8))
-    assert scales[7, 2] == 1 and codes[7, 2].float().abs().max() == 0
+    if strided:
+        x = x[:, 1:5]
+    codes, scales = quantize_rows_e4m3_fused(x)
+    for device in ("cuda", "cpu"):
+        expected_codes, expected_scales = quantize_rows_e4m3(x.to(device), chunk_rows=1000)
+        assert torch.equal(scales.cpu(), expected_scales.cpu()), device
+        assert torch.equal(codes.cpu().view(torch.uint8),
+                           expected_codes.cpu().view(torch.uint8)), device
+    row = (7, 1) if strided else (7, 2)
+    assert scales[row] == 1 and codes[row].float().abs().max() == 0
 
 
 CASES = [
