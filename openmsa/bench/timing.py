@@ -16,6 +16,21 @@ def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REPEAT_MS, return_mode="median")
 
 
+def median_ms_of_few(fn, reps: int = 3) -> float:
+    """Median milliseconds of ``reps`` calls after one warm-up call, for calls of a second or
+    more (1M-token steps), where ``median_ms`` would spend most of its time estimating."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def graphed(fn):
     """``fn`` captured once in a CUDA graph (after two warm-up calls on a side stream); returns
     its replay, which runs the same kernels without the host's launch and Python costs."""
