@@ -136,6 +136,8 @@ def main() -> None:
                   f"{tflops:.0f} TFLOP/s, {100 * agreement:.2f}% rows as the fp32 reference",
                   flush=True)
         results["tuning"] += tried
+        if not tried:
+            raise SystemExit(f"every {precision} configuration failed to run")
         passing = [t for t in tried if t["reference_agreement"] >= AGREEMENT_BAR]
         best = (min(passing, key=lambda t: t["ms"]) if passing
                 else max(tried, key=lambda t: t["reference_agreement"]))

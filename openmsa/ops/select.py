@@ -53,11 +53,13 @@ def _merge_block(keys, block_score, block_id, forced):
 @triton.jit
 def _key_scales(ik_scale_base, block, key_offsets, stride_iks_t, num_blocks,
                 BLOCK: tl.constexpr, QUANTIZED: tl.constexpr):
-    """fp8: the scales [BLOCK] of a block's keys (1 past ``num_blocks``); else a placeholder."""
+    """fp8: the scales [BLOCK] of a block's keys (1 past ``num_blocks``); else ones (unread)."""
     if QUANTIZED:
-        return tl.load(ik_scale_base + (block * BLOCK + key_offsets) * stride_iks_t,
-                       mask=block < num_blocks, other=1.0)
-    return 1.0
+        scales = tl.load(ik_scale_base + (block * BLOCK + key_offsets) * stride_iks_t,
+                         mask=block < num_blocks, other=1.0)
+    else:
+        scales = tl.full([BLOCK], 1.0, tl.float32)
+    return scales
 
 
 @triton.jit
