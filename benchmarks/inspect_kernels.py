@@ -104,6 +104,8 @@ def main() -> None:
          dict(query, WITH_MAIN=True, WITH_INDEX=True, INDEX_MAX_GIVEN=True)),
         ("index lse alone", _sparse_attn_fwd_kernel,
          dict(query, WITH_MAIN=False, WITH_INDEX=True, INDEX_MAX_GIVEN=True)),
+        ("index lse alone, running max", _sparse_attn_fwd_kernel,
+         dict(query, WITH_MAIN=False, WITH_INDEX=True, INDEX_MAX_GIVEN=False)),
         ("dQ", _sparse_attn_dq_kernel, query),
         ("dK/dV", _sparse_attn_dkdv_kernel,
          dict(shared, TOK=4, TOKP=16, ROWS=64, SEGMENT_PAIRS=SEGMENT_PAIRS)),

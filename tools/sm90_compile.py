@@ -78,6 +78,45 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def compile_select_for_sm90(index_precision: str) -> int:
+    """The selection kernel, as ``select_blocks_fwd`` launches it for Hi = 4, Hik = 1,
+    Di = 128, blocks of 128, top 16 (with the row maximum in input precision), and for fp8
+    the quantization kernel too, compiled for sm_90a: Triton's GPU compiler checks what its
+    CPU interpreter lets pass (one return type per function, fp8 operands). Returns the
+    selection kernel's shared memory bytes."""
+    from triton.compiler import ASTSource
+
+    from openmsa.ops.configs import SELECT_CONFIG
+    from openmsa.ops.quantize import _quantize_rows_kernel
+    from openmsa.ops.select import _select_fwd_kernel
+
+    def build(fn, types, constants, **options):
+        types = dict(types, **{name: "constexpr" for name in constants})
+        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                   if types[name].startswith("*") or name.startswith("stride")}
+        source = ASTSource(fn=fn, signature={name: types[name] for name in fn.arg_names},
+                           constexprs=constants, attrs=aligned)
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+    quantized = index_precision == "fp8"
+    config = SELECT_CONFIG[index_precision]
+    element = "*fp8e4nv" if quantized else "*bf16"
+    types = {name: "i32" for name in _select_fwd_kernel.arg_names}
+    types.update(IQ=element, IK=element, IQ_SCALE="*fp32", IK_SCALE="*fp32", IDS="*i32",
+                 ROW_MAX="*fp32", CU_SEQLENS="*i32", SCHEDULE="*i32", scale="fp32")
+    constants = dict(G=4, TILE_TOKENS=config["tile_rows"] // 4, ROWS=config["tile_rows"],
+                     BLOCK=128, HEAD_DIM=128, TOP_K=16, TOPK_SLOTS=16, NUM_LOCAL=1, NUM_SINK=0,
+                     NEGATIVE_SCALE=False, WITH_MAX=not quantized, PRECISION="tf32",
+                     QUANTIZED=quantized, IMPRECISE_ACC=config.get("imprecise_acc"))
+    kernel = build(_select_fwd_kernel, types, constants, num_warps=config["num_warps"],
+                   num_stages=config["num_stages"])
+    if quantized:
+        build(_quantize_rows_kernel, dict(X="*bf16", CODES="*fp8e4nv", SCALES="*fp32",
+                                          num_rows="i32", stride_row="i32"),
+              dict(DIM=128, ROWS=32), num_warps=4)
+    return kernel.metadata.shared
+
+
 def ptxas_report(ptx: str) -> dict:
     """What Triton's bundled ptxas says of a kernel's PTX for sm_90a: registers, spilled bytes,
     whether it serialized the asynchronous products (a slow loop), and its whole text."""

@@ -68,3 +68,22 @@ def test_gather_and_tma_readiness_follow_strides_and_alignment():
     assert not sm90._rows_ready(t.transpose(1, 2).contiguous().transpose(1, 2))  # D strided
     assert sm90._rows_ready(t[:, ::2]) and not sm90._tma_ready(t[:, ::2])  # heads apart
     assert not sm90._tma_ready(t.transpose(0, 1))  # token rows not a 2D box's rows
+
+
+SELECT_COMPILE = """
+import sys
+from tools.sm90_compile import compile_select_for_sm90
+print(compile_select_for_sm90(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("index_precision", ["input", "fp8"])
+def test_selection_kernels_compile_for_sm90(index_precision):
+    """The selection kernel in both precisions (and the fp8 quantization kernel) compile for
+    sm_90a at their launch configuration (configs.SELECT_CONFIG) and fit in shared memory: the
+    interpreter once passed a version the GPU compiler refused."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    printed = subprocess.run([sys.executable, "-c", SELECT_COMPILE, index_precision],
+                             capture_output=True, text=True, cwd=ROOT, env=env)
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    assert 0 < int(printed.stdout.split()[-1]) <= SHARED_MEMORY_LIMIT

@@ -33,11 +33,9 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
     [T, Hi], each row's largest index score over its kept tokens when known (selection's
     largest block score, when selection keeps the best block), or None.
     The Gluon kernel has no index branch: with one, it runs next to the Triton kernel's index
-    part alone (when selection gives the row maxima; else the Triton kernel does all).
+    part alone (with a running maximum when no row maxima are given).
     ``num_warps``, ``num_stages``: the Triton launch's."""
-    given = p.with_index and index_max is not None
-    if (use_hopper is not False and (given or not p.with_index)
-            and sm90.supported(q, k, v, p)):
+    if use_hopper is not False and sm90.supported(q, k, v, p):
         out, lse = sm90_forward.sparse_attention_fwd(q, k, v, p, p.scale * LOG2_E)
         if not p.with_index:
             return out, lse, None

@@ -143,9 +143,11 @@ def triton_forward(q, k, v, index_q, index_k, p: SparseAttentionProblem, index_m
 
 
 def index_log_sum_exp(index_q, index_k, index_max, p: SparseAttentionProblem):
-    """The index log-sum-exp over the kept tokens alone (natural log, fp32 [T, Hi]), given each
-    row's largest kept index score ``index_max`` (selection's): the forward's index part on
-    the tiles of ``p.index_tile_work``."""
+    """The index log-sum-exp over the kept tokens alone (natural log, fp32 [T, Hi]): the
+    forward's index part on the tiles of ``p.index_tile_work``. ``index_max``: each row's
+    largest kept index score (selection's), or None for a running maximum (fp8 selection's
+    maxima are not the input-precision scores'; a selection whose forced blocks fill top_k
+    gives none)."""
     work = p.index_tile_work
     lse_index = torch.empty(p.total, p.num_index_heads, dtype=torch.float32,
                             device=index_q.device)
@@ -153,11 +155,13 @@ def index_log_sum_exp(index_q, index_k, index_max, p: SparseAttentionProblem):
     padded = max(16, tokens)
     # Without the main branch the kernel reads no q, k, v, out or lse: index tensors stand in.
     launch(_sparse_attn_fwd_kernel, (work.schedule.shape[0], p.num_index_heads),
-        index_q, index_k, index_k, index_q, index_k, index_q, lse_index, lse_index, index_max,
+        index_q, index_k, index_k, index_q, index_k, index_q, lse_index, lse_index,
+        lse_index if index_max is None else index_max,
         work.schedule, work.union, work.union_members, work.union_count, p.cu_seqlens,
         p.query_start, p.query_start + p.total,
         *strides(index_q, index_k, index_k, index_q, index_q, index_k), 0.0, p.index_scale,
         **dict(p.query_constants(), TOK=tokens, TOKP=padded, ROWS=padded,
                UNION_SLOTS=work.union.shape[-1]),
-        WITH_MAIN=False, WITH_INDEX=True, INDEX_MAX_GIVEN=True, **INDEX_ALONE_CONFIG)
+        WITH_MAIN=False, WITH_INDEX=True, INDEX_MAX_GIVEN=index_max is not None,
+        **INDEX_ALONE_CONFIG)
     return lse_index
