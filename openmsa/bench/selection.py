@@ -5,7 +5,7 @@ kind of input and slow on another, so every speed figure is given for all three 
 measured statistics next to it:
 
 - "coherent": a slow random walk of index queries, as a trained index branch behaves
-  (neighbours' Jaccard about 0.98 at 32k);
+  (neighbours' Jaccard about 0.98);
 - "mid": the walk mixed with fresh per-token directions (Jaccard about 0.5);
 - "random": independent queries (neighbours share little beyond the forced own block).
 """
@@ -18,8 +18,8 @@ import torch
 
 SELECTION_KINDS = ("coherent", "mid", "random")
 # "mid": the angle between a query and its walk, for a neighbours' Jaccard of about 0.5 at Hi 4,
-# Di 128, top 16 of 128-token blocks: sampled in fp32, 0.55 at 32k and 0.48 at 128k (8-token
-# unions of 31 and 36 blocks; coherent 0.98 / 17, random 0.10 / 83 and 0.05 / 111).
+# Di 128, top 16 of 128-token blocks (measured on the H200's selections: 0.61 at 32k, 0.49 at
+# 128k, 0.44 at 1M; coherent 0.98-0.99, random 0.19, 0.08 and 0.04; docs/BENCHMARKS.md).
 MID_ANGLE = 0.06 * math.pi
 UNION_TOKENS = 8  # the union statistic: distinct blocks kept by this many consecutive tokens
 
