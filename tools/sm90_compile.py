@@ -3,6 +3,7 @@ and what ptxas says of them (registers, spills, whether it serialized the asynch
 tensor-core products). Used by tests/ops/test_sm90.py and benchmarks/inspect_kernels.py.
 
     python tools/sm90_compile.py [forward|dq|dkdv|kl] [HEAD_DIM BLOCK DTYPE HEADS_PER_TOKEN]
+    python tools/sm90_compile.py select [input|fp8] [TILE_ROWS WARPS STAGES IMPRECISE_ACC|none]
 """
 
 from __future__ import annotations
@@ -78,15 +79,15 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_select_for_sm90(index_precision: str) -> int:
+def compile_select_for_sm90(index_precision: str, **config):
     """The selection kernel, as ``select_blocks_fwd`` launches it for Hi = 4, Hik = 1,
     Di = 128, blocks of 128, top 16 (with the row maximum in input precision), and for fp8
     the quantization kernel too, compiled for sm_90a: Triton's GPU compiler checks what its
-    CPU interpreter lets pass (one return type per function, fp8 operands). Returns the
-    selection kernel's shared memory bytes."""
+    CPU interpreter lets pass (one return type per function, fp8 operands). ``config``
+    overrides ``configs.SELECT_CONFIG``'s entries. Returns the compiled selection kernel."""
     from triton.compiler import ASTSource
 
-    from openmsa.ops.configs import SELECT_CONFIG
+    from openmsa.ops.configs import SELECT_CONFIG, SELECT_MAX_REGISTERS
     from openmsa.ops.quantize import _quantize_rows_kernel
     from openmsa.ops.select import _select_fwd_kernel
 
@@ -99,7 +100,7 @@ def compile_select_for_sm90(index_precision: str) -> int:
         return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
     quantized = index_precision == "fp8"
-    config = SELECT_CONFIG[index_precision]
+    config = dict(SELECT_CONFIG[index_precision], **config)
     element = "*fp8e4nv" if quantized else "*bf16"
     types = {name: "i32" for name in _select_fwd_kernel.arg_names}
     types.update(IQ=element, IK=element, IQ_SCALE="*fp32", IK_SCALE="*fp32", IDS="*i32",
@@ -108,13 +109,15 @@ def compile_select_for_sm90(index_precision: str) -> int:
                      BLOCK=128, HEAD_DIM=128, TOP_K=16, TOPK_SLOTS=16, NUM_LOCAL=1, NUM_SINK=0,
                      NEGATIVE_SCALE=False, WITH_MAX=not quantized, PRECISION="tf32",
                      QUANTIZED=quantized, IMPRECISE_ACC=config.get("imprecise_acc"))
+    # As the launch: with the row maximum (input precision) registers are capped.
+    capped = {} if quantized else dict(maxnreg=SELECT_MAX_REGISTERS)
     kernel = build(_select_fwd_kernel, types, constants, num_warps=config["num_warps"],
-                   num_stages=config["num_stages"])
+                   num_stages=config["num_stages"], **capped)
     if quantized:
         build(_quantize_rows_kernel, dict(X="*bf16", CODES="*fp8e4nv", SCALES="*fp32",
                                           num_rows="i32", stride_row="i32"),
               dict(DIM=128, ROWS=32), num_warps=4)
-    return kernel.metadata.shared
+    return kernel
 
 
 def ptxas_report(ptx: str) -> dict:
@@ -134,7 +137,21 @@ def ptxas_report(ptx: str) -> dict:
                 serialized="wgmma.mma_async instructions are serialized" in text, text=text)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1:2] == ["select"]:
+    # python tools/sm90_compile.py select input|fp8 [tile_rows num_warps num_stages imprecise_acc]
+    precision = sys.argv[2] if len(sys.argv) > 2 else "fp8"
+    overrides = {}
+    if len(sys.argv) > 3:
+        rows, warps, stages, acc = sys.argv[3:7]
+        overrides = dict(tile_rows=int(rows), num_warps=int(warps), num_stages=int(stages),
+                         imprecise_acc=None if acc == "none" else int(acc))
+    compiled = compile_select_for_sm90(precision, **overrides)
+    report = ptxas_report(compiled.asm["ptx"])
+    print(f"select {precision} {overrides or 'configs.SELECT_CONFIG'}: {report['registers']} "
+          f"registers, {report['spill_bytes']} bytes spilled, {compiled.metadata.shared} bytes "
+          f"of shared memory, products "
+          f"{'serialized' if report['serialized'] else 'asynchronous'}")
+elif __name__ == "__main__":
     name = sys.argv[1] if len(sys.argv) > 1 else "forward"
     shape = sys.argv[2:6]
     head_dim, block_size, dtype, heads = (int(shape[0]), int(shape[1]), shape[2],

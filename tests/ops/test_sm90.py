@@ -73,7 +73,7 @@ def test_gather_and_tma_readiness_follow_strides_and_alignment():
 SELECT_COMPILE = """
 import sys
 from tools.sm90_compile import compile_select_for_sm90
-print(compile_select_for_sm90(sys.argv[1]))
+print(compile_select_for_sm90(sys.argv[1]).metadata.shared)
 """
 
 
