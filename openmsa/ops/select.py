@@ -93,9 +93,9 @@ def _select_fwd_kernel(
     """QUANTIZED: IQ and IK hold e4m3 codes, IQ_SCALE [Tq, Hi] and IK_SCALE [T, Hik] their
     rows' scales; IMPRECISE_ACC: the fp8 products the tensor cores sum before each sum is
     added in full fp32 precision (None: the whole dot; Hopper sums fp8 products with fewer
-    mantissa bits than fp32). WITH_MAX: also each row's largest scaled score over its visible keys (the largest block
-    score), into ROW_MAX; exact when TOP_K leaves a slot beside the forced blocks (else the
-    largest over the kept and forced blocks)."""
+    mantissa bits than fp32). WITH_MAX: also each row's largest scaled score over its visible
+    keys (the largest block score), into ROW_MAX; exact when TOP_K leaves a slot beside the
+    forced blocks (else the largest over the kept and forced blocks)."""
     entry = tl.program_id(0).to(tl.int64)
     key_head = tl.program_id(1).to(tl.int64)
     sequence = tl.load(SCHEDULE + 2 * entry).to(tl.int64)
@@ -135,14 +135,15 @@ def _select_fwd_kernel(
     key_offsets = tl.arange(0, BLOCK).to(tl.int64)  # int64: positions x strides can pass 2^31
     ik_base = IK + seq_start * stride_ik_t + key_head * stride_ik_h
     ik_scale_base = IK_SCALE + seq_start * stride_iks_t + key_head
-    # fp8: each block's key scales are loaded one block ahead, so the load's latency hides
-    # behind the block before (loaded at its use, it cost a third of the kernel's time).
+    # fp8: each block's key scales are loaded one block ahead, so that the load's latency hides
+    # behind the block before instead of stalling every iteration.
     next_key_scale = _key_scales(ik_scale_base, 0, key_offsets, stride_iks_t, own_block, BLOCK,
                                  QUANTIZED)
     for block in range(0, own_block):  # blocks before the own block are fully visible
         key_scale = next_key_scale
-        next_key_scale = _key_scales(ik_scale_base, block + 1, key_offsets, stride_iks_t,
-                                     own_block, BLOCK, QUANTIZED)
+        if QUANTIZED:  # (otherwise a constant, not carried through the loop)
+            next_key_scale = _key_scales(ik_scale_base, block + 1, key_offsets, stride_iks_t,
+                                         own_block, BLOCK, QUANTIZED)
         pooled = _block_score(iq, ik_base, key_scale, block, key_offsets, dims, stride_ik_t,
                               scale, BLOCK, NEGATIVE_SCALE, PRECISION, QUANTIZED, IMPRECISE_ACC)
         behind = own_block - block
