@@ -33,9 +33,13 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
     [T, Hi], each row's largest index score over its kept tokens when known (selection's
     largest block score, when selection keeps the best block), or None.
     The Gluon kernel has no index branch: with one, it runs next to the Triton kernel's index
-    part alone (with a running maximum when no row maxima are given).
+    part alone (with a running maximum when no row maxima are given: fp8 selection, given ids).
+    Warmup on these kernels (every causal block) without row maxima keeps the fused Triton
+    forward, its one walk serving both branches (the split walk there is not yet measured).
     ``num_warps``, ``num_stages``: the Triton launch's."""
-    if use_hopper is not False and sm90.supported(q, k, v, p):
+    given = p.with_index and index_max is not None
+    split = given or not p.with_index or not p.all_causal
+    if use_hopper is not False and split and sm90.supported(q, k, v, p):
         out, lse = sm90_forward.sparse_attention_fwd(q, k, v, p, p.scale * LOG2_E)
         if not p.with_index:
             return out, lse, None
