@@ -35,8 +35,7 @@ import triton
 from openmsa import msa_attention, select_blocks
 from openmsa.bench.selection import index_inputs, selection_statistics
 from openmsa.bench.timing import median_ms, median_ms_of_few
-from openmsa.ops.naive import select_blocks_from_scores
-from openmsa.ops.quantize import quantize_rows_e4m3
+from openmsa.ops.naive import _select_from_index_scores, _selection_scores
 from openmsa.testing import same_block_sets
 
 HEADS, KV_HEADS, INDEX_HEADS, DIM, TOP_K, BLOCK = 64, 4, 4, 128, 16, 128
@@ -45,25 +44,15 @@ LONG_SEQLEN = 524288  # from here on steps take seconds: the median of 3 after o
 
 
 def reference_rows(index_q, index_k, positions, precision, top_k=TOP_K, block_size=BLOCK):
-    """fp32 reference selection of the query tokens at ``positions`` (sorted) of one sequence
-    (index_q ``[S, Hi, Di]``, index_k ``[S, 1, Di]``): ids ``[n, Hi, top_k]``."""
-    scale = index_q.shape[-1] ** -0.5
+    """fp32 reference selection (the eager reference's scoring and ranking) of the query tokens
+    at ``positions`` (sorted) of one sequence (index_q ``[S, Hi, Di]``, index_k ``[S, 1, Di]``):
+    ids ``[n, Hi, top_k]``."""
     keys = positions[-1].item() + 1
-    if precision == "fp8":
-        q8, q_scale = quantize_rows_e4m3(index_q[positions])
-        k8, k_scale = quantize_rows_e4m3(index_k[:keys])
-        z = torch.einsum("nrd,jd->rnj", q8.float(), k8[:, 0].float())
-        z = scale * q_scale.T[:, :, None] * k_scale[:, 0][None, None, :] * z
-    else:
-        z = scale * torch.einsum("nrd,jd->rnj", index_q[positions].float(),
-                                 index_k[:keys, 0].float())
-    z = z.masked_fill(torch.arange(keys, device=z.device)[None, None, :]
-                      > positions[None, :, None], float("-inf"))
-    blocks = -(-keys // block_size)
-    z = F.pad(z, (0, blocks * block_size - keys), value=float("-inf"))
-    block_scores = z.view(*z.shape[:2], blocks, block_size).amax(-1)
-    ids = select_blocks_from_scores(block_scores, positions // block_size, top_k, 1, 0)
-    return ids.permute(1, 0, 2)
+    causal = torch.arange(keys, device=positions.device)[None, :] <= positions[:, None]
+    z = _selection_scores(index_q[positions][None], index_k[None, :keys], causal,
+                          index_q.shape[-1] ** -0.5, precision, torch.float32)
+    ids = _select_from_index_scores(z, positions, block_size, top_k, 1, 0)  # [1, Hi, n, k]
+    return ids[0].permute(1, 0, 2)
 
 
 def sampled_positions(seqlen, samples, generator):
