@@ -1,11 +1,14 @@
 """Benchmark of the fused block-selection kernel against the plain PyTorch route (GPU only).
 
     python benchmarks/bench_select.py --out DIR [--seqlens 131072,524288,1048576]
-        [--precisions input,fp8] [--kinds coherent,mid,random] [--tune fp8]
+        [--precisions input,fp8-triton,fp8] [--kinds coherent,mid,random] [--tune fp8]
 
 Effective TFLOP/s count 2 * Hi * Di FLOPs per causal (i, j) pair, in either precision. Both
 index precisions run on the same bf16 inputs; fp8's time includes its quantization pass, which
-is also timed alone (quant ms: quantize_rows_e4m3_fused). The PyTorch route is what one writes without a kernel: bf16
+is also timed alone (quant ms: quantize_rows_e4m3_fused). "fp8" is the library's fp8 selection on
+this GPU (the Hopper kernel, select_sm90, where it runs), "fp8-triton" the Triton kernel at its
+configuration, both in one run; each fp8 row also gives the share of sampled rows whose kept set
+is the fp32 reference's (SPEC section 8's bar: 99.5%). The PyTorch route is what one writes without a kernel: bf16
 matmul, causal mask, block max-pool, torch.topk, chunked over queries so that it fits in memory;
 it runs only up to --torch-max-seqlen. With --tune, a sweep of kernel configurations runs first
 at --tune-seqlen, and the best one is used (configs.SELECT_CONFIG holds the chosen ones).
@@ -14,6 +17,7 @@ at --tune-seqlen, and the best one is used (configs.SELECT_CONFIG holds the chos
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -28,6 +32,7 @@ from openmsa.bench.selection import index_inputs
 from openmsa.ops.configs import SELECT_CONFIG
 from openmsa.ops.layout import batch_cu_seqlens
 from openmsa.ops.quantize import quantize_rows_e4m3_fused
+from openmsa.ops import select_sm90, sm90
 from openmsa.ops.select import select_blocks_fwd
 from openmsa.testing import same_block_sets
 from bench_fp8_index import reference_rows, sampled_positions
@@ -68,13 +73,17 @@ SWEEP = {
 }
 AGREEMENT_BAR = 0.995
 TUNE_SAMPLES = 512
+REFERENCE_CHUNK = 64  # sampled queries scored at once by the reference (fp32 [64, Hi, S])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True, help="folder for bench_select.json")
     parser.add_argument("--seqlens", default="131072,524288,1048576")
-    parser.add_argument("--precisions", default="input,fp8", help="index precisions to time")
+    parser.add_argument("--precisions", default="input,fp8-triton,fp8",
+                        help="index precisions to time: input, fp8 (the library's kernel on "
+                        "this GPU), fp8-triton (the Triton kernel), fp8-64 (the library's "
+                        "kernel with imprecise_acc 64)")
     parser.add_argument("--kinds", default="coherent,mid,random",
                         help="selection kinds (openmsa.bench.selection)")
     parser.add_argument("--heads", type=int, default=4, help="index heads Hi (Hik = 1)")
@@ -103,14 +112,28 @@ def main() -> None:
                                         device)
         return index_q, index_k, batch_cu_seqlens(1, seqlen, device)
 
-    def run_kernel(index_q, index_k, cu, precision, **config):
-        return select_blocks_fwd(index_q, index_k, cu, top_k=args.top_k,
-                                 block_size=args.block_size, index_softmax_scale=scale,
-                                 num_local_blocks=1, num_sink_blocks=0,
-                                 index_precision=precision, **config)
+    def run_kernel(index_q, index_k, cu, variant, **config):
+        # fp8-triton: the Triton kernel at its configuration; fp8-64: the library's kernel
+        # summing 64 products before each fp32 add.
+        precision, _, suffix = variant.partition("-")
+        if suffix.isdigit():
+            config = dict(config, imprecise_acc=int(suffix))
+        with sm90.disabled() if suffix == "triton" else contextlib.nullcontext():
+            return select_blocks_fwd(index_q, index_k, cu, top_k=args.top_k,
+                                     block_size=args.block_size, index_softmax_scale=scale,
+                                     num_local_blocks=1, num_sink_blocks=0,
+                                     index_precision=precision, **config)
 
-    # 1. Configuration sweeps.
-    configs = {precision: dict(SELECT_CONFIG[precision]) for precision in precisions}
+    def reference_agreement(ids, index_q, index_k, seqlen):
+        generator = torch.Generator(device=device).manual_seed(1)
+        positions = sampled_positions(seqlen, TUNE_SAMPLES, generator)
+        reference = torch.cat([reference_rows(index_q, index_k, chunk, "fp8", args.top_k,
+                                              args.block_size)
+                               for chunk in positions.split(REFERENCE_CHUNK)])
+        return same_block_sets(ids[positions], reference).float().mean().item()
+
+    # 1. Configuration sweeps (of the Triton kernels).
+    configs = {"input": dict(SELECT_CONFIG["input"]), "fp8-triton": dict(SELECT_CONFIG["fp8"])}
     for precision in filter(None, args.tune.split(",")):
         index_q, index_k, cu = make_inputs(args.tune_seqlen, kinds[0])
         flops = index_scoring_flops(args.tune_seqlen, args.heads, args.head_dim)
@@ -128,12 +151,12 @@ def main() -> None:
                 print(f"{precision} config {config} failed: {type(error).__name__}: {error}"
                       [:200])
                 continue
-            agreement = same_block_sets(ids[positions], reference).float().mean().item()
+            agrees = same_block_sets(ids[positions], reference).float().mean().item()
             tflops = flops / ms / 1e9
             tried.append(dict(config, precision=precision, ms=ms, tflops=tflops,
-                              reference_agreement=agreement))
+                              reference_agreement=agrees))
             print(f"tune {precision} S={args.tune_seqlen} {config}: {ms:.2f} ms "
-                  f"{tflops:.0f} TFLOP/s, {100 * agreement:.2f}% rows as the fp32 reference",
+                  f"{tflops:.0f} TFLOP/s, {100 * agrees:.2f}% rows as the fp32 reference",
                   flush=True)
         results["tuning"] += tried
         if not tried:
@@ -141,7 +164,8 @@ def main() -> None:
         passing = [t for t in tried if t["reference_agreement"] >= AGREEMENT_BAR]
         best = (min(passing, key=lambda t: t["ms"]) if passing
                 else max(tried, key=lambda t: t["reference_agreement"]))
-        configs[precision] = {key: best[key] for key in SWEEP[precision][0]}
+        configs["fp8-triton" if precision == "fp8" else precision] = {
+            key: best[key] for key in SWEEP[precision][0]}
     results["configs"] = configs
 
     # 2. Sequence lengths x selection kinds x precisions, same inputs for both precisions.
@@ -152,7 +176,10 @@ def main() -> None:
             reps = 3 if seqlen >= 524288 else 10
             times = {}
             for precision in precisions:
-                config = configs[precision]
+                config = configs.get(precision, {})
+                kernel = ("hopper" if precision.startswith("fp8") and precision != "fp8-triton"
+                          and select_sm90.supported(
+                    index_q, args.top_k, args.block_size, args.heads) else "triton")
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
@@ -162,10 +189,11 @@ def main() -> None:
                 ms = bench(lambda: run_kernel(index_q, index_k, cu, precision, **config),
                            reps=reps * 20)
                 times[precision] = ms
-                row = dict(seqlen=seqlen, selection=kind, precision=precision, config=config,
-                           kernel_ms=ms, kernel_tflops=flops / ms / 1e9,
+                row = dict(seqlen=seqlen, selection=kind, precision=precision, kernel=kernel,
+                           config=config, kernel_ms=ms, kernel_tflops=flops / ms / 1e9,
                            extra_memory_bytes=extra, ids_bytes=ids.numel() * ids.element_size())
-                if precision == "fp8":
+                if precision.startswith("fp8"):
+                    row["reference_agreement"] = reference_agreement(ids, index_q, index_k, seqlen)
                     row["quantize_ms"] = bench(lambda: (quantize_rows_e4m3_fused(index_q),
                                                         quantize_rows_e4m3_fused(index_k)))
                     if "input" in times:
@@ -182,15 +210,17 @@ def main() -> None:
         json.dump(results, f, indent=2)
     print(f"\nselection kernel, {results['gpu']}, bf16 inputs, Hi={args.heads} Hik=1 "
           f"Di={args.head_dim} block={args.block_size} top_k={args.top_k}, configs {configs}")
-    print(f"{'S':>8} {'selection':>9} {'precision':>9} {'kernel ms':>10} {'TFLOP/s':>8} "
-          f"{'quant ms':>8} {'x input':>8} {'torch ms':>9} {'extra MiB':>9}")
+    print(f"{'S':>8} {'selection':>9} {'precision':>10} {'kernel ms':>10} {'TFLOP/s':>8} "
+          f"{'quant ms':>8} {'x input':>8} {'agree %':>8} {'torch ms':>9} {'extra MiB':>9}")
     for row in results["rows"]:
         def cell(key, fmt):
             return fmt.format(row[key]) if key in row else "-"
 
-        print(f"{row['seqlen']:>8} {row['selection']:>9} {row['precision']:>9} "
+        agree = f"{100 * row['reference_agreement']:.2f}" if "reference_agreement" in row else "-"
+        print(f"{row['seqlen']:>8} {row['selection']:>9} {row['precision']:>10} "
               f"{row['kernel_ms']:>10.2f} {row['kernel_tflops']:>8.0f} "
               f"{cell('quantize_ms', '{:.2f}'):>8} {cell('speedup_vs_input', '{:.2f}x'):>8} "
+              f"{agree:>8} "
               f"{cell('torch_ms', '{:.1f}'):>9} {row['extra_memory_bytes'] / 2**20:>9.1f}")
 
 

@@ -101,3 +101,62 @@ def test_msa_attention_with_fp8_selection_matches_the_reference_on_its_blocks(pa
              "selection_agreement": comparison.selection_agreement})
     assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
     assert comparison.selection_agreement >= 0.995
+
+
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="needs a Hopper GPU (the Gluon fp8 selection)")
+
+HOPPER_CASES = [
+    # (seqlens, Hi, Hik, Di, block_size, top_k, query_start, options)
+    ((8192,), 4, 1, 128, 128, 16, 0, {}),
+    ((3000, 1, 2500), 6, 2, 128, 128, 16, 0, dict(num_sink_blocks=1)),  # G = 3: padded rows
+    ((5000,), 8, 2, 64, 64, 4, 1234, dict(num_local_blocks=2)),  # 8 slots for 4, a query range
+    ((4096, 700), 2, 1, 128, 128, 24, 0, dict(index_softmax_scale=-0.2)),  # min-pool, 32 slots
+]
+
+
+@hopper
+@pytest.mark.parametrize("imprecise_acc", [32, 64])
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: f"{c[0]}_Hi{c[1]}_Hik{c[2]}_D{c[3]}"
+                         f"_b{c[4]}_k{c[5]}_q{c[6]}")
+def test_hopper_fp8_selection_is_the_triton_kernel_at_its_accumulation(case, imprecise_acc):
+    """The Gluon kernel (select_sm90) adds the tensor cores' sums of ``imprecise_acc`` products
+    in fp32, as the Triton kernel with the same ``imprecise_acc`` does: the same kept sets but
+    for the last bit of a few near-ties, and (32, the default) the fp32 reference's on >= 99.5%
+    of the rows."""
+    from openmsa.ops import select_sm90, sm90
+    from openmsa.ops.select import select_blocks_fwd
+
+    seqlens, hi, hik, di, block_size, top_k, query_start, options = case
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    total = sum(seqlens)
+    index_q = torch.randn(total, hi, di, device="cuda", generator=generator).bfloat16()
+    index_k = torch.randn(total, hik, di, device="cuda", generator=generator).bfloat16()
+    cu_seqlens = torch.tensor([0, *seqlens], device="cuda").cumsum(0).to(torch.int32)
+    args = dict(top_k=top_k, block_size=block_size, query_start=query_start,
+                index_softmax_scale=options.get("index_softmax_scale", di ** -0.5),
+                num_local_blocks=options.get("num_local_blocks", 1),
+                num_sink_blocks=options.get("num_sink_blocks", 0), index_precision="fp8")
+    assert select_sm90.supported(index_q, top_k, block_size, hi // hik)
+    queries = index_q[query_start:]
+    kernel = select_blocks_fwd(queries, index_k, cu_seqlens, imprecise_acc=imprecise_acc, **args)
+    with sm90.disabled():
+        triton_kernel = select_blocks_fwd(queries, index_k, cu_seqlens,
+                                          imprecise_acc=imprecise_acc, **args)
+    same = same_block_sets(kernel, triton_kernel).float().mean().item()
+    reference = openmsa.select_blocks(
+        index_q, index_k, backend="reference", cu_seqlens=cu_seqlens, max_seqlen=max(seqlens),
+        **{key: value for key, value in args.items() if key != "query_start"})
+    reference = reference.permute(1, 0, 2)[query_start:]  # [Hi, T, k] -> the kernel's [T, Hi, k]
+    agreement = same_block_sets(kernel, reference).float().mean().item()
+    _record({"test": "hopper_fp8_select", "case": [list(seqlens), *case[1:7]],
+             "imprecise_acc": imprecise_acc, "same_as_triton": same,
+             "reference_agreement": agreement})
+    print(f"hopper fp8 selection {case[:7]} imprecise_acc {imprecise_acc}: {100 * same:.3f}% "
+          f"of rows as Triton's, {100 * agreement:.3f}% as the fp32 reference")
+    assert same >= 0.999
+    if imprecise_acc == 32:
+        assert agreement >= 0.995
+    blocks = (max(seqlens) + block_size - 1) // block_size
+    assert ((kernel >= -1) & (kernel < blocks)).all()
