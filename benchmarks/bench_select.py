@@ -1,14 +1,14 @@
 """Benchmark of the fused block-selection kernel against the plain PyTorch route (GPU only).
 
     python benchmarks/bench_select.py --out DIR [--seqlens 131072,524288,1048576]
-        [--precisions input,fp8-triton,fp8] [--kinds coherent,mid,random] [--tune fp8]
+        [--precisions input,fp8,fp8-64] [--kinds coherent,mid,random] [--tune fp8]
 
 Effective TFLOP/s count 2 * Hi * Di FLOPs per causal (i, j) pair, in either precision. Both
 index precisions run on the same bf16 inputs; fp8's time includes its quantization pass, which
-is also timed alone (quant ms: quantize_rows_e4m3_fused). "fp8" is the library's fp8 selection on
-this GPU (the Hopper kernel, select_sm90, where it runs), "fp8-triton" the Triton kernel at its
-configuration, both in one run; each fp8 row also gives the share of sampled rows whose kept set
-is the fp32 reference's (SPEC section 8's bar: 99.5%). The PyTorch route is what one writes without a kernel: bf16
+is also timed alone (quant ms: quantize_rows_e4m3_fused). "fp8-64" (any number) is the fp8 kernel
+summing that many products on the tensor cores before each fp32 add (``imprecise_acc``); each fp8
+row also gives the share of sampled rows whose kept set is the fp32 reference's (SPEC section 8's
+bar: 99.5%). The PyTorch route is what one writes without a kernel: bf16
 matmul, causal mask, block max-pool, torch.topk, chunked over queries so that it fits in memory;
 it runs only up to --torch-max-seqlen. With --tune, a sweep of kernel configurations runs first
 at --tune-seqlen, and the best one is used (configs.SELECT_CONFIG holds the chosen ones).
@@ -17,7 +17,6 @@ at --tune-seqlen, and the best one is used (configs.SELECT_CONFIG holds the chos
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -32,7 +31,6 @@ from openmsa.bench.selection import index_inputs
 from openmsa.ops.configs import SELECT_CONFIG
 from openmsa.ops.layout import batch_cu_seqlens
 from openmsa.ops.quantize import quantize_rows_e4m3_fused
-from openmsa.ops import select_sm90, sm90
 from openmsa.ops.select import select_blocks_fwd
 from openmsa.testing import same_block_sets
 from bench_fp8_index import reference_rows, sampled_positions
@@ -80,10 +78,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True, help="folder for bench_select.json")
     parser.add_argument("--seqlens", default="131072,524288,1048576")
-    parser.add_argument("--precisions", default="input,fp8-triton,fp8",
-                        help="index precisions to time: input, fp8 (the library's kernel on "
-                        "this GPU), fp8-triton (the Triton kernel), fp8-64 (the library's "
-                        "kernel with imprecise_acc 64)")
+    parser.add_argument("--precisions", default="input,fp8",
+                        help="index precisions to time: input, fp8, fp8-N (fp8 with "
+                        "imprecise_acc N)")
     parser.add_argument("--kinds", default="coherent,mid,random",
                         help="selection kinds (openmsa.bench.selection)")
     parser.add_argument("--heads", type=int, default=4, help="index heads Hi (Hik = 1)")
@@ -113,16 +110,10 @@ def main() -> None:
         return index_q, index_k, batch_cu_seqlens(1, seqlen, device)
 
     def run_kernel(index_q, index_k, cu, variant, **config):
-        # fp8-triton: the Triton kernel at its configuration; fp8-64: the library's kernel
-        # summing 64 products before each fp32 add.
-        precision, _, suffix = variant.partition("-")
-        if suffix.isdigit():
-            config = dict(config, imprecise_acc=int(suffix))
-        with sm90.disabled() if suffix == "triton" else contextlib.nullcontext():
-            return select_blocks_fwd(index_q, index_k, cu, top_k=args.top_k,
-                                     block_size=args.block_size, index_softmax_scale=scale,
-                                     num_local_blocks=1, num_sink_blocks=0,
-                                     index_precision=precision, **config)
+        return select_blocks_fwd(index_q, index_k, cu, top_k=args.top_k,
+                                 block_size=args.block_size, index_softmax_scale=scale,
+                                 num_local_blocks=1, num_sink_blocks=0,
+                                 index_precision=variant.partition("-")[0], **config)
 
     def reference_agreement(ids, index_q, index_k, seqlen):
         generator = torch.Generator(device=device).manual_seed(1)
@@ -132,8 +123,8 @@ def main() -> None:
                                for chunk in positions.split(REFERENCE_CHUNK)])
         return same_block_sets(ids[positions], reference).float().mean().item()
 
-    # 1. Configuration sweeps (of the Triton kernels).
-    configs = {"input": dict(SELECT_CONFIG["input"]), "fp8-triton": dict(SELECT_CONFIG["fp8"])}
+    # 1. Configuration sweeps.
+    configs = {precision: dict(SELECT_CONFIG[precision]) for precision in SELECT_CONFIG}
     for precision in filter(None, args.tune.split(",")):
         index_q, index_k, cu = make_inputs(args.tune_seqlen, kinds[0])
         flops = index_scoring_flops(args.tune_seqlen, args.heads, args.head_dim)
@@ -164,8 +155,7 @@ def main() -> None:
         passing = [t for t in tried if t["reference_agreement"] >= AGREEMENT_BAR]
         best = (min(passing, key=lambda t: t["ms"]) if passing
                 else max(tried, key=lambda t: t["reference_agreement"]))
-        configs["fp8-triton" if precision == "fp8" else precision] = {
-            key: best[key] for key in SWEEP[precision][0]}
+        configs[precision] = {key: best[key] for key in SWEEP[precision][0]}
     results["configs"] = configs
 
     # 2. Sequence lengths x selection kinds x precisions, same inputs for both precisions.
@@ -176,10 +166,10 @@ def main() -> None:
             reps = 3 if seqlen >= 524288 else 10
             times = {}
             for precision in precisions:
-                config = configs.get(precision, {})
-                kernel = ("hopper" if precision.startswith("fp8") and precision != "fp8-triton"
-                          and select_sm90.supported(
-                    index_q, args.top_k, args.block_size, args.heads) else "triton")
+                family, _, imprecise_acc = precision.partition("-")  # fp8-64: imprecise_acc 64
+                config = configs[family]
+                if imprecise_acc:
+                    config = dict(config, imprecise_acc=int(imprecise_acc))
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
@@ -189,8 +179,8 @@ def main() -> None:
                 ms = bench(lambda: run_kernel(index_q, index_k, cu, precision, **config),
                            reps=reps * 20)
                 times[precision] = ms
-                row = dict(seqlen=seqlen, selection=kind, precision=precision, kernel=kernel,
-                           config=config, kernel_ms=ms, kernel_tflops=flops / ms / 1e9,
+                row = dict(seqlen=seqlen, selection=kind, precision=precision, config=config,
+                           kernel_ms=ms, kernel_tflops=flops / ms / 1e9,
                            extra_memory_bytes=extra, ids_bytes=ids.numel() * ids.element_size())
                 if precision.startswith("fp8"):
                     row["reference_agreement"] = reference_agreement(ids, index_q, index_k, seqlen)

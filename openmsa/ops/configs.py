@@ -56,12 +56,6 @@ KL_STAGES = 4  # KL: units of q rows in shared memory (two ahead)
 # them spills at a supported shape.
 FORWARD_REGISTERS = (232, 40)
 DQ_REGISTERS = (232, 40)
-# The fp8 selection (select_sm90): registers of its consumer warpgroups and loader warp, and the
-# stages of its ring of key blocks.
-SELECT_HOPPER_REGISTERS = (232, 40)
-SELECT_HOPPER_STAGES = 4
-# Dims of index_q/index_k the tensor cores sum (fp8) before the partial sum is added in fp32.
-SELECT_HOPPER_PROMOTE_DIMS = 32
 KEY_STEP_REGISTERS = (232, 40)
 
 

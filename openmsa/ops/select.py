@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from .configs import SELECT_CONFIG, SELECT_MAX_REGISTERS
-from . import select_sm90
 from .quantize import quantize_rows_e4m3_fused
 from .worklists import query_tile_schedule
 
@@ -227,15 +226,9 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
     ``index_precision="fp8"``: rank the fp8 scores of SPEC section 8 (quantized here, in a
     pass over index_q and index_k); no ``return_max`` then, as the row maxima would be fp8
     scores and their users need the input-precision ones.
-    ``tile_rows``, ``num_warps``, ``num_stages`` and (fp8) ``imprecise_acc`` tune the Triton
-    kernel; the defaults (``configs.SELECT_CONFIG``) won the sweep of benchmarks/bench_select.py.
-    fp8 on a Hopper GPU runs the Gluon kernel (``select_sm90``) where it supports the shape,
-    unless launch sizes are given (or ``sm90.disabled``); its ``imprecise_acc`` is 32 (default,
-    ``configs.SELECT_HOPPER_PROMOTE_DIMS``) or 64, others select the Triton kernel.
+    ``tile_rows``, ``num_warps``, ``num_stages`` and (fp8) ``imprecise_acc`` tune the kernel;
+    the defaults (``configs.SELECT_CONFIG``) won the sweep of benchmarks/bench_select.py.
     """
-    # The Hopper fp8 kernel's only knob is imprecise_acc; given launch sizes select the Triton
-    # kernel.
-    untuned = (tile_rows, num_warps, num_stages) == (None, None, None)
     config = SELECT_CONFIG[index_precision]
     tile_rows = tile_rows or config["tile_rows"]
     num_warps = num_warps or config["num_warps"]
@@ -253,18 +246,6 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
                                                   for t in (index_q, index_k))
         if interpreting:
             index_q, index_k = index_q.float(), index_k.float()
-        elif (untuned and imprecise_acc in ("config", 32, 64)
-              and select_sm90.supported(index_q, top_k, block_size, heads_per_key_head)):
-            ids = torch.empty(total, num_index_heads, top_k, dtype=torch.int32,
-                              device=index_q.device)
-            tile_tokens = _tile_tokens(heads_per_key_head, block_size, select_sm90.TILE_ROWS)
-            return select_sm90.select_fp8_hopper(
-                index_q, q_scale, index_k, k_scale, cu_seqlens,
-                query_tile_schedule(cu_seqlens, total, tile_tokens, query_start), ids,
-                tile_tokens=tile_tokens, top_k=top_k, block_size=block_size,
-                index_softmax_scale=index_softmax_scale, num_local_blocks=num_local_blocks,
-                num_sink_blocks=num_sink_blocks, query_start=query_start,
-                promote_dims=None if imprecise_acc == "config" else imprecise_acc)
     if index_q.stride(-1) != 1:
         index_q = index_q.contiguous()
     if index_k.stride(-1) != 1:
