@@ -159,7 +159,8 @@ def _train(args) -> int:
     from .train.run import run
 
     run(args.preset, args.out, device=args.device, seed=args.seed, steps=args.steps,
-        index_precision=args.index_precision)
+        index_precision=args.index_precision, layers=args.layers,
+        share_index_every=args.share_index_every)
     return 0
 
 
@@ -185,6 +186,11 @@ def main(argv=None) -> int:
     train.add_argument("--index-precision", default="input", choices=INDEX_PRECISIONS,
                        help="the MSA model's selection scores: input (its autocast dtype) or "
                        "fp8 (e4m3 with a scale per row; GPU of compute capability 8.9 on)")
+    train.add_argument("--layers", type=positive_int, default=None,
+                       help="attention blocks of both models instead of the preset's")
+    train.add_argument("--share-index-every", type=positive_int, default=1, metavar="N",
+                       help="MSA layers 0, N, 2N, ... select blocks, the others reuse the "
+                       "selection of the one before them (default 1: every layer selects)")
     train.set_defaults(handler=_train)
     bench = commands.add_parser(
         "bench", formatter_class=HelpFormatter,

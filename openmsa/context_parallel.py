@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .ops.msa import msa_attention
+from .ops.msa import msa_attention, sparse_attention
 
 if dist.is_available():  # torch builds without distributed support still import openmsa
     # Imported with the module, not on first use: imported after init_process_group, it made
@@ -147,9 +147,12 @@ def context_parallel_msa_attention(q, k, v, index_q, index_k, *, group=None, mod
     ``mode="head"``: inputs and ``out`` are this rank's contiguous shard ``[B, S / W, heads,
     dim]`` (packed ``[T / W, heads, dim]``), shards in rank order; needs ``Hkv % W == 0``.
     ``mode="sequence"``: inputs and ``out`` are this rank's zig-zag shard (``zigzag_shard``),
-    same shapes; needs ``S`` (packed: ``T``) divisible by ``2W``. With ``return_indices=True``
-    (sequence mode only) it also returns the kept block ids of the rank's queries,
-    ``[B, Hi, S / W, top_k]`` (packed ``[Hi, T / W, top_k]``) in the shard's token order.
+    same shapes; needs ``S`` (packed: ``T``) divisible by ``2W``. With ``return_indices=True`` it
+    also returns kept block ids: in sequence mode those of the rank's queries,
+    ``[B, Hi, S / W, top_k]`` (packed ``[Hi, T / W, top_k]``) in the shard's token order; in head
+    mode those of the rank's index heads over the whole sequence, ``[B, Hi / W, S, top_k]``
+    (packed ``[Hi / W, T, top_k]``). ``context_parallel_sparse_attention`` takes either back
+    (layers sharing a selection, SPEC section 9).
 
     Returns ``(out, kl)`` (``(out, kl, indices)`` with ``return_indices``)."""
     if mode not in MODES:
@@ -161,9 +164,6 @@ def context_parallel_msa_attention(q, k, v, index_q, index_k, *, group=None, mod
         if options.get(name) is not None:
             raise ValueError(f"{name}: expected None (not supported with context parallelism), "
                              f"received {type(options[name]).__name__}")
-    if mode == "head" and options.get("return_indices"):
-        raise ValueError("return_indices: expected False in head-parallel mode (mode='sequence' "
-                         "returns the indices of the rank's queries), received True")
     packed = options.get("cu_seqlens") is not None
     rank_of_inputs = 3 if packed else 4
     layout = "[T / W, heads, dim] (with cu_seqlens)" if packed else "[B, S / W, heads, dim]"
@@ -207,13 +207,13 @@ def _head_parallel(q, k, v, index_q, index_k, group, packed, options):
     if packed:  # msa_attention takes packed input as [T, heads, dim]
         q_heads, k_heads, v_heads, iq_heads, ik_heads = (
             t[0] for t in (q_heads, k_heads, v_heads, iq_heads, ik_heads))
-    out, kl = msa_attention(q_heads, k_heads, v_heads, iq_heads, ik_heads, **options)
+    out, kl, *indices = msa_attention(q_heads, k_heads, v_heads, iq_heads, ik_heads, **options)
     if packed:
         out = out[None]
     # Each rank's KL is a mean over its index heads, a 1 / W share of them.
     kl = _global_kl(kl / world, group)
     out = _heads_to_sequence(out, group)
-    return (out[0] if packed else out), kl
+    return ((out[0] if packed else out), kl, *indices)
 
 
 def _sequence_parallel(q, k, v, index_q, index_k, group, packed, options):
@@ -248,3 +248,62 @@ def _sequence_parallel(q, k, v, index_q, index_k, group, packed, options):
             indices.append(torch.cat(row_ids, dim=-2))
     out, kl = torch.cat(outs), _global_kl(kl, group)
     return (out, kl, torch.cat(indices)) if indices else (out, kl)
+
+
+def context_parallel_sparse_attention(q, k, v, block_indices, *, group=None, mode: str = "head",
+                                      **options):
+    """``sparse_attention`` over a sequence split across ``group`` (inputs and ``out`` as
+    ``context_parallel_msa_attention``'s): a layer sharing the selection of a layer that ran
+    ``context_parallel_msa_attention`` in the same mode takes its ``block_indices`` as returned
+    there (``None`` with ``warmup=True``). ``options`` are ``sparse_attention``'s
+    (``cu_seqlens`` describes the whole packing; ``num_index_heads`` in warmup counts all
+    ranks' index heads)."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, received {mode!r}")
+    if not dist.is_initialized():
+        raise ValueError("group: expected an initialized torch.distributed process group, "
+                         "received none (call torch.distributed.init_process_group first)")
+    if options.get("query_start") is not None:
+        raise ValueError("query_start: expected None (context parallelism sets the ranges), "
+                         f"received {options['query_start']}")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    packed = options.get("cu_seqlens") is not None
+    if mode == "head":
+        if packed:
+            q, k, v = (t[None] for t in (q, k, v))
+        if k.shape[2] % world:
+            raise ValueError(f"k: expected a number of KV heads divisible by the world size "
+                             f"{world} (head-parallel mode splits whole GQA groups), received "
+                             f"{k.shape[2]}")
+        q_heads, k_heads, v_heads = (_sequence_to_heads(t, group) for t in (q, k, v))
+        if packed:
+            q_heads, k_heads, v_heads = (t[0] for t in (q_heads, k_heads, v_heads))
+        if options.get("warmup"):
+            options = dict(options)
+            heads = options.pop("num_index_heads", None) or k.shape[2]
+            options["num_index_heads"] = heads // world
+        out = sparse_attention(q_heads, k_heads, v_heads, block_indices, **options)
+        out = _heads_to_sequence(out[None] if packed else out, group)
+        return out[0] if packed else out
+    dim = 0 if packed else 1
+    local = q.shape[dim]
+    if local % 2:
+        raise ValueError(f"q: expected a shard of an even number of tokens (the {world} ranks' "
+                         f"{world * local} tokens cut into 2 * {world} equal zig-zag chunks), "
+                         f"received {local}")
+    keys = [zigzag_unshard(t, group, dim) for t in (k, v)]
+    chunk = local // 2
+    starts = (rank * chunk, (2 * world - 1 - rank) * chunk)
+    batch_rows = 1 if packed else q.shape[0]
+    outs = []
+    for b in range(batch_rows):
+        row_q, row_k, row_v = ((q, *keys) if packed else (q[b, None], *(t[b, None] for t in keys)))
+        row_ids = (block_indices if packed or block_indices is None else block_indices[b, None])
+        halves = []
+        for half, start in enumerate(starts):
+            tokens = (..., slice(half * chunk, (half + 1) * chunk), slice(None), slice(None))
+            ids = None if row_ids is None else row_ids[..., half * chunk:(half + 1) * chunk, :]
+            halves.append(sparse_attention(row_q[tokens], row_k, row_v, ids, query_start=start,
+                                           **options))
+        outs.append(torch.cat(halves, dim=-3))
+    return torch.cat(outs)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from openmsa import cli
+from openmsa import MSAAttention, cli
 from openmsa.ops import pipeline as pipeline_module
 from openmsa.ops.interpreter import INTERPRETING
 from openmsa.testing import TOLERANCE, compare_with_reference
@@ -207,3 +207,29 @@ def test_train_index_precision_reaches_every_msa_layer_and_the_metrics(tmp_path,
     assert summary["index_precision"] == "fp8"
     with pytest.raises(SystemExit):
         cli.main(["train", "--preset", "tiny", "--index-precision", "int4"])
+
+
+def test_train_shares_the_index_across_layers_when_asked(tmp_path, monkeypatch):
+    """--layers 3 --share-index-every 2: the MSA model's layers 0 and 2 select, layer 1 reuses
+    layer 0's selection; the summary records it; bad values are refused."""
+    import json
+
+    from openmsa.train import run as train_run
+
+    built = []
+    original = train_run.RetrievalModel
+
+    def recording(*args, **kwargs):
+        built.append(original(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(train_run, "RetrievalModel", recording)
+    assert cli.main(["train", "--preset", "tiny", "--layers", "3", "--share-index-every", "2",
+                     "--out", str(tmp_path)]) == 0
+    msa = [model for model in built if isinstance(model.blocks[0].attention, MSAAttention)]
+    assert len(msa) == 1 and len(msa[0].blocks) == 3
+    assert [b.attention.has_index_branch for b in msa[0].blocks] == [True, False, True]
+    summary = json.loads((tmp_path / "metrics.json").read_text())["summary"]
+    assert summary["share_index_every"] == 2 and summary["settings"]["layers"] == 3
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--preset", "tiny", "--share-index-every", "0"])

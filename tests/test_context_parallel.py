@@ -10,7 +10,8 @@ import torch.multiprocessing as mp
 
 import openmsa
 from openmsa.context_parallel import (context_parallel_msa_attention,
-                                                   shard_sequence, zigzag_shard)
+                                      context_parallel_sparse_attention, shard_sequence,
+                                      zigzag_shard)
 from openmsa.layers import MSAAttention
 from openmsa.testing import INPUT_NAMES, same_block_sets
 
@@ -123,6 +124,16 @@ def test_clear_errors():
         context_parallel_msa_attention(*_inputs((4, 2, 2, 1))[0])
     with pytest.raises(ValueError, match="^context_parallel_mode: expected one of"):
         MSAAttention(96, 4, 2, 64, context_parallel_mode="ring")
+    q, k, v = _inputs((4, 2, 2, 1))[0][:3]
+    with pytest.raises(ValueError, match="^mode:"):
+        context_parallel_sparse_attention(q, k, v, None, mode="ring", warmup=True)
+    with pytest.raises(ValueError, match="^group:"):
+        context_parallel_sparse_attention(q, k, v, None, warmup=True)
+    indexer = MSAAttention(96, 4, 2, 64, top_k=2, block_size=64)
+    with pytest.raises(ValueError, match="^share_index_from: expected a layer with this layer's "
+                       "context parallel group and mode"):
+        MSAAttention(96, 4, 2, 64, top_k=2, block_size=64, context_parallel_mode="sequence",
+                     share_index_from=indexer)
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,8 +232,6 @@ def _sequence_errors_worker(rank, world):
          [t[:, :5] for t in tensors], {}),
         (r"^k: expected leading dimensions \(1, 128\) \(those of q",
          [shards[0], tensors[1][:, :64], *shards[2:]], {}),
-        ("^return_indices: expected False in head-parallel mode",
-         shards, dict(mode="head", return_indices=True)),
         ("^block_indices: expected None",
          shards, dict(block_indices=torch.zeros(1, 2, 128, 2, dtype=torch.int32))),
         ("^max_seqlen: expected None unless cu_seqlens is given", shards, dict(max_seqlen=8)),
@@ -248,3 +257,77 @@ def _sequence_errors_worker(rank, world):
 
 def test_sequence_parallel_clear_errors():
     _spawn(_sequence_errors_worker, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Index sharing (SPEC section 9) in either mode
+# --------------------------------------------------------------------------------------------
+
+def _sharing_stack(**options):
+    """An indexer and a layer sharing its selection, float64, reference backend."""
+    torch.manual_seed(0)
+    first = MSAAttention(96, 4, 2, 64, top_k=2, block_size=64, backend="reference",
+                         **options).double()
+    second = MSAAttention(96, 4, 2, 64, top_k=2, block_size=64, backend="reference",
+                          share_index_from=first, **options).double()
+    return first, second
+
+
+def _check_sharing(mode, packed, warmup):
+    """hidden, kl and the parameters' gradients (summed over ranks) of the two-layer stack
+    against the single-process stack."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    single = _sharing_stack()
+    parallel = _sharing_stack(context_parallel_group=dist.group.WORLD,
+                              context_parallel_mode=mode)
+    for one, other in zip(single, parallel):
+        other.load_state_dict(one.state_dict())
+        one.warmup = other.warmup = warmup
+    generator = torch.Generator().manual_seed(1)
+    x, hidden_grad = (torch.randn(1, SEQLEN, 96, dtype=torch.float64, generator=generator)
+                      for _ in range(2))
+    call, dim = {}, 1
+    if packed:
+        x, hidden_grad, dim = x[0], hidden_grad[0], 0
+        call["cu_seqlens"] = _packed_offsets()
+    if mode == "sequence":
+        def shard(t):
+            return zigzag_shard(t, dim=dim)
+    else:
+        def shard(t):
+            length = t.shape[dim] // world
+            return t.narrow(dim, rank * length, length)
+
+    def run(stack, x):
+        hidden, kl = stack[0](x, **call)
+        out, second_kl = stack[1](hidden, **call)
+        assert second_kl == 0
+        return out, kl
+
+    hidden, kl = run(single, x)
+    ((hidden * hidden_grad).sum() + kl).backward()
+    hidden_cp, kl_cp = run(parallel, shard(x))
+    ((hidden_cp * shard(hidden_grad)).sum() + kl_cp).backward()
+    torch.testing.assert_close(hidden_cp, shard(hidden), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(kl_cp, kl, rtol=1e-6, atol=1e-9)
+    for layer_cp, layer in zip(parallel, single):
+        for (name, got), expected in zip(layer_cp.named_parameters(), layer.parameters()):
+            grad = got.grad.clone()
+            dist.all_reduce(grad)
+            torch.testing.assert_close(grad, expected.grad, rtol=1e-6, atol=1e-10, msg=name)
+
+
+SHARING_CASES = [(mode, packed, warmup) for mode in ("head", "sequence")
+                 for packed, warmup in ((False, False), (True, False), (False, True))]
+
+
+def _sharing_worker(rank, world):
+    for case in SHARING_CASES:
+        try:
+            _check_sharing(*case)
+        except Exception as error:
+            raise AssertionError(f"{case}: {type(error).__name__}: {error}") from error
+
+
+def test_index_sharing_matches_single_process_in_both_modes():
+    _spawn(_sharing_worker, 2)

@@ -9,8 +9,8 @@ from openmsa import set_msa_warmup  # noqa: E402
 from openmsa.integrations.transformers import HFMSAAttention, convert_to_msa, msa_kl  # noqa: E402
 
 
-def tiny_model(family):
-    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+def tiny_model(family, layers=2):
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=101,
                   max_position_embeddings=1024)
     torch.manual_seed(0)
@@ -109,3 +109,43 @@ def test_converted_layers_select_with_the_given_index_precision():
         with torch.no_grad():
             logits[precision] = model(tokens, use_cache=False).logits
     assert not torch.equal(logits["input"], logits["fp8"])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_converted_model_with_index_sharing_runs_forward_and_backward(family):
+    """share_index_every=2 on 3 layers: layers 0 and 2 select, layer 1 attends over layer 0's
+    blocks with no index projections; msa_kl averages layers 0 and 2; the KL reaches only their
+    index projections, the logits every main projection. With top_k covering every block the
+    sharing model equals the original."""
+    model = tiny_model(family, layers=3)
+    tokens = torch.randint(101, (2, 200), generator=torch.Generator().manual_seed(1))
+    expected = model(tokens, use_cache=False).logits
+    assert convert_to_msa(model, top_k=4, block_size=64, backend="reference",
+                          share_index_every=2) == 3
+    attention = [layer.self_attn for layer in model.model.layers]
+    assert [a.has_index_branch for a in attention] == [True, False, True]
+    assert not [n for n, _ in attention[1].named_parameters() if "index_" in n]
+    torch.testing.assert_close(model(tokens, use_cache=False).logits, expected, rtol=1e-9,
+                               atol=1e-9)
+
+    model = tiny_model(family, layers=3)
+    convert_to_msa(model, top_k=1, block_size=64, backend="reference", share_index_every=2)
+    attention = [layer.self_attn for layer in model.model.layers]
+    logits = model(tokens, use_cache=False).logits
+    kl = msa_kl(model)
+    torch.testing.assert_close(kl, (attention[0].last_kl + attention[2].last_kl) / 2)
+    assert attention[1].last_kl is None
+    assert attention[0].last_indices is not None and attention[2].last_indices is None
+    kl.backward(retain_graph=True)
+    for name, parameter in model.named_parameters():
+        touched = parameter.grad is not None and parameter.grad.abs().sum() > 0
+        assert touched == ("index_" in name), name
+    model.zero_grad()
+    logits.sum().backward()
+    for name, parameter in model.named_parameters():
+        if "self_attn" in name and "index_" not in name and "norm" not in name:
+            assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
+    set_msa_warmup(model, True)  # sharing layers run dense too
+    model(tokens, use_cache=False).logits.sum().backward()
+    with pytest.raises(ValueError, match="^share_index_every: expected an int >= 1"):
+        convert_to_msa(tiny_model(family), share_index_every=0)

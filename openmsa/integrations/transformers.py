@@ -7,8 +7,10 @@ projections start as averages of the main ones (index query r = mean of the quer
 of KV group r's heads; index key = mean of the key projections), so the index scores start as
 the group's average main score: the index branch selects roughly what the main attention would
 look at from step one, and the KL refines it. Training only: no KV cache, no padding masks (pack
-sequences instead). After each forward, ``msa_kl(model)`` is the mean KL over layers; add
-``kl_weight * msa_kl(model)`` to the loss.
+sequences instead). After each forward, ``msa_kl(model)`` is the mean KL over the layers with
+an index branch; add ``kl_weight * msa_kl(model)`` to the loss. ``share_index_every=N``: layers
+0, N, 2N, ... get an index branch, the others attend over the blocks of the nearest one before
+them (SPEC section 9) and have no index projections.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from ..layers.msa_attention import rotate_half
-from ..ops.msa import msa_attention
+from ..ops.msa import msa_attention, sparse_attention
 from ..ops.validate import check_index_precision
 
 SUPPORTED = ("LlamaAttention", "Qwen3Attention")
@@ -46,7 +48,7 @@ class HFMSAAttention(nn.Module):
 
     def __init__(self, original: nn.Module, *, top_k: int, block_size: int,
                  num_local_blocks: int, num_sink_blocks: int, backend: str,
-                 index_precision: str = "input"):
+                 index_precision: str = "input", share_index_from: "HFMSAAttention | None" = None):
         super().__init__()
         config = original.config
         self.config, self.layer_idx = config, original.layer_idx
@@ -59,6 +61,29 @@ class HFMSAAttention(nn.Module):
         identity = nn.Identity()
         self.q_norm = getattr(original, "q_norm", identity)
         self.k_norm = getattr(original, "k_norm", identity)
+        self.options = dict(top_k=top_k, block_size=block_size,
+                            num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
+                            backend=backend, index_precision=index_precision)
+        self.warmup = False
+        self.last_kl = None
+        # The kept ids of the latest forward, for the layers sharing this one's selection; the
+        # layer whose selection this one reads (a tuple: not a registered submodule).
+        self.last_indices = None
+        self._hands_on_indices = False
+        self._index_source = ()
+        if share_index_from is not None:
+            if share_index_from._index_source:
+                share_index_from = share_index_from._index_source[0]
+            mine = (self.num_heads, self.num_kv_heads, block_size)
+            theirs = (share_index_from.num_heads, share_index_from.num_kv_heads,
+                      share_index_from.options["block_size"])
+            if mine != theirs:
+                raise ValueError(f"share_index_every: layer {self.layer_idx} has (H, Hkv, "
+                                 f"block_size) = {mine}, the layer {share_index_from.layer_idx} "
+                                 f"whose selection it would share has {theirs}")
+            self._index_source = (share_index_from,)
+            share_index_from._hands_on_indices = True
+            return
         self.index_q_norm = copy.deepcopy(self.q_norm)
         self.index_k_norm = copy.deepcopy(self.k_norm)
         hidden = self.q_proj.in_features
@@ -72,11 +97,11 @@ class HFMSAAttention(nn.Module):
             self.index_k_proj.weight.copy_(k_weight.mean(dim=0))
         self.index_q_proj.to(self.q_proj.weight)
         self.index_k_proj.to(self.q_proj.weight)
-        self.options = dict(top_k=top_k, block_size=block_size,
-                            num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
-                            backend=backend, index_precision=index_precision)
-        self.warmup = False
-        self.last_kl = None
+
+    @property
+    def has_index_branch(self) -> bool:
+        """Whether the layer selects its own blocks (False: it shares an earlier layer's)."""
+        return len(self._index_source) == 0
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
                 past_key_values=None, **kwargs):
@@ -92,38 +117,71 @@ class HFMSAAttention(nn.Module):
         q = heads(self.q_proj, hidden_states, self.num_heads, self.q_norm)
         k = heads(self.k_proj, hidden_states, self.num_kv_heads, self.k_norm)
         v = self.v_proj(hidden_states).view(batch, seqlen, self.num_kv_heads, self.head_dim)
+        if not self.has_index_branch:
+            return self.o_proj(self._shared_attention(q, k, v).reshape(batch, seqlen, -1)), None
         detached = hidden_states.detach()  # the KL trains the index projections only
         index_q = heads(self.index_q_proj, detached, self.num_kv_heads, self.index_q_norm)
         index_k = heads(self.index_k_proj, detached, 1, self.index_k_norm)
-        out, kl = msa_attention(q, k, v, index_q, index_k, softmax_scale=self.scaling,
-                                warmup=self.warmup, **self.options)
+        hands_on = self._hands_on_indices and not self.warmup
+        out, kl, *indices = msa_attention(q, k, v, index_q, index_k, softmax_scale=self.scaling,
+                                          warmup=self.warmup, return_indices=hands_on,
+                                          **self.options)
         self.last_kl = kl
+        if self._hands_on_indices:
+            self.last_indices = indices[0] if indices else None
         return self.o_proj(out.reshape(batch, seqlen, -1)), None
+
+    def _shared_attention(self, q, k, v):
+        """A layer without an index branch: the main attention over its source layer's latest
+        kept blocks (dense in warmup)."""
+        options = dict(block_size=self.options["block_size"], softmax_scale=self.scaling,
+                       backend=self.options["backend"])
+        if self.warmup:
+            return sparse_attention(q, k, v, warmup=True, num_index_heads=self.num_kv_heads,
+                                    **options)
+        source = self._index_source[0]
+        if source.last_indices is None:
+            raise ValueError(f"block_indices: layer {self.layer_idx} shares the selection of "
+                             f"layer {source.layer_idx}, which has none (it ran in warmup, or "
+                             f"did not run before this layer)")
+        return sparse_attention(q, k, v, source.last_indices, **options)
 
 
 def convert_to_msa(model: nn.Module, *, top_k: int = 16, block_size: int = 128,
                    num_local_blocks: int = 1, num_sink_blocks: int = 0,
-                   backend: str = "auto", index_precision: str = "input") -> int:
+                   backend: str = "auto", index_precision: str = "input",
+                   share_index_every: int = 1) -> int:
     """Replaces every Llama / Qwen3 attention module of ``model`` in place; returns how many.
     The options are ``msa_attention``'s (``index_precision="fp8"``: selection on fp8 index
-    scores)."""
+    scores). ``share_index_every=N``: the attention modules 0, N, 2N, ... (in the model's
+    order) get an index branch, the others share the selection of the nearest one before them
+    (default 1: every layer selects)."""
     _require_transformers()
     check_index_precision(index_precision)
+    if (isinstance(share_index_every, bool) or not isinstance(share_index_every, int)
+            or share_index_every < 1):
+        raise ValueError(f"share_index_every: expected an int >= 1, received "
+                         f"{share_index_every!r}")
     targets = [(name, module) for name, module in model.named_modules()
                if type(module).__name__ in SUPPORTED]
     if not targets:
         raise ValueError(f"model: expected attention modules of type {SUPPORTED}, found none")
-    for name, module in targets:
+    converted = []
+    for position, (name, module) in enumerate(targets):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, HFMSAAttention(
+        source = (None if position % share_index_every == 0
+                  else converted[position - position % share_index_every])
+        converted.append(HFMSAAttention(
             module, top_k=top_k, block_size=block_size, num_local_blocks=num_local_blocks,
-            num_sink_blocks=num_sink_blocks, backend=backend, index_precision=index_precision))
+            num_sink_blocks=num_sink_blocks, backend=backend, index_precision=index_precision,
+            share_index_from=source))
+        setattr(parent, child, converted[-1])
     return len(targets)
 
 
 def msa_kl(model: nn.Module) -> torch.Tensor:
-    """Mean KL over the converted layers, from the last forward."""
+    """Mean KL over the converted layers with an index branch, from the last forward."""
     kls = [module.last_kl for module in model.modules()
            if isinstance(module, HFMSAAttention) and module.last_kl is not None]
     if not kls:

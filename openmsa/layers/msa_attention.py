@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from ..context_parallel import (MODES, context_parallel_msa_attention,
-                                             shard_sequence)
-from ..ops.msa import msa_attention
+                                context_parallel_sparse_attention, shard_sequence)
+from ..ops.msa import msa_attention, sparse_attention
 from ..ops.validate import check_index_precision, query_positions_from_offsets
 
 
@@ -41,6 +41,14 @@ class MSAAttention(nn.Module):
     ``block_size``, ``num_local_blocks``, ``num_sink_blocks``, ``backend``, ``deterministic``
     and ``index_precision`` (``"fp8"``: selection on fp8 index scores) are passed to
     ``msa_attention``.
+
+    Index sharing (SPEC section 9): ``share_index_from=layer`` builds a layer without an index
+    branch (no index projections) that attends over the blocks ``layer`` (an earlier layer of
+    the same ``H``, ``Hkv``, ``Hi`` and block size, or a layer sharing from one) kept in its
+    latest forward, on the same tokens; its KL is 0 (no gradient), so a model's KL is the mean
+    over its layers with an index branch (``has_index_branch``). In warmup it runs dense like
+    its source. ``forward(..., block_indices=ids)`` gives the ids explicitly instead (those of
+    ``return_indices=True``).
     """
 
     is_msa_layer = True  # set_msa_warmup switches every module that says so
@@ -52,7 +60,8 @@ class MSAAttention(nn.Module):
                  num_sink_blocks: int = 0, rope_theta: float = 10000.0, qk_norm: bool = False,
                  bias: bool = False, backend: str = "auto", deterministic: bool = False,
                  index_precision: str = "input", context_parallel_group=None,
-                 context_parallel_mode: str = "head"):
+                 context_parallel_mode: str = "head",
+                 share_index_from: "MSAAttention | None" = None):
         super().__init__()
         # With a process group, hidden_states is this rank's shard of the sequence and the
         # attention runs across the group (openmsa.context_parallel): head mode
@@ -75,23 +84,39 @@ class MSAAttention(nn.Module):
                             index_precision=index_precision)
         self.rope_theta = rope_theta
         self.warmup = False
+        # The kept ids of the latest forward, kept for the layers that share them.
+        self.last_indices = None
+        self._hands_on_indices = False
+        # The layer whose selection this one reads (a tuple: not a registered submodule).
+        self._index_source = ()
+        if share_index_from is not None:
+            source = _index_source_of(share_index_from)
+            _check_shareable(self, source)
+            self._index_source = (source,)
+            source._hands_on_indices = True
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
-        self.index_q_proj = nn.Linear(hidden_size, num_index_heads * index_head_dim, bias=False)
-        self.index_k_proj = nn.Linear(hidden_size, num_index_kv_heads * index_head_dim,
-                                      bias=False)
         norm = (lambda dim: nn.RMSNorm(dim, eps=1e-6)) if qk_norm else (lambda dim: nn.Identity())
         self.q_norm, self.k_norm = norm(head_dim), norm(head_dim)
-        self.index_q_norm, self.index_k_norm = norm(index_head_dim), norm(index_head_dim)
+        if self.has_index_branch:
+            self.index_q_proj = nn.Linear(hidden_size, num_index_heads * index_head_dim,
+                                          bias=False)
+            self.index_k_proj = nn.Linear(hidden_size, num_index_kv_heads * index_head_dim,
+                                          bias=False)
+            self.index_q_norm, self.index_k_norm = norm(index_head_dim), norm(index_head_dim)
+
+    @property
+    def has_index_branch(self) -> bool:
+        """Whether the layer selects its own blocks (False: it shares another layer's)."""
+        return len(self._index_source) == 0
 
     def projections(self, hidden_states: torch.Tensor, position_ids: torch.Tensor):
         """The inputs of ``msa_attention``: ``(q, k, v, index_q, index_k)`` of
         ``hidden_states`` at ``position_ids``, with QK-norm and RoPE applied; the index branch
-        reads a detached copy."""
+        reads a detached copy (index_q and index_k are None without an index branch)."""
         lead = hidden_states.shape[:-1]
-        detached = hidden_states.detach()
 
         def project(layer, x, heads, dim, norm):
             return apply_rope(norm(layer(x).view(*lead, heads, dim)), position_ids,
@@ -100,6 +125,9 @@ class MSAAttention(nn.Module):
         q = project(self.q_proj, hidden_states, self.num_heads, self.head_dim, self.q_norm)
         k = project(self.k_proj, hidden_states, self.num_kv_heads, self.head_dim, self.k_norm)
         v = self.v_proj(hidden_states).view(*lead, self.num_kv_heads, self.head_dim)
+        if not self.has_index_branch:
+            return q, k, v, None, None
+        detached = hidden_states.detach()
         index_q = project(self.index_q_proj, detached, self.num_index_heads,
                           self.index_head_dim, self.index_q_norm)
         index_k = project(self.index_k_proj, detached, self.num_index_kv_heads,
@@ -108,28 +136,65 @@ class MSAAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                return_indices: bool = False):
+                return_indices: bool = False, block_indices: torch.Tensor | None = None):
         """hidden_states: ``[B, S, hidden]``, or packed ``[T, hidden]`` with ``cu_seqlens``
         (with context parallelism: this rank's shard, ``cu_seqlens`` of the whole packing).
         position_ids: optional ``[B, S]`` (packed: ``[T]``); default: positions within each
-        sequence (of this rank's tokens). Returns ``(hidden, kl)``; with ``return_indices``,
-        ``(hidden, kl, indices)`` (indices None in warmup)."""
+        sequence (of this rank's tokens). block_indices: kept ids to attend over instead of
+        the layer's own selection (or, sharing, its source's). Returns ``(hidden, kl)``; with
+        ``return_indices``, ``(hidden, kl, indices)`` (indices None in warmup; with context
+        parallelism, in the layout ``context_parallel_msa_attention`` returns)."""
         lead = hidden_states.shape[:-1]
         if position_ids is None:
             position_ids = self._default_positions(lead, cu_seqlens, hidden_states.device)
         q, k, v, index_q, index_k = self.projections(hidden_states, position_ids)
-        options = dict(self.options, warmup=self.warmup, cu_seqlens=cu_seqlens,
-                       max_seqlen=max_seqlen, return_indices=return_indices and not self.warmup)
-        if self.context_parallel_group is not None:
-            out, kl, *indices = context_parallel_msa_attention(
-                q, k, v, index_q, index_k, group=self.context_parallel_group,
-                mode=self.context_parallel_mode, **options)
+        if self.has_index_branch:
+            wants_indices = (return_indices or self._hands_on_indices) and not self.warmup
+            options = dict(self.options, warmup=self.warmup, cu_seqlens=cu_seqlens,
+                           max_seqlen=max_seqlen, return_indices=wants_indices,
+                           block_indices=block_indices)
+            if self.context_parallel_group is not None:
+                out, kl, *indices = context_parallel_msa_attention(
+                    q, k, v, index_q, index_k, group=self.context_parallel_group,
+                    mode=self.context_parallel_mode, **options)
+            else:
+                out, kl, *indices = msa_attention(q, k, v, index_q, index_k, **options)
+            indices = indices[0] if indices else None
+            if self._hands_on_indices:
+                self.last_indices = indices
         else:
-            out, kl, *indices = msa_attention(q, k, v, index_q, index_k, **options)
+            out, indices = self._shared_attention(q, k, v, cu_seqlens, max_seqlen,
+                                                  block_indices)
+            kl = torch.zeros((), dtype=torch.float32, device=q.device)
         hidden = self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
         if return_indices:  # warmup selects nothing: None
-            return hidden, kl, (indices[0] if indices else None)
+            return hidden, kl, indices
         return hidden, kl
+
+    def _shared_attention(self, q, k, v, cu_seqlens, max_seqlen, block_indices):
+        """A layer without an index branch: the main attention over ``block_indices`` or its
+        source's latest ids (dense in warmup). Returns ``(out, ids)``."""
+        options = dict(block_size=self.options["block_size"], cu_seqlens=cu_seqlens,
+                       max_seqlen=max_seqlen, backend=self.options["backend"])
+        group = self.context_parallel_group
+        if self.warmup:
+            options.update(warmup=True, num_index_heads=self.num_index_heads,
+                           deterministic=self.options["deterministic"])
+            if group is not None:
+                return context_parallel_sparse_attention(
+                    q, k, v, None, group=group, mode=self.context_parallel_mode,
+                    **options), None
+            return sparse_attention(q, k, v, **options), None
+        ids = block_indices if block_indices is not None else self._index_source[0].last_indices
+        if ids is None:
+            raise ValueError("block_indices: expected the kept ids of the layer this one shares "
+                             "(given, or from that layer's forward just before), received none "
+                             "(the source ran in warmup, or no forward of it ran yet)")
+        if group is not None:
+            return context_parallel_sparse_attention(q, k, v, ids, group=group,
+                                                     mode=self.context_parallel_mode,
+                                                     **options), ids
+        return sparse_attention(q, k, v, ids, **options), ids
 
     def _default_positions(self, lead, cu_seqlens, device) -> torch.Tensor:
         """Each token's position in its sequence; with context parallelism, those of this
@@ -175,3 +240,28 @@ class MSAWarmupSchedule:
         warmup = self.is_warmup(step)
         set_msa_warmup(model, warmup)
         return warmup
+
+
+def _index_source_of(layer) -> "MSAAttention":
+    """The layer with an index branch whose selection ``layer`` stands for (itself, or the
+    source it shares)."""
+    if not isinstance(layer, MSAAttention):
+        raise TypeError(f"share_index_from: expected an MSAAttention, received "
+                        f"{type(layer).__name__}")
+    return layer if layer.has_index_branch else layer._index_source[0]
+
+
+def _check_shareable(layer: "MSAAttention", source: "MSAAttention") -> None:
+    """SPEC section 9: a shared selection needs the same head mapping and block size."""
+    mine = (layer.num_heads, layer.num_kv_heads, layer.num_index_heads,
+            layer.options["block_size"])
+    theirs = (source.num_heads, source.num_kv_heads, source.num_index_heads,
+              source.options["block_size"])
+    if mine != theirs:
+        raise ValueError(f"share_index_from: expected a layer with this layer's (H, Hkv, Hi, "
+                         f"block_size) = {mine}, received one with {theirs}")
+    if (layer.context_parallel_group, layer.context_parallel_mode) != (
+            source.context_parallel_group, source.context_parallel_mode):
+        raise ValueError("share_index_from: expected a layer with this layer's context "
+                         "parallel group and mode (the ids' layout follows them), received "
+                         "another")

@@ -2,7 +2,9 @@
 fake implementations and autograd, nothing else (the work is ``openmsa.ops.pipeline``'s).
 
 ``openmsa::msa_forward`` runs ``pipeline.forward``; ``openmsa::msa_backward`` runs
-``pipeline.backward`` and is registered as the forward's autograd formula. Each has a fake
+``pipeline.backward`` and is registered as the forward's autograd formula.
+``openmsa::sparse_forward`` and ``openmsa::sparse_backward`` do the same for the main attention
+alone (``pipeline.sparse_forward``: ``sparse_attention`` and layers sharing a selection). Each has a fake
 implementation (output shapes from input shapes alone), so ``torch.compile`` traces through
 ``msa_attention`` without graph breaks. The work lists the forward builds are outputs, so the
 backward reuses them instead of building them again.
@@ -14,9 +16,8 @@ from typing import Optional
 import torch
 
 from . import pipeline
-from .attention import attention_backward, sparse_attention_fwd
 from .configs import Tuning
-from .problem import SparseAttentionProblem, query_tile_shape
+from .problem import query_tile_shape
 from .worklists import query_tile_entries
 
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -168,19 +169,65 @@ def tuned_msa_forward(tuning: Tuning):
     return TunedMSAForward.apply
 
 
-class SparseAttentionFunction(torch.autograd.Function):
-    """Autograd of the main attention alone over given kept blocks (``sparse_attention``):
-    q [T, H, D]; k, v [T, Hkv, D]; block_ids int32 [T, Hi, k] token-major."""
+@torch.library.custom_op("openmsa::sparse_forward", mutates_args=())
+def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                   block_ids: Optional[torch.Tensor], num_index_heads: int, block_size: int,
+                   softmax_scale: float, warmup: bool, max_seqlen: int, query_start: int = 0,
+                   dense_batch: int = 0,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              torch.Tensor, torch.Tensor]:
+    """``pipeline.sparse_forward`` as an operator."""
+    return pipeline.sparse_forward(q, k, v, cu_seqlens, block_ids, num_index_heads, block_size,
+                                   softmax_scale, warmup, max_seqlen, query_start, dense_batch)
 
-    @staticmethod
-    def forward(ctx, q, k, v, block_ids, cu_seqlens, block_size, softmax_scale):
-        problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale)
-        out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.problem = problem
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        return attention_backward(q, k, v, out, dout, lse, ctx.problem) + (None,) * 4
+@sparse_forward.register_fake
+def _(q, k, v, cu_seqlens, block_ids, num_index_heads, block_size, softmax_scale, warmup,
+      max_seqlen, query_start=0, dense_batch=0):
+    total, num_heads, _ = q.shape
+    slots = -(-max_seqlen // block_size) if warmup else block_ids.shape[2]
+    tokens = query_tile_shape(num_heads // num_index_heads)[0]
+    entries = query_tile_entries(total, cu_seqlens.shape[0] - 1, tokens, query_start)
+    i32 = dict(dtype=torch.int32, device=q.device)
+    width = tokens * slots
+    return (torch.empty_like(q), q.new_empty(total, num_heads, dtype=torch.float32),
+            q.new_empty(total, num_index_heads, slots, **i32), q.new_empty(entries, 2, **i32),
+            q.new_empty(entries, num_index_heads, width, **i32),
+            q.new_empty(entries, num_index_heads, width, dtype=torch.int64, device=q.device),
+            q.new_empty(entries, num_index_heads, **i32))
+
+
+@torch.library.custom_op("openmsa::sparse_backward", mutates_args=())
+def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, block_ids: torch.Tensor,
+                    schedule: torch.Tensor, union: torch.Tensor, union_members: torch.Tensor,
+                    union_count: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
+                    softmax_scale: float, query_start: int = 0, dense_batch: int = 0,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pipeline.sparse_backward`` as an operator."""
+    return pipeline.sparse_backward(dout, q, k, v, out, lse, block_ids, schedule, union,
+                                    union_members, union_count, cu_seqlens, block_size,
+                                    softmax_scale, query_start, dense_batch)
+
+
+@sparse_backward.register_fake
+def _(dout, q, k, v, out, lse, block_ids, schedule, union, union_members, union_count,
+      cu_seqlens, block_size, softmax_scale, query_start=0, dense_batch=0):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _sparse_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, _, _, block_size, softmax_scale, _, _, query_start, dense_batch = inputs
+    out, lse, ids, *work = output
+    ctx.save_for_backward(q, k, v, out, lse, ids, *work, cu_seqlens)
+    ctx.options = (block_size, softmax_scale, query_start, dense_batch)
+
+
+def _sparse_backward_formula(ctx, dout, *_):
+    q, k, v, out, lse, ids, *work, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = sparse_backward(dout.contiguous(), q, k, v, out, lse, ids, *work, cu_seqlens,
+                                 *ctx.options)
+    return (dq, dk, dv) + (None,) * 9
+
+
+sparse_forward.register_autograd(_sparse_backward_formula, setup_context=_sparse_setup_context)

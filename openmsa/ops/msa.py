@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .custom_ops import SparseAttentionFunction, msa_forward
+from .custom_ops import msa_forward, sparse_forward
 from .dense import use_cudnn_dense
 from .interpreter import INTERPRETING, check_interpreter
 from .layout import (ids_from_token_major, ids_to_token_major,
@@ -197,26 +197,40 @@ def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, top_k: int = 
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     block_indices: torch.Tensor, *, block_size: int = 128,
+                     block_indices: torch.Tensor | None = None, *, block_size: int = 128,
                      softmax_scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
-                     max_seqlen: int | None = None, backend: str = "auto") -> torch.Tensor:
-    """The main attention alone, over given kept blocks (SPEC section 3, steps 5-6).
+                     max_seqlen: int | None = None, backend: str = "auto", warmup: bool = False,
+                     num_index_heads: int | None = None, deterministic: bool = False,
+                     query_start: int | None = None) -> torch.Tensor:
+    """The main attention alone, over given kept blocks (SPEC section 3, steps 5-6): what a
+    layer that shares another layer's selection runs (SPEC section 9).
 
     ``block_indices``: kept block ids ``[B, Hi, S, k]`` (packed ``[Hi, T, k]``) as
-    ``select_blocks`` returns them; ``Hi`` index heads, each shared by ``H / Hi`` main heads.
-    Every row must hold its query's own block. Returns ``out`` (q's shape and dtype), which
-    back-propagates to q, k and v. The Triton backward is deterministic by construction.
+    ``select_blocks`` and ``msa_attention(..., return_indices=True)`` return them; ``Hi`` index
+    heads, each shared by ``H / Hi`` main heads. Every row must hold its query's own block.
+    ``warmup=True`` (no ``block_indices``): dense causal attention, every causal block kept
+    (as ``msa_attention``'s warmup: cuDNN for 16-bit CUDA batch input, else the kernels over
+    every causal block, their tiles shaped by ``num_index_heads``, default Hkv). Returns ``out``
+    (q's shape and dtype), which back-propagates to q, k and v. The Triton backward is
+    deterministic by construction; ``deterministic=True`` keeps warmup off cuDNN, whose backward
+    is not. ``query_start``: a query range, as ``msa_attention``'s (context parallelism). The
+    kernels run as the custom operators ``openmsa::sparse_forward`` / ``sparse_backward``, so
+    ``torch.compile`` traces them.
     """
     problem = validate_sparse_args(q, k, v, block_indices, block_size=block_size,
                                    softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                                   max_seqlen=max_seqlen, backend=backend)
+                                   max_seqlen=max_seqlen, backend=backend, warmup=warmup,
+                                   num_index_heads=num_index_heads, deterministic=deterministic,
+                                   query_start=query_start)
     if not _use_kernels(backend, q.device):
         return naive_msa_forward(q, k, v, None, None, problem, cu_seqlens, block_indices)[0]
     _check_gpu_head_dims(q.device, q=problem.head_dim)
-    cu = packed_offsets(cu_seqlens, problem.batch, problem.seqlen, q.device)
-    out = SparseAttentionFunction.apply(
-        packed_tokens(q), packed_tokens(k), packed_tokens(v),
-        ids_to_token_major(block_indices, problem.packed), cu, block_size, problem.softmax_scale)
+    cu = packed_offsets(cu_seqlens, problem.batch, problem.num_keys, q.device)
+    ids = None if warmup else ids_to_token_major(block_indices, problem.packed)
+    dense_batch = problem.batch if warmup and use_cudnn_dense(q, problem, deterministic) else 0
+    out, *_ = sparse_forward(packed_tokens(q), packed_tokens(k), packed_tokens(v), cu, ids,
+                             problem.num_index_heads, block_size, problem.softmax_scale, warmup,
+                             max_seqlen or problem.num_keys, problem.query_start, dense_batch)
     return out.view(q.shape)
 
 

@@ -1,6 +1,7 @@
 """``msa_attention`` on the kernels, stage by stage: select -> work lists -> attention -> KL
-(``forward``), and the attention's and the KL's gradients (``backward``). ``custom_ops`` wraps
-both as PyTorch operators.
+(``forward``), and the attention's and the KL's gradients (``backward``); the main attention
+alone over given blocks (``sparse_forward``, ``sparse_backward``: ``sparse_attention`` and the
+layers that share another layer's selection). ``custom_ops`` wraps them as PyTorch operators.
 
 Inputs are packed: q ``[Tq, H, D]``, k and v ``[T, Hkv, D]``, index_q ``[Tq, Hi, Di]``, index_k
 ``[T, Hik, Di]``, cu_seqlens int32 ``[N + 1]``; block ids are token-major int32 ``[Tq, Hi, k]``.
@@ -61,17 +62,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Te
     ``deterministic``: the KL's gradients and value are summed in a fixed order
     (``kl.index_branch_kl``). ``index_precision``: the scores selection ranks ("input" or
     "fp8", SPEC section 8); the KL always uses the input-precision ones."""
-    total = q.shape[0]
     # 1. Selection: the kept block ids [Tq, Hi, k].
     query_work = index_max = None
     if warmup:
-        positions = query_positions_from_offsets(cu_seqlens, k.shape[0])
-        ids = all_causal_block_ids(positions[query_start:query_start + total],
-                                   index_q.shape[1], block_size, max_seqlen)
-        tile_tokens = query_tile_shape(q.shape[1] // index_q.shape[1])[0]
-        query_work = build_causal_query_tile_work(cu_seqlens, total, index_q.shape[1],
-                                                  tile_tokens, block_size, ids.shape[2],
-                                                  query_start)
+        ids, query_work = _causal_ids_and_work(q, k, cu_seqlens, index_q.shape[1], block_size,
+                                               max_seqlen, query_start)
     elif block_ids is not None:
         ids = block_ids.clone()  # outputs may not alias inputs
     else:
@@ -160,3 +155,57 @@ def backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torch.Te
                                                   problem, False, True, deterministic)
     return (dq, dk, dv) + scaled_kl_gradients(d_index_q, d_index_k, dkl, problem,
                                               index_q.dtype, index_k.dtype)
+
+
+def _causal_ids_and_work(q, k, cu_seqlens, num_index_heads: int, block_size: int,
+                         max_seqlen: int, query_start: int):
+    """Warmup's kept blocks (every causal block of sequences up to ``max_seqlen`` tokens) and
+    their query-tile work lists."""
+    total = q.shape[0]
+    positions = query_positions_from_offsets(cu_seqlens, k.shape[0])
+    ids = all_causal_block_ids(positions[query_start:query_start + total], num_index_heads,
+                               block_size, max_seqlen)
+    tile_tokens = query_tile_shape(q.shape[1] // num_index_heads)[0]
+    work = build_causal_query_tile_work(cu_seqlens, total, num_index_heads, tile_tokens,
+                                        block_size, ids.shape[2], query_start)
+    return ids, work
+
+
+def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                   block_ids: Optional[torch.Tensor], num_index_heads: int, block_size: int,
+                   softmax_scale: float, warmup: bool, max_seqlen: int, query_start: int = 0,
+                   dense_batch: int = 0):
+    """The main attention alone (no index branch, no KL) over ``block_ids`` (token-major
+    ``[Tq, Hi, k]``) or, with ``warmup``, over every causal block (``num_index_heads`` then
+    shapes the work lists; ``dense_batch`` > 0: on cuDNN over that many equal batch rows).
+    Returns out, lse2 ``[Tq, H]``, the kept ids and the query-tile work lists."""
+    query_work = None
+    if warmup:
+        ids, query_work = _causal_ids_and_work(q, k, cu_seqlens, num_index_heads, block_size,
+                                               max_seqlen, query_start)
+    else:
+        ids = block_ids.clone()  # outputs may not alias inputs
+    problem = SparseAttentionProblem(q, k, ids, cu_seqlens, block_size, softmax_scale,
+                                     query_start=query_start, query_work=query_work,
+                                     all_causal=warmup)
+    if dense_batch:
+        out, lse = dense_attention_forward(q, k, v, dense_batch, softmax_scale)
+    else:
+        out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
+    work = problem.query_work
+    return out, lse, ids, work.schedule, work.union, work.union_members, work.union_count
+
+
+def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, block_ids: torch.Tensor,
+                    schedule: torch.Tensor, union: torch.Tensor, union_members: torch.Tensor,
+                    union_count: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
+                    softmax_scale: float, query_start: int = 0, dense_batch: int = 0):
+    """dq, dk, dv of ``sparse_forward``'s attention, on its work lists."""
+    if dense_batch:
+        return dense_attention_backward(dout, q, k, v, out, lse, dense_batch, softmax_scale)
+    work = QueryTileWork(schedule, union, union_members, union_count,
+                         tile_tokens=query_tile_shape(q.shape[1] // block_ids.shape[1])[0])
+    problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
+                                     query_work=work, query_start=query_start)
+    return attention_backward(q, k, v, out, dout, lse, problem)

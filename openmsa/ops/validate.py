@@ -153,7 +153,10 @@ def validate_block_indices(block_indices, problem: MSAProblem, cu_seqlens,
     if problem.warmup:
         raise _fail("block_indices", "None when warmup=True (warmup keeps every causal block)",
                     "a tensor")
-    if block_indices.is_cuda and torch.cuda.is_current_stream_capturing():
+    # Reading the values would sync the host: not while a CUDA graph is captured, and not under
+    # torch.compile (data-dependent); the shapes above are checked there too.
+    if torch.compiler.is_compiling() or (block_indices.is_cuda
+                                         and torch.cuda.is_current_stream_capturing()):
         return
     query_block = query_positions(problem, cu_seqlens, device) // problem.block_size
     if problem.packed:
@@ -407,12 +410,27 @@ def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_s
 
 
 def validate_sparse_args(q, k, v, block_indices, *, block_size, softmax_scale, cu_seqlens,
-                         max_seqlen, backend) -> MSAProblem:
+                         max_seqlen, backend, warmup=False, num_index_heads=None,
+                         deterministic=False, query_start=None) -> MSAProblem:
     """Validates the arguments of ``sparse_attention``; the index heads ``Hi`` and the slots per
-    row are those of ``block_indices`` (``[B, Hi, S, k]`` or packed ``[Hi, T, k]``)."""
+    row are those of ``block_indices`` (``[B, Hi, S, k]`` or packed ``[Hi, T, k]``), or in
+    warmup (no ``block_indices``) ``num_index_heads`` (default Hkv) and every causal block.
+    With ``query_start``, q holds the tokens of k from there on, as in ``msa_attention``."""
     check_backend(backend)
-    tensors = {"q": q, "k": k, "v": v}
-    _check_tensors(tensors, backend, cu_seqlens, max_seqlen)
+    _check_bool("warmup", warmup)
+    _check_bool("deterministic", deterministic)
+    _check_query_range(query_start, None)
+    key_names = ("k", "v") if query_start is not None else ()
+    _check_tensors({"q": q, "k": k, "v": v}, backend, cu_seqlens, max_seqlen, key_names)
+    num_queries, num_keys = q.shape[-3], k.shape[-3]
+    if query_start is not None:
+        if q.dim() == 4 and (q.shape[0], k.shape[0]) != (1, 1):
+            raise _fail("query_start", "a batch of one with a query range (or packed input)",
+                        f"batches of {q.shape[0]} (q) and {k.shape[0]} (k)")
+        if query_start + num_queries > num_keys:
+            raise _fail("query_start", f"at most {num_keys - num_queries} (the {num_queries} "
+                        f"query tokens of q must lie within the {num_keys} tokens of k)",
+                        query_start)
     head_dim, num_heads, num_kv_heads = q.shape[-1], q.shape[-2], k.shape[-2]
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise _fail("q", f"head dim in {SUPPORTED_HEAD_DIMS}", head_dim)
@@ -422,29 +440,43 @@ def validate_sparse_args(q, k, v, block_indices, *, block_size, softmax_scale, c
         raise _fail("k", f"a number of heads dividing the {num_heads} heads of q", num_kv_heads)
     if tuple(v.shape) != tuple(k.shape):
         raise _fail("v", f"shape {tuple(k.shape)} (the shape of k)", tuple(v.shape))
-    if not isinstance(block_indices, torch.Tensor):
-        raise TypeError(
-            f"block_indices: expected a torch.Tensor, received {type(block_indices).__name__}")
     packed = cu_seqlens is not None
-    if block_indices.dim() != (3 if packed else 4):
-        raise _fail("block_indices", "a [Hi, T, k] tensor" if packed else "a [B, Hi, S, k] tensor",
-                    f"shape {tuple(block_indices.shape)}")
-    num_index_heads = block_indices.shape[-3]
+    if warmup:
+        if block_indices is not None:
+            raise _fail("block_indices", "None with warmup=True (warmup keeps every causal "
+                        "block)", f"a {type(block_indices).__name__}")
+        if num_index_heads is None:
+            num_index_heads = num_kv_heads
+        _check_int("num_index_heads", num_index_heads)
+        name, slots = "num_index_heads", 1
+    else:
+        if num_index_heads is not None:
+            raise _fail("num_index_heads", "None with block_indices (their dim -3 gives it)",
+                        num_index_heads)
+        if not isinstance(block_indices, torch.Tensor):
+            raise TypeError(f"block_indices: expected a torch.Tensor, received "
+                            f"{type(block_indices).__name__}")
+        if block_indices.dim() != (3 if packed else 4):
+            raise _fail("block_indices",
+                        "a [Hi, T, k] tensor" if packed else "a [B, Hi, S, k] tensor",
+                        f"shape {tuple(block_indices.shape)}")
+        num_index_heads = block_indices.shape[-3]
+        name, slots = "block_indices", max(1, block_indices.shape[-1])
     if num_index_heads < 1 or num_heads % num_index_heads or num_index_heads % num_kv_heads:
-        raise _fail("block_indices", f"a number of index heads (dim -3) dividing the {num_heads} "
-                    f"heads of q and a multiple of the {num_kv_heads} heads of k",
-                    num_index_heads)
+        raise _fail(name, f"a number of index heads dividing the {num_heads} heads of q and a "
+                    f"multiple of the {num_kv_heads} heads of k", num_index_heads)
     _check_int("block_size", block_size)
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise _fail("block_size", f"one of {SUPPORTED_BLOCK_SIZES}", block_size)
-    batch, seqlen = (1 if packed else q.shape[0]), q.shape[-3]
+    batch = 1 if packed else q.shape[0]
     problem = MSAProblem(
-        packed=packed, batch=batch, seqlen=seqlen,
+        packed=packed, batch=batch, seqlen=num_queries,
         num_heads=num_heads, num_kv_heads=num_kv_heads, num_index_heads=num_index_heads,
         num_index_kv_heads=1, head_dim=head_dim, index_head_dim=head_dim,
-        top_k=max(1, block_indices.shape[-1]), block_size=block_size,
+        top_k=slots, block_size=block_size,
         softmax_scale=_resolve_scale("softmax_scale", softmax_scale, head_dim),
-        index_softmax_scale=1.0, num_local_blocks=1, num_sink_blocks=0, warmup=False,
-        query_start=0, num_keys=seqlen, kl_num_queries=batch * seqlen)
-    validate_block_indices(block_indices, problem, cu_seqlens, q.device)
+        index_softmax_scale=1.0, num_local_blocks=1, num_sink_blocks=0, warmup=warmup,
+        query_start=query_start or 0, num_keys=num_keys, kl_num_queries=batch * num_queries)
+    if not warmup:
+        validate_block_indices(block_indices, problem, cu_seqlens, q.device)
     return problem

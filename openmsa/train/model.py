@@ -65,32 +65,39 @@ class RetrievalModel(nn.Module):
     def __init__(self, task: RetrievalTask, attention: str, hidden_size: int = 128,
                  layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 64,
                  top_k: int = 2, block_size: int = 64, rope_theta: float = 10000.0,
-                 index_precision: str = "input"):
+                 index_precision: str = "input", share_index_every: int = 1):
         super().__init__()
+        if not isinstance(share_index_every, int) or share_index_every < 1:
+            raise ValueError(f"share_index_every: expected an int >= 1, received "
+                             f"{share_index_every!r}")
         self.key_embedding = nn.Embedding(task.vocab_keys, hidden_size)
         self.value_embedding = nn.Embedding(task.vocab_values, hidden_size)
-
-        def make_attention():
+        self.blocks = nn.ModuleList()
+        for layer in range(layers):
             if attention == "dense":
-                return DenseAttention(hidden_size, num_heads, num_kv_heads, head_dim,
+                made = DenseAttention(hidden_size, num_heads, num_kv_heads, head_dim,
                                       rope_theta=rope_theta)
-            return MSAAttention(hidden_size, num_heads, num_kv_heads, head_dim,
-                                top_k=top_k, block_size=block_size, rope_theta=rope_theta,
-                                index_precision=index_precision)
-
-        self.blocks = nn.ModuleList(Block(make_attention(), hidden_size) for _ in range(layers))
+            else:  # layers 0, N, 2N, ... select; the others share the selection before them
+                source = (None if layer % share_index_every == 0
+                          else self.blocks[layer - layer % share_index_every].attention)
+                made = MSAAttention(hidden_size, num_heads, num_kv_heads, head_dim,
+                                    top_k=top_k, block_size=block_size, rope_theta=rope_theta,
+                                    index_precision=index_precision, share_index_from=source)
+            self.blocks.append(Block(made, hidden_size))
         self.norm = nn.RMSNorm(hidden_size, eps=1e-6)
         self.head = nn.Linear(hidden_size, task.num_values)
 
     def forward(self, tokens, return_indices=False):
-        """Returns answer logits ``[B, num_values]``, the mean KL over layers and, with
-        ``return_indices``, each layer's kept block ids (None for dense or warmup layers)."""
+        """Returns answer logits ``[B, num_values]``, the mean KL over the layers with an index
+        branch (every layer for dense attention, whose KL is 0) and, with ``return_indices``,
+        each layer's kept block ids (None for dense or warmup layers)."""
         keys, values = tokens
         x = self.key_embedding(keys) + self.value_embedding(values)
         kls, indices = [], []
         for block in self.blocks:
             x, kl, layer_indices = block(x, return_indices)
-            kls.append(kl)
+            if getattr(block.attention, "has_index_branch", True):
+                kls.append(kl)
             indices.append(layer_indices)
         logits = self.head(self.norm(x[:, -1]))
         kl = torch.stack(kls).mean()

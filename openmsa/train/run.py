@@ -18,7 +18,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -132,7 +132,7 @@ def evaluate(model, tokens, answers, fact_positions, block_size):
 
 
 def train_model(kind: str, preset: Preset, device, seed: int, progress,
-                index_precision: str = "input") -> list[dict]:
+                index_precision: str = "input", share_index_every: int = 1) -> list[dict]:
     task = _task(preset)
     torch.manual_seed(seed)
     phases = []  # (last step, task, batch) of each curriculum phase
@@ -140,8 +140,8 @@ def train_model(kind: str, preset: Preset, device, seed: int, progress,
         phases.append(((phases[-1][0] if phases else 0) + steps, _task(preset, seqlen), batch))
     model = RetrievalModel(task, kind, layers=preset.layers, top_k=preset.top_k,
                            block_size=preset.block_size, rope_theta=preset.rope_theta,
-                           num_kv_heads=preset.num_kv_heads,
-                           index_precision=index_precision).to(device)
+                           num_kv_heads=preset.num_kv_heads, index_precision=index_precision,
+                           share_index_every=share_index_every).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
     schedule = MSAWarmupSchedule(preset.warmup_steps if kind == "msa" else 0)
     data = torch.Generator().manual_seed(seed + 1)
@@ -276,10 +276,17 @@ def _write_plot(histories: dict, out_dir: str, preset_name: str) -> str:
 
 
 def run(preset_name: str, out_dir: str, device: str | torch.device | None = None, seed: int = 0,
-        steps: int | None = None, index_precision: str = "input") -> dict:
+        steps: int | None = None, index_precision: str = "input", layers: int | None = None,
+        share_index_every: int = 1) -> dict:
     """Trains the dense and the MSA model of a preset; ``index_precision`` is the MSA
-    model's (``msa_attention``'s option)."""
+    model's (``msa_attention``'s option). ``layers``: attention blocks instead of the preset's;
+    ``share_index_every``: MSA layers 0, N, 2N, ... select, the others share the selection of
+    the one before them (SPEC section 9)."""
     check_index_precision(index_precision)
+    for name, value in (("layers", layers), ("share_index_every", share_index_every)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"{name}: expected a positive int, received {value!r}")
     if preset_name not in PRESETS:
         raise ValueError(f"preset_name: expected one of {sorted(PRESETS)}, received "
                          f"{preset_name!r}")
@@ -290,18 +297,22 @@ def run(preset_name: str, out_dir: str, device: str | torch.device | None = None
         print(f"openmsa train: --steps {steps}: the preset's {preset.steps} steps, its warmup, "
               f"curriculum and evaluation interval scaled by {steps / preset.steps:.3g}")
         preset = with_steps(preset, steps)
+    if layers is not None:
+        preset = replace(preset, layers=layers)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: expected a device this torch can use, received {device} "
                          f"(torch {torch.__version__} sees no CUDA GPU)")
     print(f"openmsa train: preset {preset_name} on {device}, index precision "
-          f"{index_precision}: {asdict(preset)}")
+          f"{index_precision}, index shared every {share_index_every} layers: {asdict(preset)}")
     progress = _progress_printer()
-    histories = {kind: train_model(kind, preset, device, seed, progress, index_precision)
+    histories = {kind: train_model(kind, preset, device, seed, progress, index_precision,
+                                   share_index_every)
                  for kind in ("dense", "msa")}
     final = {kind: history[-1] for kind, history in histories.items()}
     summary = {"preset": preset_name, "settings": asdict(preset), "device": str(device),
-               "seed": seed, "index_precision": index_precision, "final": final}
+               "seed": seed, "index_precision": index_precision,
+               "share_index_every": share_index_every, "final": final}
     os.makedirs(out_dir, exist_ok=True)  # only now: a run that fails early leaves no folder
     with open(os.path.join(out_dir, "metrics.json"), "w") as f:
         json.dump({"summary": summary, "history": histories}, f, indent=2)
