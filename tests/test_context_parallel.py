@@ -32,6 +32,16 @@ def _packed_offsets():
     return torch.tensor([0, *PACKED]).cumsum(0).to(torch.int32)
 
 
+def _layer_inputs(packed):
+    """A layer's hidden states and their gradient, the call's cu_seqlens, the sequence dim."""
+    generator = torch.Generator().manual_seed(1)
+    x, hidden_grad = (torch.randn(1, SEQLEN, 96, dtype=torch.float64, generator=generator)
+                      for _ in range(2))
+    if packed:
+        return x[0], hidden_grad[0], dict(cu_seqlens=_packed_offsets()), 0
+    return x, hidden_grad, {}, 1
+
+
 def _run(rank, worker, world, init_file, failures, args):
     """One process: ``worker(rank, world, *args)`` inside a gloo group; errors go to the
     parent."""
@@ -183,13 +193,7 @@ def _check_sequence_layer(packed):
     parallel = MSAAttention(96, 4, 2, 64, **options, context_parallel_group=dist.group.WORLD,
                             context_parallel_mode="sequence").double()
     parallel.load_state_dict(single.state_dict())
-    generator = torch.Generator().manual_seed(1)
-    x, hidden_grad = (torch.randn(1, SEQLEN, 96, dtype=torch.float64, generator=generator)
-                      for _ in range(2))
-    call, dim = {}, 1
-    if packed:
-        x, hidden_grad, dim = x[0], hidden_grad[0], 0
-        call["cu_seqlens"] = _packed_offsets()
+    x, hidden_grad, call, dim = _layer_inputs(packed)
     hidden, kl = single(x, **call)
     ((hidden * hidden_grad).sum() + kl).backward()
     hidden_cp, kl_cp = parallel(zigzag_shard(x, dim=dim), **call)
@@ -283,13 +287,7 @@ def _check_sharing(mode, packed, warmup):
     for one, other in zip(single, parallel):
         other.load_state_dict(one.state_dict())
         one.warmup = other.warmup = warmup
-    generator = torch.Generator().manual_seed(1)
-    x, hidden_grad = (torch.randn(1, SEQLEN, 96, dtype=torch.float64, generator=generator)
-                      for _ in range(2))
-    call, dim = {}, 1
-    if packed:
-        x, hidden_grad, dim = x[0], hidden_grad[0], 0
-        call["cu_seqlens"] = _packed_offsets()
+    x, hidden_grad, call, dim = _layer_inputs(packed)
     if mode == "sequence":
         def shard(t):
             return zigzag_shard(t, dim=dim)

@@ -55,8 +55,6 @@ def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softm
         slots = block_ids.shape[2]
     else:
         slots = top_k
-    tokens = query_tile_shape(num_heads // num_index_heads)[0]
-    entries = query_tile_entries(total, cu_seqlens.shape[0] - 1, tokens, query_start)
     f32 = dict(dtype=torch.float32, device=q.device)
     i32 = dict(dtype=torch.int32, device=q.device)
     grad_q_shape = (total, num_index_heads, index_dim) if index_grad else (0,)
@@ -64,13 +62,22 @@ def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softm
     (pairs, blocks, segments), _ = pipeline.block_work_shape(q, k, index_q, cu_seqlens, slots,
                                                               block_size)
     work_size = pairs + 3 * blocks * num_index_heads + 2 * blocks + 3 * segments
-    width = tokens * slots
     return (torch.empty_like(q), q.new_empty((), **f32), q.new_empty(total, num_heads, **f32),
             q.new_empty(total, num_index_heads, **f32),
             q.new_empty(total, num_index_heads, slots, **i32), q.new_empty(grad_q_shape, **f32),
             q.new_empty(grad_k_shape, **f32),
             q.new_empty(work_size if index_grad else 0, **i32),
-            q.new_empty(entries, 2, **i32), q.new_empty(entries, num_index_heads, width, **i32),
+            *_fake_query_work(q, cu_seqlens, num_index_heads, slots, query_start))
+
+
+def _fake_query_work(q, cu_seqlens, num_index_heads: int, slots: int, query_start: int):
+    """The fake query-tile work lists (schedule, union, members, count) of the forwards."""
+    total, num_heads, _ = q.shape
+    tokens = query_tile_shape(num_heads // num_index_heads)[0]
+    entries = query_tile_entries(total, cu_seqlens.shape[0] - 1, tokens, query_start)
+    i32 = dict(dtype=torch.int32, device=q.device)
+    width = tokens * slots
+    return (q.new_empty(entries, 2, **i32), q.new_empty(entries, num_index_heads, width, **i32),
             q.new_empty(entries, num_index_heads, width, dtype=torch.int64, device=q.device),
             q.new_empty(entries, num_index_heads, **i32))
 
@@ -186,15 +193,9 @@ def _(q, k, v, cu_seqlens, block_ids, num_index_heads, block_size, softmax_scale
       max_seqlen, query_start=0, dense_batch=0):
     total, num_heads, _ = q.shape
     slots = -(-max_seqlen // block_size) if warmup else block_ids.shape[2]
-    tokens = query_tile_shape(num_heads // num_index_heads)[0]
-    entries = query_tile_entries(total, cu_seqlens.shape[0] - 1, tokens, query_start)
-    i32 = dict(dtype=torch.int32, device=q.device)
-    width = tokens * slots
     return (torch.empty_like(q), q.new_empty(total, num_heads, dtype=torch.float32),
-            q.new_empty(total, num_index_heads, slots, **i32), q.new_empty(entries, 2, **i32),
-            q.new_empty(entries, num_index_heads, width, **i32),
-            q.new_empty(entries, num_index_heads, width, dtype=torch.int64, device=q.device),
-            q.new_empty(entries, num_index_heads, **i32))
+            q.new_empty(total, num_index_heads, slots, dtype=torch.int32, device=q.device),
+            *_fake_query_work(q, cu_seqlens, num_index_heads, slots, query_start))
 
 
 @torch.library.custom_op("openmsa::sparse_backward", mutates_args=())

@@ -250,6 +250,20 @@ def _check_tensors(tensors: dict, backend: str, cu_seqlens, max_seqlen,
         validate_cu_seqlens(cu_seqlens, keys.shape[-3], first.device, max_seqlen)
 
 
+def _check_query_range_shapes(q, k, query_start) -> None:
+    """With a query range: one packing (or sequence) of keys, a range of it as queries."""
+    if query_start is None:
+        return
+    num_queries, num_keys = q.shape[-3], k.shape[-3]
+    if q.dim() == 4 and (q.shape[0], k.shape[0]) != (1, 1):
+        raise _fail("query_start", "a batch of one with a query range (or packed input)",
+                    f"batches of {q.shape[0]} (q) and {k.shape[0]} (k)")
+    if query_start + num_queries > num_keys:
+        raise _fail("query_start", f"at most {num_keys - num_queries} (the {num_queries} "
+                    f"query tokens of q must lie within the {num_keys} tokens of k)",
+                    query_start)
+
+
 def _check_query_range(query_start, kl_num_queries) -> None:
     """The types and signs of the query-range options (their bounds need the shapes)."""
     if query_start is not None:
@@ -343,14 +357,7 @@ def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_s
     key_names = ("k", "v", "index_k") if query_start is not None else ()
     _check_tensors(tensors, backend, cu_seqlens, max_seqlen, key_names)
     num_queries, num_keys = q.shape[-3], k.shape[-3]
-    if query_start is not None:  # one packing (or sequence) of keys, a range of it as queries
-        if q.dim() == 4 and (q.shape[0], k.shape[0]) != (1, 1):
-            raise _fail("query_start", "a batch of one with a query range (or packed input)",
-                        f"batches of {q.shape[0]} (q) and {k.shape[0]} (k)")
-        if query_start + num_queries > num_keys:
-            raise _fail("query_start", f"at most {num_keys - num_queries} (the {num_queries} "
-                        f"query tokens of q must lie within the {num_keys} tokens of k)",
-                        query_start)
+    _check_query_range_shapes(q, k, query_start)
     batch = 1 if cu_seqlens is not None else q.shape[0]
     if kl_num_queries is not None and kl_num_queries < batch * num_queries:
         raise _fail("kl_num_queries", f"an int >= {batch * num_queries} (the query tokens of q)",
@@ -423,14 +430,7 @@ def validate_sparse_args(q, k, v, block_indices, *, block_size, softmax_scale, c
     key_names = ("k", "v") if query_start is not None else ()
     _check_tensors({"q": q, "k": k, "v": v}, backend, cu_seqlens, max_seqlen, key_names)
     num_queries, num_keys = q.shape[-3], k.shape[-3]
-    if query_start is not None:
-        if q.dim() == 4 and (q.shape[0], k.shape[0]) != (1, 1):
-            raise _fail("query_start", "a batch of one with a query range (or packed input)",
-                        f"batches of {q.shape[0]} (q) and {k.shape[0]} (k)")
-        if query_start + num_queries > num_keys:
-            raise _fail("query_start", f"at most {num_keys - num_queries} (the {num_queries} "
-                        f"query tokens of q must lie within the {num_keys} tokens of k)",
-                        query_start)
+    _check_query_range_shapes(q, k, query_start)
     head_dim, num_heads, num_kv_heads = q.shape[-1], q.shape[-2], k.shape[-2]
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise _fail("q", f"head dim in {SUPPORTED_HEAD_DIMS}", head_dim)
