@@ -6,8 +6,9 @@ query head per KV group and one shared index key head, of the model's head dim. 
 projections start as averages of the main ones (index query r = mean of the query projections
 of KV group r's heads; index key = mean of the key projections), so the index scores start as
 the group's average main score: the index branch selects roughly what the main attention would
-look at from step one, and the KL refines it. Training only: no KV cache, no padding masks (pack
-sequences instead). After each forward, ``msa_kl(model)`` is the mean KL over the layers with
+look at from step one, and the KL refines it. With ``use_cache=True`` (``generate()``) the layers
+cache the index keys beside k and v and run ``msa_decode``; no padding masks (pack sequences
+instead, or generate one sequence or equal-length batches). After each forward, ``msa_kl(model)`` is the mean KL over the layers with
 an index branch; add ``kl_weight * msa_kl(model)`` to the loss. ``share_index_every=N``: layers
 0, N, 2N, ... get an index branch, the others attend over the blocks of the nearest one before
 them (SPEC section 9) and have no index projections.
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from ..layers.msa_attention import rotate_half
+from ..ops.decode import msa_decode
 from ..ops.msa import msa_attention, sparse_attention
 from ..ops.validate import check_index_precision
 
@@ -105,9 +107,7 @@ class HFMSAAttention(nn.Module):
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
                 past_key_values=None, **kwargs):
-        if cache is not None or past_key_values is not None:
-            raise ValueError("cache: expected None (MSA layers are for training: call the model "
-                             "with use_cache=False), received a cache")
+        cache = cache if cache is not None else past_key_values
         batch, seqlen, _ = hidden_states.shape
         cos, sin = position_embeddings
 
@@ -117,19 +117,67 @@ class HFMSAAttention(nn.Module):
         q = heads(self.q_proj, hidden_states, self.num_heads, self.q_norm)
         k = heads(self.k_proj, hidden_states, self.num_kv_heads, self.k_norm)
         v = self.v_proj(hidden_states).view(batch, seqlen, self.num_kv_heads, self.head_dim)
-        if not self.has_index_branch:
-            return self.o_proj(self._shared_attention(q, k, v).reshape(batch, seqlen, -1)), None
-        detached = hidden_states.detach()  # the KL trains the index projections only
-        index_q = heads(self.index_q_proj, detached, self.num_kv_heads, self.index_q_norm)
-        index_k = heads(self.index_k_proj, detached, 1, self.index_k_norm)
-        hands_on = self._hands_on_indices and not self.warmup
-        out, kl, *indices = msa_attention(q, k, v, index_q, index_k, softmax_scale=self.scaling,
-                                          warmup=self.warmup, return_indices=hands_on,
-                                          **self.options)
-        self.last_kl = kl
-        if self._hands_on_indices:
-            self.last_indices = indices[0] if indices else None
+        index_q = index_k = None
+        if self.has_index_branch:
+            detached = hidden_states.detach()  # the KL trains the index projections only
+            index_q = heads(self.index_q_proj, detached, self.num_kv_heads, self.index_q_norm)
+            index_k = heads(self.index_k_proj, detached, 1, self.index_k_norm)
+        if cache is not None:
+            out = self._cached_attention(q, k, v, index_q, index_k, cache, kwargs)
+        elif not self.has_index_branch:
+            out = self._shared_attention(q, k, v)
+        else:
+            hands_on = self._hands_on_indices and not self.warmup
+            out, kl, *indices = msa_attention(q, k, v, index_q, index_k,
+                                              softmax_scale=self.scaling, warmup=self.warmup,
+                                              return_indices=hands_on, **self.options)
+            self.last_kl = kl
+            if self._hands_on_indices:
+                self.last_indices = indices[0] if indices else None
         return self.o_proj(out.reshape(batch, seqlen, -1)), None
+
+    def _cached_attention(self, q, k, v, index_q, index_k, cache, kwargs):
+        """Inference with the model's cache (``use_cache=True``, ``generate()``): k and v go
+        through ``cache.update`` as in the original module, the index keys beside them (a dict
+        ``openmsa_index_keys`` on the cache object, by layer), then ``msa_decode`` of the new
+        tokens against every cached one. No KL."""
+        k_all, v_all = cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx,
+                                    kwargs=kwargs)
+        k_all, v_all = k_all.transpose(1, 2), v_all.transpose(1, 2)  # [B, L, Hkv, D]
+        index_k_all = None
+        if index_k is not None:
+            stored = cache.__dict__.setdefault("openmsa_index_keys", {})
+            previous = stored.get(self.layer_idx)
+            index_k_all = index_k if previous is None else torch.cat((previous, index_k), dim=1)
+            stored[self.layer_idx] = index_k_all
+        lengths = torch.full((q.shape[0],), k_all.shape[1], dtype=torch.int32, device=q.device)
+        options = dict(block_size=self.options["block_size"], softmax_scale=self.scaling,
+                       backend=self.options["backend"])
+        self.last_kl = None
+        if self.warmup:
+            return msa_decode(q, k_all, v_all, None, None, lengths, warmup=True, **options)
+        if not self.has_index_branch:
+            return msa_decode(q, k_all, v_all, None, None, lengths,
+                              block_indices=self._source_indices(), **options)
+        out, ids = msa_decode(q, k_all, v_all, index_q, index_k_all, lengths,
+                              top_k=self.options["top_k"],
+                              num_local_blocks=self.options["num_local_blocks"],
+                              num_sink_blocks=self.options["num_sink_blocks"],
+                              index_precision=self.options["index_precision"],
+                              return_indices=True, **options)
+        if self._hands_on_indices:
+            self.last_indices = ids
+        return out
+
+    def _source_indices(self):
+        """The kept ids of the layer whose selection this one shares, from its forward just
+        before."""
+        source = self._index_source[0]
+        if source.last_indices is None:
+            raise ValueError(f"block_indices: layer {self.layer_idx} shares the selection of "
+                             f"layer {source.layer_idx}, which has none (it ran in warmup, or "
+                             f"did not run before this layer)")
+        return source.last_indices
 
     def _shared_attention(self, q, k, v):
         """A layer without an index branch: the main attention over its source layer's latest
@@ -139,12 +187,7 @@ class HFMSAAttention(nn.Module):
         if self.warmup:
             return sparse_attention(q, k, v, warmup=True, num_index_heads=self.num_kv_heads,
                                     **options)
-        source = self._index_source[0]
-        if source.last_indices is None:
-            raise ValueError(f"block_indices: layer {self.layer_idx} shares the selection of "
-                             f"layer {source.layer_idx}, which has none (it ran in warmup, or "
-                             f"did not run before this layer)")
-        return sparse_attention(q, k, v, source.last_indices, **options)
+        return sparse_attention(q, k, v, self._source_indices(), **options)
 
 
 def convert_to_msa(model: nn.Module, *, top_k: int = 16, block_size: int = 128,

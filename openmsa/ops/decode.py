@@ -1,0 +1,127 @@
+"""``msa_decode``: MSA with a cache (SPEC section 10), new query tokens against per-sequence caches
+of k, v and index_k.
+
+Sequence b's ``Tq`` new tokens are the last ones of its first ``cache_seqlens[b]`` cached
+tokens, so they are the query range ``[cache_seqlens[b] - Tq, cache_seqlens[b])`` of that
+sequence: each row runs through ``msa_attention``'s query ranges (selection, then the main
+attention over the kept blocks) without gradient and without the KL, or, with ``block_indices``
+(a layer sharing another layer's selection), through ``sparse_attention``'s. The result is
+therefore the rows of ``msa_attention`` at those positions by construction.
+
+On a GPU this runs the training kernels, one launch sequence per batch row: there are no
+decode-specific kernels yet (a few query rows against a long cache leave most of the GPU idle),
+and reading ``cache_seqlens`` syncs the host, so a decode step cannot be captured in a CUDA
+graph. On a CPU it runs the eager reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .msa import msa_attention, sparse_attention
+from .validate import _fail
+
+
+def _check_decode_args(q, k_cache, v_cache, index_q, index_k_cache, cache_seqlens,
+                       block_indices, warmup: bool) -> list[int]:
+    """Shapes of ``msa_decode``'s tensors (the rest is checked per row by ``msa_attention``);
+    returns the cache lengths."""
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if block_indices is None and not warmup:
+        tensors.update(index_q=index_q, index_k_cache=index_k_cache)
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, received {type(tensor).__name__}")
+        if tensor.dim() != 4:
+            raise _fail(name, "a 4-D tensor ([B, Tq, heads, dim] for queries, [B, Smax, heads, "
+                        "dim] for caches)", f"shape {tuple(tensor.shape)}")
+        if tensor.shape[0] != q.shape[0]:
+            raise _fail(name, f"batch {q.shape[0]} (that of q)", tensor.shape[0])
+    for name in ("v_cache", "index_k_cache"):
+        if name in tensors and tensors[name].shape[1] != k_cache.shape[1]:
+            raise _fail(name, f"{k_cache.shape[1]} cached positions (those of k_cache)",
+                        tensors[name].shape[1])
+    if "index_q" in tensors and index_q.shape[1] != q.shape[1]:
+        raise _fail("index_q", f"{q.shape[1]} new tokens (those of q)", index_q.shape[1])
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens: expected a torch.Tensor, received "
+                        f"{type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype not in (torch.int32, torch.int64) or cache_seqlens.dim() != 1:
+        raise _fail("cache_seqlens", "an int32 or int64 tensor [B]",
+                    f"{cache_seqlens.dtype} of shape {tuple(cache_seqlens.shape)}")
+    if cache_seqlens.shape[0] != q.shape[0]:
+        raise _fail("cache_seqlens", f"{q.shape[0]} entries (the batch of q)",
+                    cache_seqlens.shape[0])
+    lengths = cache_seqlens.tolist()
+    new_tokens, capacity = q.shape[1], k_cache.shape[1]
+    for length in lengths:
+        if not new_tokens <= length <= capacity:
+            raise _fail("cache_seqlens", f"entries in [{new_tokens}, {capacity}] (the new tokens "
+                        f"of q are cached, within the cache's {capacity} positions)", length)
+    if block_indices is not None:
+        if warmup:
+            raise _fail("block_indices", "None with warmup=True (warmup keeps every causal "
+                        "block)", "a tensor")
+        if not isinstance(block_indices, torch.Tensor) or block_indices.dim() != 4 or (
+                block_indices.shape[0], block_indices.shape[2]) != (q.shape[0], new_tokens):
+            raise _fail("block_indices", f"a [B, Hi, Tq, k] tensor with B={q.shape[0]}, "
+                        f"Tq={new_tokens}", getattr(block_indices, "shape", block_indices))
+    return lengths
+
+
+def msa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               index_q: torch.Tensor | None, index_k_cache: torch.Tensor | None,
+               cache_seqlens: torch.Tensor, *, top_k: int = 16, block_size: int = 128,
+               softmax_scale: float | None = None, index_softmax_scale: float | None = None,
+               num_local_blocks: int = 1, num_sink_blocks: int = 0,
+               index_precision: str = "input", block_indices: torch.Tensor | None = None,
+               return_indices: bool = False, warmup: bool = False, backend: str = "auto"):
+    """MSA for new tokens against a cache (SPEC section 10); inference only.
+
+    Args:
+        q: the last ``Tq`` tokens' queries of each sequence ``[B, Tq, H, D]``.
+        k_cache, v_cache: ``[B, Smax, Hkv, D]``, holding each sequence's keys and values at
+            positions ``0 .. cache_seqlens[b] - 1`` (the new tokens' included); positions past
+            ``cache_seqlens[b]`` are ignored.
+        index_q: ``[B, Tq, Hi, Di]``; index_k_cache: ``[B, Smax, Hik, Di]`` (both may be None
+            with ``block_indices`` or ``warmup``).
+        cache_seqlens: int ``[B]``, ``Tq <= cache_seqlens[b] <= Smax``.
+        block_indices: kept block ids ``[B, Hi, Tq, k]`` to attend over instead of selecting
+            (a layer sharing another layer's selection, SPEC section 9).
+        warmup: dense causal attention over the cache (a model still in its warmup).
+        The other options are ``msa_attention``'s.
+
+    Returns ``out [B, Tq, H, D]``, equal to the rows of ``msa_attention``'s out at those
+    positions for the sequences ``0 .. cache_seqlens[b] - 1``; with ``return_indices`` also the
+    kept ids ``[B, Hi, Tq, top_k]`` (None with ``warmup``). No gradient, no KL.
+    """
+    lengths = _check_decode_args(q, k_cache, v_cache, index_q, index_k_cache, cache_seqlens,
+                                 block_indices, warmup)
+    new_tokens = q.shape[1]
+    outs, ids = [], []
+    with torch.no_grad():
+        for row, length in enumerate(lengths):
+            rows = slice(row, row + 1)
+            keys = (k_cache[rows, :length], v_cache[rows, :length])
+            start = length - new_tokens
+            if warmup or block_indices is not None:
+                given = None if warmup else block_indices[rows]
+                outs.append(sparse_attention(
+                    q[rows], *keys, given, block_size=block_size, softmax_scale=softmax_scale,
+                    backend=backend, warmup=warmup, query_start=start,
+                    num_index_heads=(index_q.shape[2] if warmup and index_q is not None
+                                     else None)))
+                ids.append(given)
+                continue
+            out, _, kept = msa_attention(
+                q[rows], *keys, index_q[rows], index_k_cache[rows, :length], top_k=top_k,
+                block_size=block_size, softmax_scale=softmax_scale,
+                index_softmax_scale=index_softmax_scale, num_local_blocks=num_local_blocks,
+                num_sink_blocks=num_sink_blocks, index_precision=index_precision,
+                query_start=start, kl_value=False, return_indices=True, backend=backend)
+            outs.append(out)
+            ids.append(kept)
+    out = torch.cat(outs)
+    if not return_indices:
+        return out
+    return out, (None if warmup else torch.cat(ids))

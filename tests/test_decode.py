@@ -1,0 +1,146 @@
+"""``msa_decode`` (SPEC section 10): new tokens against per-sequence caches equal the rows of
+``msa_attention`` at those positions; converted Hugging Face models generate with the cache as
+they do by recomputing every token. Reference backend in float64 (any machine), the Triton
+kernels under the CPU interpreter where marked."""
+
+import pytest
+import torch
+
+import openmsa
+from openmsa.ops import msa as msa_module
+from openmsa.testing import rel_rms_error
+
+interpreted = pytest.mark.skipif(not msa_module.INTERPRETING,
+                                 reason="needs TRITON_INTERPRET=1 (the README's test command)")
+LENGTHS = (400, 257, 130)  # three sequences' cache lengths, in a cache of 450 positions
+
+
+def _caches(dtype=torch.float64, capacity=450, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(len(LENGTHS), capacity, heads, 64, generator=generator, dtype=dtype)
+            for heads in (4, 2, 2, 2, 1)]  # q, k, v, index_q, index_k at every position
+
+
+def _new_tokens(full, new):
+    """Each sequence's last ``new`` tokens of ``full`` [B, Smax, ...]."""
+    return torch.stack([full[b, length - new:length] for b, length in enumerate(LENGTHS)])
+
+
+@pytest.mark.parametrize("new", [1, 5])
+@pytest.mark.parametrize("options", [dict(top_k=2), dict(top_k=3, num_sink_blocks=1),
+                                     dict(top_k=2, num_local_blocks=2, index_softmax_scale=-0.1),
+                                     dict(top_k=2, index_precision="fp8")],
+                         ids=["default", "sink", "local2_negative_scale", "fp8"])
+def test_decode_equals_the_rows_of_msa_attention(new, options):
+    q, k, v, index_q, index_k = _caches()
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32)
+    # The cache past each length holds garbage: ignored.
+    out, ids = openmsa.msa_decode(_new_tokens(q, new), k, v, _new_tokens(index_q, new), index_k,
+                                  lengths, block_size=64, return_indices=True, **options)
+    assert out.shape == (3, new, 4, 64) and ids.shape[:3] == (3, 2, new)
+    for b, length in enumerate(LENGTHS):
+        rows = (slice(b, b + 1), slice(0, length))
+        full, _, full_ids = openmsa.msa_attention(q[rows], k[rows], v[rows], index_q[rows],
+                                                  index_k[rows], block_size=64,
+                                                  return_indices=True, **options)
+        torch.testing.assert_close(out[b], full[0, length - new:], rtol=1e-12, atol=1e-12)
+        assert torch.equal(ids[b], full_ids[0, :, length - new:])
+
+
+def test_decode_with_given_blocks_and_in_warmup():
+    """block_indices (a sharing layer): the main attention over them; warmup: dense causal over
+    the cache."""
+    q, k, v, index_q, index_k = _caches()
+    lengths = torch.tensor(LENGTHS)
+    new_q = _new_tokens(q, 3)
+    _, ids = openmsa.msa_decode(new_q, k, v, _new_tokens(index_q, 3), index_k, lengths,
+                                top_k=2, block_size=64, return_indices=True)
+    given, given_ids = openmsa.msa_decode(new_q, k, v, None, None, lengths, block_size=64,
+                                          block_indices=ids, return_indices=True)
+    dense = openmsa.msa_decode(new_q, k, v, None, None, lengths, block_size=64, warmup=True)
+    assert given_ids is ids or torch.equal(given_ids, ids)
+    for b, length in enumerate(LENGTHS):
+        keys = (k[b, None, :length], v[b, None, :length])
+        expected = openmsa.sparse_attention(q[b, None, :length], *keys, block_size=64,
+                                            warmup=True)
+        torch.testing.assert_close(dense[b], expected[0, length - 3:], rtol=1e-12, atol=1e-12)
+        ranged = openmsa.sparse_attention(new_q[b, None], *keys, ids[b, None], block_size=64,
+                                          query_start=length - 3)
+        torch.testing.assert_close(given[b], ranged[0], rtol=1e-12, atol=1e-12)
+    attention = torch.nn.functional.scaled_dot_product_attention(
+        q[0, None, :400].transpose(1, 2), k[0, None, :400].repeat_interleave(2, 2).transpose(1, 2),
+        v[0, None, :400].repeat_interleave(2, 2).transpose(1, 2), is_causal=True)
+    torch.testing.assert_close(dense[0], attention.transpose(1, 2)[0, -3:], rtol=1e-10,
+                               atol=1e-10)
+
+
+@interpreted
+def test_decode_kernels_match_the_reference():
+    q, k, v, index_q, index_k = _caches(torch.float32)
+    args = (_new_tokens(q, 4), k, v, _new_tokens(index_q, 4), index_k,
+            torch.tensor(LENGTHS, dtype=torch.int32))
+    kernel, kernel_ids = openmsa.msa_decode(*args, top_k=2, block_size=64, backend="triton",
+                                            return_indices=True)
+    reference, reference_ids = openmsa.msa_decode(*args, top_k=2, block_size=64,
+                                                  backend="reference", return_indices=True)
+    assert torch.equal(kernel_ids.sort(-1).values, reference_ids.sort(-1).values)
+    assert rel_rms_error(kernel, reference) < 1e-5
+
+
+def test_decode_clear_errors():
+    q, k, v, index_q, index_k = _caches()
+    new_q, new_iq = _new_tokens(q, 2), _new_tokens(index_q, 2)
+    lengths = torch.tensor(LENGTHS)
+    with pytest.raises(ValueError, match=r"^cache_seqlens: expected entries in \[2, 450\]"):
+        openmsa.msa_decode(new_q, k, v, new_iq, index_k, torch.tensor([400, 1, 130]))
+    with pytest.raises(ValueError, match="^cache_seqlens: expected 3 entries"):
+        openmsa.msa_decode(new_q, k, v, new_iq, index_k, lengths[:2])
+    with pytest.raises(ValueError, match="^v_cache: expected 450 cached positions"):
+        openmsa.msa_decode(new_q, k, v[:, :300], new_iq, index_k, lengths)
+    with pytest.raises(ValueError, match="^index_q: expected 2 new tokens"):
+        openmsa.msa_decode(new_q, k, v, index_q[:, :3], index_k, lengths)
+    with pytest.raises(TypeError, match="^index_q: expected a torch.Tensor"):
+        openmsa.msa_decode(new_q, k, v, None, index_k, lengths)
+    with pytest.raises(ValueError, match=r"^block_indices: expected a \[B, Hi, Tq, k\] tensor"):
+        openmsa.msa_decode(new_q, k, v, None, None, lengths,
+                           block_indices=torch.zeros(3, 2, 5, 2, dtype=torch.int32))
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny(family, layers=3):
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=101,
+                  max_position_embeddings=1024)
+    torch.manual_seed(0)
+    config = (transformers.LlamaConfig if family == "llama" else transformers.Qwen3Config)
+    model_class = (transformers.LlamaForCausalLM if family == "llama"
+                   else transformers.Qwen3ForCausalLM)
+    return model_class(config(**common)).eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("share_index_every", [1, 2])
+def test_generate_with_the_cache_equals_generation_without_it(family, share_index_every):
+    """Greedy, 40 new tokens after a 150-token prompt (3 blocks of 64, 2 kept: selection
+    matters), fp32: token for token; the cache holds the index keys of the layers with an
+    index branch; every cached step's logits are a full recompute's."""
+    from openmsa.integrations.transformers import convert_to_msa
+
+    model = _tiny(family)
+    convert_to_msa(model, top_k=2, block_size=64, backend="reference",
+                   share_index_every=share_index_every)
+    prompt = torch.randint(101, (2, 150), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cached = model.generate(prompt, max_new_tokens=40, do_sample=False, use_cache=True,
+                                return_dict_in_generate=True, output_logits=True)
+        recomputed = model.generate(prompt, max_new_tokens=40, do_sample=False,
+                                    use_cache=False)
+        full = model(cached.sequences, use_cache=False).logits
+    assert torch.equal(cached.sequences, recomputed)
+    index_keys = cached.past_key_values.openmsa_index_keys
+    assert sorted(index_keys) == list(range(0, 3, share_index_every))
+    assert index_keys[0].shape == (2, 189, 1, 64)  # the last token's keys are never cached
+    for step, logits in enumerate(cached.logits):
+        torch.testing.assert_close(logits, full[:, 149 + step], rtol=1e-4, atol=1e-4)
