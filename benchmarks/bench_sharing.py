@@ -16,7 +16,8 @@ At --composed-seqlens (1M: four H64 layers' saved activations exceed an H200's m
 stack's time is composed from one indexer layer's step and one sharing layer's step, timed
 alone: ``indexer + (layers - 1) x sharer`` against ``layers x indexer`` (the layers run one
 after another, so their times add). Steps of 512k tokens and more are the median of 3 calls
-after a warm-up one; shorter ones use timing.median_ms. Prints a table last.
+after a warm-up one; shorter ones use timing.median_ms. The same chained stack on dense causal
+SDPA is the run's baseline up to --dense-max-seqlen. Prints a table last.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import time
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from openmsa import msa_attention, select_blocks, sparse_attention
@@ -68,6 +70,18 @@ def _stack_step(stack, every, precision, dout):
                         [dout, torch.ones((), device=dout.device)], allow_unused=True)
 
 
+def _dense_stack_step(stack, dout):
+    """The same chained stack on dense causal SDPA (cuDNN), the baseline of the run."""
+    out = None
+    q, k, v = stack[0][:3]
+    for _ in stack:
+        layer_q = q if out is None else q + out
+        out = F.scaled_dot_product_attention(layer_q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True,
+                                             enable_gqa=True).transpose(1, 2)
+    torch.autograd.grad(out, (q, k, v), dout)
+
+
 def _layer_steps(stack, precision, dout):
     """One indexer layer's step and one sharing layer's step (over the indexer's blocks)."""
     q, k, v, index_q, index_k = stack[0]
@@ -98,6 +112,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--kinds", default="coherent,mid,random")
     parser.add_argument("--index-precisions", default="input")
+    parser.add_argument("--dense-max-seqlen", type=int, default=131072,
+                        help="time the dense stack (SDPA) up to this length")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda")
@@ -119,9 +135,12 @@ def main() -> None:
                 ids = select_blocks(*stack[0][3:], top_k=TOP_K, block_size=BLOCK)[0]
             stats = selection_statistics(ids.permute(1, 0, 2))
             del ids
+            dense_ms = (timer(functools.partial(_dense_stack_step, stack, dout))
+                        if not composed and seqlen <= args.dense_max_seqlen else None)
             for precision in precisions:
                 row = dict(seqlen=seqlen, selection=kind, index_precision=precision,
-                           layers=args.layers, composed=composed, **stats)
+                           layers=args.layers, composed=composed, dense_stack_ms=dense_ms,
+                           **stats)
                 if composed:
                     indexer, sharer = _layer_steps(stack, precision, dout)
                     row["indexer_layer_ms"] = timer(indexer)
@@ -138,6 +157,8 @@ def main() -> None:
                         row[f"every_{'1' if every == 1 else 'layers'}_peak_gib"] = (
                             torch.cuda.max_memory_allocated() / 2**30)
                 row["speedup"] = row["every_1_ms"] / row["every_layers_ms"]
+                if dense_ms:
+                    row["every_layers_vs_dense"] = dense_ms / row["every_layers_ms"]
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
             del stack, dout
@@ -148,11 +169,12 @@ def main() -> None:
           f"and one sharing layer's step)")
     print(f"{'S':>8} {'selection':>9} {'prec':>5} {'Jaccard':>7} {'union8':>6} "
           f"{'every 1 ms':>11} {'every ' + str(args.layers) + ' ms':>11} {'speedup':>7} "
-          f"{'composed':>8}")
+          f"{'dense ms':>9} {'composed':>8}")
     for r in result["rows"]:
+        dense = f"{r['dense_stack_ms']:.1f}" if r["dense_stack_ms"] else "-"
         print(f"{r['seqlen']:>8} {r['selection']:>9} {r['index_precision']:>5} "
               f"{r['jaccard']:>7.3f} {r['union_8']:>6.1f} {r['every_1_ms']:>11.1f} "
-              f"{r['every_layers_ms']:>11.1f} {r['speedup']:>6.2f}x "
+              f"{r['every_layers_ms']:>11.1f} {r['speedup']:>6.2f}x {dense:>9} "
               f"{'yes' if r['composed'] else 'no':>8}")
 
 

@@ -108,16 +108,7 @@ def test_decode_clear_errors():
 
 transformers = pytest.importorskip("transformers")
 
-
-def _tiny(family, layers=3):
-    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=101,
-                  max_position_embeddings=1024)
-    torch.manual_seed(0)
-    config = (transformers.LlamaConfig if family == "llama" else transformers.Qwen3Config)
-    model_class = (transformers.LlamaForCausalLM if family == "llama"
-                   else transformers.Qwen3ForCausalLM)
-    return model_class(config(**common)).eval()
+from test_transformers_integration import tiny_model  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -128,7 +119,7 @@ def test_generate_with_the_cache_equals_generation_without_it(family, share_inde
     index branch; every cached step's logits are a full recompute's."""
     from openmsa.integrations.transformers import convert_to_msa
 
-    model = _tiny(family)
+    model = tiny_model(family, layers=3).float().eval()
     convert_to_msa(model, top_k=2, block_size=64, backend="reference",
                    share_index_every=share_index_every)
     prompt = torch.randint(101, (2, 150), generator=torch.Generator().manual_seed(1))
