@@ -75,16 +75,29 @@ def test_decode_with_given_blocks_and_in_warmup():
 
 
 @interpreted
-def test_decode_kernels_match_the_reference():
+@pytest.mark.parametrize("new,options", [
+    (1, dict(top_k=2)), (4, dict(top_k=3, num_sink_blocks=1)),
+    (3, dict(top_k=2, num_local_blocks=2, index_softmax_scale=-0.1)),
+    (20, dict(top_k=2)),  # past DECODE_MAX_NEW_TOKENS: the training kernels' query ranges
+], ids=["one_token", "sink", "local2_negative_scale", "long_chunk"])
+def test_decode_kernels_match_the_reference(new, options):
+    """The decode kernels (block scores split over the cache, attention split over the kept
+    blocks) give the reference's ids and out, also over given blocks."""
+    from openmsa.ops import decode as decode_module
+
     q, k, v, index_q, index_k = _caches(torch.float32)
-    args = (_new_tokens(q, 4), k, v, _new_tokens(index_q, 4), index_k,
+    args = (_new_tokens(q, new), k, v, _new_tokens(index_q, new), index_k,
             torch.tensor(LENGTHS, dtype=torch.int32))
-    kernel, kernel_ids = openmsa.msa_decode(*args, top_k=2, block_size=64, backend="triton",
-                                            return_indices=True)
-    reference, reference_ids = openmsa.msa_decode(*args, top_k=2, block_size=64,
-                                                  backend="reference", return_indices=True)
+    assert (new <= decode_module.DECODE_MAX_NEW_TOKENS) == (new != 20)
+    kernel, kernel_ids = openmsa.msa_decode(*args, block_size=64, backend="triton",
+                                            return_indices=True, **options)
+    reference, reference_ids = openmsa.msa_decode(*args, block_size=64, backend="reference",
+                                                  return_indices=True, **options)
     assert torch.equal(kernel_ids.sort(-1).values, reference_ids.sort(-1).values)
     assert rel_rms_error(kernel, reference) < 1e-5
+    given = openmsa.msa_decode(args[0], k, v, None, None, args[-1], block_size=64,
+                               block_indices=reference_ids, backend="triton")
+    assert rel_rms_error(given, reference) < 1e-5
 
 
 def test_decode_clear_errors():

@@ -8,18 +8,25 @@ attention over the kept blocks) without gradient and without the KL, or, with ``
 (a layer sharing another layer's selection), through ``sparse_attention``'s. The result is
 therefore the rows of ``msa_attention`` at those positions by construction.
 
-On a GPU this runs the training kernels, one launch sequence per batch row: there are no
-decode-specific kernels yet (a few query rows against a long cache leave most of the GPU idle),
-and reading ``cache_seqlens`` syncs the host, so a decode step cannot be captured in a CUDA
-graph. On a CPU it runs the eager reference.
+On the kernels, up to DECODE_MAX_NEW_TOKENS new tokens per sequence run the decode kernels
+(``decode_kernels``: selection against the whole cache and the main attention over the kept
+blocks, split over the cache and the kept blocks so that batch 1 fills the GPU); longer chunks
+(prefill), warmup and the fp8 index branch run the training kernels one batch row at a time.
+The argument checks read ``cache_seqlens`` on the host, so a decode step cannot be captured in
+a CUDA graph. On a CPU the eager reference runs (the kernels under the Triton interpreter).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .msa import msa_attention, sparse_attention
-from .validate import _fail
+from . import decode_kernels
+from .msa import _use_kernels, msa_attention, sparse_attention
+from .validate import _fail, validate_msa_args
+
+# New tokens per sequence up to which the decode kernels run (their scoring MMA holds all of a
+# sequence's new tokens x index heads of a key head); longer chunks run the training kernels.
+DECODE_MAX_NEW_TOKENS = 16
 
 
 def _check_decode_args(q, k_cache, v_cache, index_q, index_k_cache, cache_seqlens,
@@ -98,6 +105,15 @@ def msa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lengths = _check_decode_args(q, k_cache, v_cache, index_q, index_k_cache, cache_seqlens,
                                  block_indices, warmup)
     new_tokens = q.shape[1]
+    if (not warmup and index_precision == "input" and new_tokens <= DECODE_MAX_NEW_TOKENS
+            and _use_kernels(backend, q.device)):
+        return _decode_on_kernels(q, k_cache, v_cache, index_q, index_k_cache, cache_seqlens,
+                                  lengths, block_indices, return_indices,
+                                  dict(top_k=top_k, block_size=block_size,
+                                       softmax_scale=softmax_scale,
+                                       index_softmax_scale=index_softmax_scale,
+                                       num_local_blocks=num_local_blocks,
+                                       num_sink_blocks=num_sink_blocks, backend=backend))
     outs, ids = [], []
     with torch.no_grad():
         for row, length in enumerate(lengths):
@@ -125,3 +141,32 @@ def msa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not return_indices:
         return out
     return out, (None if warmup else torch.cat(ids))
+
+
+def _decode_on_kernels(q, k_cache, v_cache, index_q, index_k_cache, cache_seqlens, lengths,
+                       block_indices, return_indices, options):
+    """``msa_decode`` on the decode kernels; the options are checked as ``msa_attention`` checks
+    them for the first sequence's rows."""
+    longest = max(lengths)
+    first = slice(0, 1)
+    if block_indices is None:
+        problem = validate_msa_args(
+            q[first], k_cache[first, :lengths[0]], v_cache[first, :lengths[0]], index_q[first],
+            index_k_cache[first, :lengths[0]], warmup=False, cu_seqlens=None, max_seqlen=None,
+            deterministic=False, return_indices=False, query_start=lengths[0] - q.shape[1],
+            kl_num_queries=None, kl_value=False, index_precision="input", **options)
+        with torch.no_grad():
+            block_indices = decode_kernels.decode_select(
+                index_q, index_k_cache[:, :longest], cache_seqlens, top_k=problem.top_k,
+                block_size=problem.block_size, index_softmax_scale=problem.index_softmax_scale,
+                num_local_blocks=problem.num_local_blocks,
+                num_sink_blocks=problem.num_sink_blocks)
+        scale = problem.softmax_scale
+    else:
+        scale = options["softmax_scale"]
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+    with torch.no_grad():
+        out = decode_kernels.decode_attention(q, k_cache[:, :longest], v_cache[:, :longest],
+                                              block_indices, cache_seqlens,
+                                              options["block_size"], scale)
+    return (out, block_indices) if return_indices else out

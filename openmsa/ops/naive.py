@@ -44,13 +44,14 @@ def select_blocks_from_scores(block_scores: torch.Tensor, query_block: torch.Ten
     """Steps 3-4: kept block ids from block scores.
 
     block_scores: ``[..., C, NB]`` float, ``-inf`` for blocks not visible to the query.
-    query_block: ``[C]`` int64, the block of each query.
+    query_block: ``[C]`` int64 (or any shape broadcasting against ``[..., C]``), the block of
+    each query.
     Returns ``[..., C, top_k]`` int64 block ids, ``-1`` for unused slots.
     """
     num_blocks = block_scores.shape[-1]
     blocks = torch.arange(num_blocks, device=block_scores.device)
-    behind = query_block[:, None] - blocks[None, :]  # [C, NB] how many blocks before the query's
-    forced = (behind >= 0) & ((behind < num_local_blocks) | (blocks[None, :] < num_sink_blocks))
+    behind = query_block[..., None] - blocks  # [..., C, NB] blocks before the query's
+    forced = (behind >= 0) & ((behind < num_local_blocks) | (blocks < num_sink_blocks))
     ranked = block_scores.masked_fill(forced, float("inf"))
     # A stable descending sort keeps equal scores in block order: ties go to the lower id.
     scores, ids = torch.sort(ranked, dim=-1, descending=True, stable=True)

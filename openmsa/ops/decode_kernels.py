@@ -1,0 +1,191 @@
+"""Decode kernels (``msa_decode``, SPEC section 10): a few new query tokens per sequence against
+long caches, split over the cache so that batch 1 fills the GPU.
+
+- ``decode_block_scores``: one program per (sequence, index key head, run of BLOCKS_PER_PROGRAM
+  cached blocks) scores all the sequence's new tokens x the key head's index heads against each
+  block of the run (one MMA of ``Tq * G`` rows) and max-pools them: every cached index key is
+  read once per step. The top-k over the block scores is ``naive.select_blocks_from_scores``
+  (PyTorch, on ``[B, Hi, Tq, blocks]``: a few thousand scores a row), so forced blocks, ties and
+  ``-1`` slots are the reference's by construction.
+- ``decode_attention``: one program per (new token, index head, kept slot) attends the index
+  head's main heads over that one block (flash-decoding's split over keys, here over kept
+  blocks) and writes a partial (max, sum, accumulator); ``merge_partials`` combines the slots by
+  their log-sum-exps.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .naive import select_blocks_from_scores
+from .problem import LOG2_E
+
+BLOCKS_PER_PROGRAM = 8  # cached blocks a scoring program walks: 1024 keys of 128
+
+
+@triton.jit
+def _decode_block_scores_kernel(
+    IQ, IKC, LENGTHS, SCORES, stride_iq_b, stride_iq_t, stride_iq_h, stride_ik_b, stride_ik_t,
+    stride_ik_h, stride_s_b, stride_s_h, stride_s_t, scale,
+    NEW: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """SCORES [B, Hi, NEW, blocks] (pre-filled with -inf): each block's max-pooled, scaled index
+    score for every new token (row r: token r // G, index head key_head * G + r % G)."""
+    b = tl.program_id(0).to(tl.int64)
+    key_head = tl.program_id(1)
+    length = tl.load(LENGTHS + b).to(tl.int64)
+    first = tl.program_id(2) * BLOCKS_PER_PROGRAM
+    last = tl.minimum(first + BLOCKS_PER_PROGRAM, (length + BLOCK - 1) // BLOCK)
+    rows = tl.arange(0, ROWS)
+    token = rows // G
+    head = key_head * G + rows % G
+    row_valid = rows < NEW * G
+    position = length - NEW + token  # [ROWS] the new token's position in its sequence
+    dims = tl.arange(0, HEAD_DIM)
+    iq = tl.load(IQ + b * stride_iq_b + token[:, None] * stride_iq_t + head[:, None] * stride_iq_h
+                 + dims[None, :], mask=row_valid[:, None], other=0.0)
+    key_offsets = tl.arange(0, BLOCK)
+    ik_base = IKC + b * stride_ik_b + key_head * stride_ik_h
+    for block in range(first, last):
+        key_pos = block * BLOCK + key_offsets
+        ik = tl.load(ik_base + key_pos[:, None].to(tl.int64) * stride_ik_t + dims[None, :],
+                     mask=(key_pos < length)[:, None], other=0.0)
+        scores = tl.dot(iq, tl.trans(ik), input_precision=PRECISION)
+        visible = (key_pos[None, :] <= position[:, None]) & (key_pos < length)[None, :]
+        if NEGATIVE_SCALE:
+            pooled = tl.min(tl.where(visible, scores, float("inf")), axis=1) * scale
+        else:
+            pooled = tl.max(tl.where(visible, scores, float("-inf")), axis=1) * scale
+        tl.store(SCORES + b * stride_s_b + head * stride_s_h + token * stride_s_t + block,
+                 pooled, mask=row_valid)
+
+
+@triton.jit
+def _decode_attention_kernel(
+    Q, KC, VC, IDS, LENGTHS, MAXES, SUMS, ACCS, stride_q_b, stride_q_t, stride_q_h, stride_k_b,
+    stride_k_t, stride_k_h, stride_ids_b, stride_ids_h, stride_ids_t, scale_log2,
+    NEW: tl.constexpr, GQ: tl.constexpr, ROWS: tl.constexpr, KV_GROUP: tl.constexpr,
+    NUM_HEADS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Partials of one (new token, index head, kept slot): its main heads' max (base 2), sum of
+    exponentials and accumulator over the slot's block, into MAXES, SUMS [B * NEW, H, SLOTS]
+    and ACCS [B * NEW, H, SLOTS, D] (max -inf and zeros for an unused slot)."""
+    row = tl.program_id(0).to(tl.int64)  # b * NEW + token
+    index_head = tl.program_id(1)
+    slot = tl.program_id(2)
+    b = row // NEW
+    token = row % NEW
+    rows = tl.arange(0, ROWS)
+    heads = index_head * GQ + rows
+    head_valid = rows < GQ
+    dims = tl.arange(0, HEAD_DIM)
+    out_rows = (row * NUM_HEADS + heads) * SLOTS + slot
+    block = tl.load(IDS + b * stride_ids_b + index_head * stride_ids_h + token * stride_ids_t
+                    + slot)
+    if block < 0:
+        tl.store(MAXES + out_rows, tl.full([ROWS], float("-inf"), tl.float32), mask=head_valid)
+        tl.store(SUMS + out_rows, tl.zeros([ROWS], tl.float32), mask=head_valid)
+        tl.store(ACCS + out_rows[:, None] * HEAD_DIM + dims[None, :],
+                 tl.zeros([ROWS, HEAD_DIM], tl.float32), mask=head_valid[:, None])
+        return
+    length = tl.load(LENGTHS + b).to(tl.int64)
+    position = length - NEW + token
+    kv_head = index_head // KV_GROUP
+    q = tl.load(Q + b * stride_q_b + token * stride_q_t + heads[:, None] * stride_q_h
+                + dims[None, :], mask=head_valid[:, None], other=0.0)
+    key_pos = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    visible = (key_pos <= position) & (key_pos < length)
+    offsets = (b * stride_k_b + key_pos[:, None] * stride_k_t + kv_head * stride_k_h
+               + dims[None, :])
+    k = tl.load(KC + offsets, mask=visible[:, None], other=0.0)
+    v = tl.load(VC + offsets, mask=visible[:, None], other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    scores = tl.where(visible[None, :], scores, float("-inf"))
+    block_max = tl.max(scores, axis=1)
+    safe_max = tl.where(block_max == float("-inf"), 0.0, block_max)
+    probs = tl.exp2(scores - safe_max[:, None])
+    acc = tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+    tl.store(MAXES + out_rows, block_max, mask=head_valid)
+    tl.store(SUMS + out_rows, tl.sum(probs, axis=1), mask=head_valid)
+    tl.store(ACCS + out_rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_valid[:, None])
+
+
+def _precision(tensor: torch.Tensor) -> str:
+    return "ieee" if tensor.dtype == torch.float32 else "tf32"
+
+
+def decode_block_scores(index_q, index_k_cache, lengths, block_size: int,
+                        index_softmax_scale: float) -> torch.Tensor:
+    """fp32 ``[B, Hi, Tq, blocks]``: each cached block's max-pooled, scaled index score for
+    every new token (-inf where no key of the block is visible to it)."""
+    batch, new, num_index_heads, head_dim = index_q.shape
+    capacity, num_key_heads = index_k_cache.shape[1], index_k_cache.shape[2]
+    group = num_index_heads // num_key_heads
+    num_blocks = -(-capacity // block_size)
+    scores = torch.full((batch, num_index_heads, new, num_blocks), float("-inf"),
+                        dtype=torch.float32, device=index_q.device)
+    index_q = index_q if index_q.stride(-1) == 1 else index_q.contiguous()
+    index_k_cache = index_k_cache if index_k_cache.stride(-1) == 1 else index_k_cache.contiguous()
+    grid = (batch, num_key_heads, triton.cdiv(num_blocks, BLOCKS_PER_PROGRAM))
+    _decode_block_scores_kernel[grid](
+        index_q, index_k_cache, lengths, scores, index_q.stride(0), index_q.stride(1),
+        index_q.stride(2), index_k_cache.stride(0), index_k_cache.stride(1),
+        index_k_cache.stride(2), scores.stride(0), scores.stride(1), scores.stride(2),
+        index_softmax_scale, NEW=new, G=group,
+        ROWS=max(16, triton.next_power_of_2(new * group)), BLOCK=block_size, HEAD_DIM=head_dim,
+        BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM, NEGATIVE_SCALE=index_softmax_scale < 0,
+        PRECISION=_precision(index_q))
+    return scores
+
+
+def decode_select(index_q, index_k_cache, lengths, *, top_k: int, block_size: int,
+                  index_softmax_scale: float, num_local_blocks: int,
+                  num_sink_blocks: int) -> torch.Tensor:
+    """Kept block ids int32 ``[B, Hi, Tq, top_k]`` of the new tokens (SPEC section 3 steps 1-4
+    at positions ``lengths[b] - Tq ...``)."""
+    scores = decode_block_scores(index_q, index_k_cache, lengths, block_size,
+                                 index_softmax_scale)
+    new = index_q.shape[1]
+    positions = lengths.long()[:, None] - new + torch.arange(new, device=lengths.device)
+    query_block = (positions // block_size)[:, None, :]  # [B, 1, Tq] against [B, Hi, Tq, NB]
+    return select_blocks_from_scores(scores, query_block, top_k, num_local_blocks,
+                                     num_sink_blocks).to(torch.int32)
+
+
+def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
+                     softmax_scale: float) -> torch.Tensor:
+    """``out [B, Tq, H, D]`` (q's dtype) of the new tokens over their kept blocks
+    (``block_ids [B, Hi, Tq, k]``): partials per slot, merged by their log-sum-exps."""
+    batch, new, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_index_heads, slots = block_ids.shape[1], block_ids.shape[3]
+    gq = num_heads // num_index_heads
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():  # one set of strides
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    block_ids = block_ids.contiguous()
+    maxes = torch.empty(batch * new, num_heads, slots, dtype=torch.float32, device=q.device)
+    sums = torch.empty_like(maxes)
+    accs = torch.empty(batch * new, num_heads, slots, head_dim, dtype=torch.float32,
+                       device=q.device)
+    _decode_attention_kernel[(batch * new, num_index_heads, slots)](
+        q, k_cache, v_cache, block_ids, lengths, maxes, sums, accs, q.stride(0), q.stride(1),
+        q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_ids.stride(0), block_ids.stride(1), block_ids.stride(2),
+        softmax_scale * LOG2_E, NEW=new, GQ=gq, ROWS=max(16, triton.next_power_of_2(gq)),
+        KV_GROUP=num_index_heads // num_kv_heads, NUM_HEADS=num_heads, SLOTS=slots,
+        BLOCK=block_size, HEAD_DIM=head_dim, PRECISION=_precision(q))
+    return merge_partials(maxes, sums, accs).view(batch, new, num_heads, head_dim).to(q.dtype)
+
+
+def merge_partials(maxes, sums, accs) -> torch.Tensor:
+    """Softmax-weighted merge over the last slot dim: ``sum_s 2^(m_s - M) acc_s / sum_s
+    2^(m_s - M) l_s`` (the own block is always kept, so M is finite)."""
+    top = maxes.amax(dim=-1, keepdim=True)
+    weights = torch.exp2(maxes - top)  # unused slots: 2^-inf = 0
+    return (weights[..., None] * accs).sum(dim=-2) / (weights * sums).sum(dim=-1)[..., None]
