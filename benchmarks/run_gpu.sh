@@ -2,7 +2,7 @@
 # The GPU run: GPU tests, bf16 check against the reference, benchmarks. Prints short tables last.
 #   bash benchmarks/run_gpu.sh OUTDIR [PARTS]   PARTS: all (default) or a comma-separated list
 #   of select, attention, kl, msa (the benchmark scripts), fp8 (bench_fp8_index.py), sharing
-#   (bench_sharing.py), train, bench
+#   (bench_sharing.py), decode (openmsa bench --decode), train, bench
 #   (the user-facing commands `openmsa train --preset gpu` and `openmsa bench`), cli (= train,bench)
 # OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
 # over calls of a time-limited machine.
@@ -13,7 +13,7 @@ set -u
 out=${1:?usage: run_gpu.sh OUTDIR [all|PART,PART...]}
 parts=",${2:-all},"
 wants() {
-  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing)$ ]] && return 0
+  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode)$ ]] && return 0
   [[ "$parts" == *",$1,"* ]] || { [[ "$parts" == *",cli,"* ]] && [[ "$1" =~ ^(train|bench)$ ]]; }
 }
 mkdir -p "$out"
@@ -44,6 +44,10 @@ if wants fp8; then
 fi
 if wants sharing; then
   python3 benchmarks/bench_sharing.py --out "$out" 2>&1 | tee "$out/bench_sharing.log" | tail -14
+fi
+if wants decode; then
+  python3 -m openmsa.cli bench --decode --seqlens 32k,128k,512k --out "$out/bench_decode" 2>&1 \
+    | tee "$out/openmsa_bench_decode.log" | tail -11
 fi
 if wants train; then
   python3 -m openmsa.cli train --preset gpu --out "$out/train" 2>&1 | tee "$out/openmsa_train.log" | tail -3

@@ -156,3 +156,21 @@ def test_selection_kinds_order_by_neighbours_overlap():
     assert jaccard["coherent"] > jaccard["mid"] + 0.15 > jaccard["random"] + 0.3, jaccard
     with pytest.raises(ValueError, match="kind"):
         index_inputs("sorted", 64, 1, 64, torch.Generator(), device="cpu")
+
+
+def test_bench_decode_dry_run_prints_each_steps_bandwidth_floor(capsys):
+    """--decode plans context x batch steps with the bytes each must read: at 128k, H64/Hkv4/
+    Hi4, top 16 of 128, MSA reads about 7x fewer bytes than dense decoding."""
+    from openmsa.bench.decode import decode_bytes
+
+    assert cli.main(["bench", "--decode", "--dry-run", "--seqlens", "128k",
+                     "--batches", "1,8"]) == 0
+    out = capsys.readouterr().out
+    assert "--decode" in out and "131072     8" in out
+    sizes = decode_bytes(8, 131072, (64, 4, 4), 128, 16, 128)
+    assert sizes["dense_bytes"] == 8 * 131072 * 4 * 128 * 2 * 2
+    assert 6.5 < sizes["dense_bytes"] / sizes["msa_bytes"] < 7.5
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--decode", "--batches", "0"])
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--decode", "--batches", "a"])

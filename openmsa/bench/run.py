@@ -97,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench", help="folder for bench.json and plots")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the plan and the FLOP counts, run nothing")
+    parser.add_argument("--decode", action="store_true",
+                        help="time one decode step (msa_decode, one new token per sequence) "
+                        "against dense decoding at each --seqlens context and --batches size, "
+                        "next to the memory-bandwidth floor, instead of training steps")
+    parser.add_argument("--batches", type=parse_batches, default="1,8,32",
+                        help="batch sizes of --decode")
 
 
 def plan(args) -> list[dict]:
@@ -114,7 +120,46 @@ def plan(args) -> list[dict]:
     return rows
 
 
+def parse_batches(text: str) -> list[int]:
+    try:
+        batches = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes, got {text!r}")
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive batch sizes, got {text!r}")
+    return batches
+
+
+def run_decode(args) -> int:
+    """``--decode``: decode steps against dense decoding (openmsa.bench.decode)."""
+    from . import decode
+
+    rows = decode.plan(args, args.heads or PRESETS[args.preset])
+    print(f"openmsa bench --decode: top_k={args.top_k} block_size={args.block_size} "
+          f"selection={args.selection} index_precision={args.index_precision}; bytes a step "
+          f"reads at {decode.HBM_BYTES_PER_S / 1e12:.0f} TB/s (floors, ms):")
+    if args.dry_run:
+        decode.print_table(rows)
+        return 0
+    if not torch.cuda.is_available():
+        import sys
+
+        print("openmsa bench needs a CUDA GPU (use --dry-run to see the plan)", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    results = [decode.measure(row, args) for row in rows]
+    with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                       date=time.strftime("%Y-%m-%d"),
+                       args={k: v for k, v in vars(args).items() if k != "handler"},
+                       rows=results), f, indent=2, default=str)
+    decode.print_table(results)
+    return 0
+
+
 def run(args) -> int:
+    if args.decode:
+        return run_decode(args)
     rows = plan(args)
     print(f"openmsa bench: top_k={args.top_k} block_size={args.block_size} "
           f"selection={args.selection} index_precision={args.index_precision}; FLOPs (TFLOP, "
