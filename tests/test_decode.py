@@ -100,6 +100,26 @@ def test_decode_kernels_match_the_reference(new, options):
     assert rel_rms_error(given, reference) < 1e-5
 
 
+@interpreted
+def test_decode_kernels_need_no_host_lengths(monkeypatch):
+    """As under CUDA graph capture (the host's view of cache_seqlens unreadable): the decode
+    kernels score every cached block and mask by the device's lengths, with the same result;
+    the row-by-row route, which needs the lengths on the host, is refused."""
+    from openmsa.ops import decode as decode_module
+
+    q, k, v, index_q, index_k = _caches(torch.float32)
+    args = (_new_tokens(q, 2), k, v, _new_tokens(index_q, 2), index_k,
+            torch.tensor(LENGTHS, dtype=torch.int32))
+    expected = openmsa.msa_decode(*args, top_k=2, block_size=64, backend="triton")
+    monkeypatch.setattr(decode_module, "_capturing", lambda tensor: True)
+    got = openmsa.msa_decode(*args, top_k=2, block_size=64, backend="triton")
+    assert rel_rms_error(got, expected) < 1e-6
+    with pytest.raises(ValueError, match="^cache_seqlens: expected a decode the decode kernels "
+                                         "run while a CUDA graph is captured"):
+        openmsa.msa_decode(*args, top_k=2, block_size=64, backend="triton",
+                           index_precision="fp8")
+
+
 def test_decode_clear_errors():
     q, k, v, index_q, index_k = _caches()
     new_q, new_iq = _new_tokens(q, 2), _new_tokens(index_q, 2)

@@ -12,8 +12,10 @@ On the kernels, up to DECODE_MAX_NEW_TOKENS new tokens per sequence run the deco
 (``decode_kernels``: selection against the whole cache and the main attention over the kept
 blocks, split over the cache and the kept blocks so that batch 1 fills the GPU); longer chunks
 (prefill), warmup and the fp8 index branch run the training kernels one batch row at a time.
-The argument checks read ``cache_seqlens`` on the host, so a decode step cannot be captured in
-a CUDA graph. On a CPU the eager reference runs (the kernels under the Triton interpreter).
+The decode kernels read ``cache_seqlens`` on the device only: while a CUDA graph is captured
+the host checks of its values are skipped and a decode step on them can be captured; the
+training-kernel route reads them on the host and is refused then. On a CPU the eager reference
+runs (the kernels under the Triton interpreter).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ from .validate import _fail, validate_msa_args
 # New tokens per sequence up to which the decode kernels run (their scoring MMA holds all of a
 # sequence's new tokens x index heads of a key head); longer chunks run the training kernels.
 DECODE_MAX_NEW_TOKENS = 16
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on ``tensor``'s device."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _check_decode_args(q, k_cache, v_cache, index_q, index_k_cache, cache_seqlens,
@@ -59,9 +66,10 @@ def _check_decode_args(q, k_cache, v_cache, index_q, index_k_cache, cache_seqlen
     if cache_seqlens.shape[0] != q.shape[0]:
         raise _fail("cache_seqlens", f"{q.shape[0]} entries (the batch of q)",
                     cache_seqlens.shape[0])
-    lengths = cache_seqlens.tolist()
     new_tokens, capacity = q.shape[1], k_cache.shape[1]
-    for length in lengths:
+    # Reading the lengths syncs the host: not while a CUDA graph is captured (None then).
+    lengths = None if _capturing(cache_seqlens) else cache_seqlens.tolist()
+    for length in lengths or ():
         if not new_tokens <= length <= capacity:
             raise _fail("cache_seqlens", f"entries in [{new_tokens}, {capacity}] (the new tokens "
                         f"of q are cached, within the cache's {capacity} positions)", length)
@@ -114,6 +122,12 @@ def msa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                        index_softmax_scale=index_softmax_scale,
                                        num_local_blocks=num_local_blocks,
                                        num_sink_blocks=num_sink_blocks, backend=backend))
+    if lengths is None:
+        raise _fail("cache_seqlens", f"a decode the decode kernels run while a CUDA graph is "
+                    f"captured (at most {DECODE_MAX_NEW_TOKENS} new tokens, index_precision "
+                    f"'input', no warmup; the rest reads the lengths on the host)",
+                    f"{new_tokens} new tokens, index_precision={index_precision!r}, "
+                    f"warmup={warmup}")
     outs, ids = [], []
     with torch.no_grad():
         for row, length in enumerate(lengths):
@@ -146,15 +160,19 @@ def msa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _decode_on_kernels(q, k_cache, v_cache, index_q, index_k_cache, cache_seqlens, lengths,
                        block_indices, return_indices, options):
     """``msa_decode`` on the decode kernels; the options are checked as ``msa_attention`` checks
-    them for the first sequence's rows."""
-    longest = max(lengths)
+    them for the first sequence's rows. ``lengths``: the host's copy of ``cache_seqlens``, or
+    None (CUDA graph capture: the kernels read the lengths on the device; every cached block is
+    then scored)."""
+    longest = k_cache.shape[1] if lengths is None else max(lengths)
+    first_length = longest if lengths is None else lengths[0]
     first = slice(0, 1)
     if block_indices is None:
         problem = validate_msa_args(
-            q[first], k_cache[first, :lengths[0]], v_cache[first, :lengths[0]], index_q[first],
-            index_k_cache[first, :lengths[0]], warmup=False, cu_seqlens=None, max_seqlen=None,
-            deterministic=False, return_indices=False, query_start=lengths[0] - q.shape[1],
-            kl_num_queries=None, kl_value=False, index_precision="input", **options)
+            q[first], k_cache[first, :first_length], v_cache[first, :first_length],
+            index_q[first], index_k_cache[first, :first_length], warmup=False, cu_seqlens=None,
+            max_seqlen=None, deterministic=False, return_indices=False,
+            query_start=first_length - q.shape[1], kl_num_queries=None, kl_value=False,
+            index_precision="input", **options)
         with torch.no_grad():
             block_indices = decode_kernels.decode_select(
                 index_q, index_k_cache[:, :longest], cache_seqlens, top_k=problem.top_k,

@@ -53,3 +53,34 @@ def test_cached_generation_steps_match_a_full_recompute_in_bf16():
         full = model(cached.sequences, use_cache=False).logits.float()
     for step, logits in enumerate(cached.logits):
         assert rel_rms_error(logits.float(), full[:, 2999 + step]) < 3e-2, step
+
+
+def test_decode_step_replays_under_a_cuda_graph():
+    """One decode step of the decode kernels captured once, replayed after the caches and
+    lengths changed in place: equal to an eager step."""
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v, index_q, index_k = (
+        torch.randn(2, 4096, heads, 128, device="cuda", generator=generator).bfloat16()
+        for heads in (16, 2, 2, 4, 1))
+    new_q, new_iq = q[:, :1].clone(), index_q[:, :1].clone()
+    lengths = torch.tensor([4000, 2500], dtype=torch.int32, device="cuda")
+
+    def step():
+        return openmsa.msa_decode(new_q, k, v, new_iq, index_k, lengths, top_k=8,
+                                  block_size=128)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed, new_lengths in ((3, [4001, 2501]), (4, [130, 4096])):
+        fresh = torch.Generator(device="cuda").manual_seed(seed)
+        for buffer in (new_q, k, v, new_iq, index_k):
+            buffer.copy_(torch.randn(buffer.shape, device="cuda", generator=fresh))
+        lengths.copy_(torch.tensor(new_lengths, dtype=torch.int32))
+        graph.replay()
+        assert torch.equal(captured, step())
