@@ -120,6 +120,42 @@ def compile_select_for_sm90(index_precision: str, **config):
     return kernel
 
 
+def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
+                            heads_per_index_head: int = 16):
+    """The decode kernels (``ops.decode_kernels``), bf16, D = 128, blocks of 128, as
+    ``msa_decode`` launches them for ``new_tokens`` new tokens a sequence, compiled for sm_90a.
+    Returns (block-score kernel, attention kernel)."""
+    from triton.compiler import ASTSource
+
+    from openmsa.ops.decode_kernels import (BLOCKS_PER_PROGRAM, _decode_attention_kernel,
+                                            _decode_block_scores_kernel)
+
+    def build(fn, types, constants):
+        types = dict({name: "i32" for name in fn.arg_names}, **types,
+                     **{name: "constexpr" for name in constants})
+        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                   if types[name].startswith("*") or name.startswith("stride")}
+        source = ASTSource(fn=fn, signature={name: types[name] for name in fn.arg_names},
+                           constexprs=constants, attrs=aligned)
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4))
+
+    rows = max(16, triton.next_power_of_2(new_tokens * heads_per_key_head))
+    scores = build(_decode_block_scores_kernel,
+                   dict(IQ="*bf16", IKC="*bf16", LENGTHS="*i32", SCORES="*fp32", scale="fp32"),
+                   dict(NEW=new_tokens, G=heads_per_key_head, ROWS=rows, BLOCK=128,
+                        HEAD_DIM=128, BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM,
+                        NEGATIVE_SCALE=False, PRECISION="tf32"))
+    attention = build(_decode_attention_kernel,
+                      dict(Q="*bf16", KC="*bf16", VC="*bf16", IDS="*i32", LENGTHS="*i32",
+                           MAXES="*fp32", SUMS="*fp32", ACCS="*fp32", scale_log2="fp32"),
+                      dict(NEW=new_tokens, GQ=heads_per_index_head,
+                           ROWS=max(16, triton.next_power_of_2(heads_per_index_head)),
+                           KV_GROUP=1, NUM_HEADS=4 * heads_per_index_head, SLOTS=16, BLOCK=128,
+                           HEAD_DIM=128, PRECISION="tf32"))
+    return scores, attention
+
+
 def ptxas_report(ptx: str) -> dict:
     """What Triton's bundled ptxas says of a kernel's PTX for sm_90a: registers, spilled bytes,
     whether it serialized the asynchronous products (a slow loop), and its whole text."""

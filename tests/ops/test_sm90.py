@@ -87,3 +87,24 @@ def test_selection_kernels_compile_for_sm90(index_precision):
                              capture_output=True, text=True, cwd=ROOT, env=env)
     assert printed.returncode == 0, printed.stderr[-3000:]
     assert 0 < int(printed.stdout.split()[-1]) <= SHARED_MEMORY_LIMIT
+
+
+DECODE_COMPILE = """
+import json, sys
+from tools.sm90_compile import compile_decode_for_sm90, ptxas_report
+kernels = compile_decode_for_sm90(*json.loads(sys.argv[1]))
+print(json.dumps([ptxas_report(kernel.asm["ptx"])["spill_bytes"] for kernel in kernels]))
+"""
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 16), (16, 4, 16), (16, 16, 4)],
+                         ids=["one_token", "16_tokens", "16_tokens_G16"])
+def test_decode_kernels_compile_for_sm90_without_spills(shape):
+    """The decode kernels (new tokens, index heads per key head, main heads per index head)
+    compile for sm_90a with nothing spilled: the interpreter checks their results, not what the
+    GPU compiler accepts."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    printed = subprocess.run([sys.executable, "-c", DECODE_COMPILE, json.dumps(list(shape))],
+                             capture_output=True, text=True, cwd=ROOT, env=env)
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    assert json.loads(printed.stdout.split("\n")[-2]) == [0, 0]
