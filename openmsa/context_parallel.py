@@ -187,9 +187,7 @@ def _head_parallel(q, k, v, index_q, index_k, group, packed, options):
         q, k, v, index_q, index_k = (t[None] for t in (q, k, v, index_q, index_k))
     num_kv_heads, num_index_heads = k.shape[2], index_q.shape[2]
     num_index_kv_heads = index_k.shape[2]
-    if num_kv_heads % world:
-        raise ValueError(f"k: expected a number of KV heads divisible by the world size {world} "
-                         f"(head-parallel mode splits whole GQA groups), received {num_kv_heads}")
+    _check_kv_heads_split(k, world)
     if num_index_heads % num_kv_heads:
         raise ValueError(f"index_q: expected a multiple of the {num_kv_heads} KV heads, "
                          f"received {num_index_heads}")
@@ -216,19 +214,33 @@ def _head_parallel(q, k, v, index_q, index_k, group, packed, options):
     return ((out[0] if packed else out), kl, *indices)
 
 
-def _sequence_parallel(q, k, v, index_q, index_k, group, packed, options):
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    dim = 0 if packed else 1  # the sequence dim
+def _check_kv_heads_split(k, world: int) -> None:
+    """Head-parallel mode splits whole GQA groups: k ``[B, S, Hkv, D]``."""
+    if k.shape[2] % world:
+        raise ValueError(f"k: expected a number of KV heads divisible by the world size {world} "
+                         f"(head-parallel mode splits whole GQA groups), received {k.shape[2]}")
+
+
+def _zigzag_chunks(q, dim: int, world: int, rank: int):
+    """A zig-zag shard's two chunks: their length and the first token of each in the whole
+    sequence (or packing)."""
     local = q.shape[dim]
     if local % 2:
         raise ValueError(f"q: expected a shard of an even number of tokens (the {world} ranks' "
                          f"{world * local} tokens cut into 2 * {world} equal zig-zag chunks), "
                          f"received {local}")
+    chunk = local // 2
+    return chunk, (rank * chunk, (2 * world - 1 - rank) * chunk)
+
+
+def _sequence_parallel(q, k, v, index_q, index_k, group, packed, options):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    dim = 0 if packed else 1  # the sequence dim
+    chunk, starts = _zigzag_chunks(q, dim, world, rank)
     options = dict(options)
     cu_seqlens = options.pop("cu_seqlens", None)
     keys = [zigzag_unshard(t, group, dim) for t in (k, v, index_k)]
-    chunk, total = local // 2, world * local
-    starts = (rank * chunk, (2 * world - 1 - rank) * chunk)  # the first token of each chunk
+    total = world * q.shape[dim]
     # Query ranges run on one packing, or on one sequence (a batch of one): row by row.
     rows = [(q, index_q, *keys)] if packed else [
         (q[b, None], index_q[b, None], *(t[b, None] for t in keys)) for b in range(q.shape[0])]
@@ -271,10 +283,7 @@ def context_parallel_sparse_attention(q, k, v, block_indices, *, group=None, mod
     if mode == "head":
         if packed:
             q, k, v = (t[None] for t in (q, k, v))
-        if k.shape[2] % world:
-            raise ValueError(f"k: expected a number of KV heads divisible by the world size "
-                             f"{world} (head-parallel mode splits whole GQA groups), received "
-                             f"{k.shape[2]}")
+        _check_kv_heads_split(k, world)
         q_heads, k_heads, v_heads = (_sequence_to_heads(t, group) for t in (q, k, v))
         if packed:
             q_heads, k_heads, v_heads = (t[0] for t in (q_heads, k_heads, v_heads))
@@ -286,14 +295,8 @@ def context_parallel_sparse_attention(q, k, v, block_indices, *, group=None, mod
         out = _heads_to_sequence(out[None] if packed else out, group)
         return out[0] if packed else out
     dim = 0 if packed else 1
-    local = q.shape[dim]
-    if local % 2:
-        raise ValueError(f"q: expected a shard of an even number of tokens (the {world} ranks' "
-                         f"{world * local} tokens cut into 2 * {world} equal zig-zag chunks), "
-                         f"received {local}")
+    chunk, starts = _zigzag_chunks(q, dim, world, rank)
     keys = [zigzag_unshard(t, group, dim) for t in (k, v)]
-    chunk = local // 2
-    starts = (rank * chunk, (2 * world - 1 - rank) * chunk)
     batch_rows = 1 if packed else q.shape[0]
     outs = []
     for b in range(batch_rows):

@@ -8,8 +8,8 @@ of KV group r's heads; index key = mean of the key projections), so the index sc
 the group's average main score: the index branch selects roughly what the main attention would
 look at from step one, and the KL refines it. With ``use_cache=True`` (``generate()``) the layers
 cache the index keys beside k and v and run ``msa_decode``; no padding masks (pack sequences
-instead, or generate one sequence or equal-length batches). After each forward, ``msa_kl(model)`` is the mean KL over the layers with
-an index branch; add ``kl_weight * msa_kl(model)`` to the loss. ``share_index_every=N``: layers
+instead, or generate one sequence or equal-length batches). After each forward,
+``msa_kl(model)`` is the mean KL over the layers with an index branch; add ``kl_weight * msa_kl(model)`` to the loss. ``share_index_every=N``: layers
 0, N, 2N, ... get an index branch, the others attend over the blocks of the nearest one before
 them (SPEC section 9) and have no index projections.
 """

@@ -4,9 +4,9 @@ fake implementations and autograd, nothing else (the work is ``openmsa.ops.pipel
 ``openmsa::msa_forward`` runs ``pipeline.forward``; ``openmsa::msa_backward`` runs
 ``pipeline.backward`` and is registered as the forward's autograd formula.
 ``openmsa::sparse_forward`` and ``openmsa::sparse_backward`` do the same for the main attention
-alone (``pipeline.sparse_forward``: ``sparse_attention`` and layers sharing a selection). Each has a fake
-implementation (output shapes from input shapes alone), so ``torch.compile`` traces through
-``msa_attention`` without graph breaks. The work lists the forward builds are outputs, so the
+alone (``pipeline.sparse_forward``: ``sparse_attention`` and layers sharing a selection). Each
+has a fake implementation (output shapes from input shapes alone), so ``torch.compile`` traces
+through ``msa_attention`` and ``sparse_attention`` without graph breaks. The work lists the forward builds are outputs, so the
 backward reuses them instead of building them again.
 """
 
