@@ -177,7 +177,11 @@ def test_context_parallel_example_runs_on_three_processes_and_the_modes_agree(tm
             [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3",
              "--master_port", str(port), str(example), "--mode", mode],
             capture_output=True, text=True, cwd=tmp_path, timeout=600)
-        assert result.returncode == 0, result.stderr[-2000:]
+        # A rank's own abort message (gloo, C++) precedes torchrun's summary: show both.
+        aborts = [line for line in result.stderr.splitlines()
+                  if re.search(r"terminate|what\(\)|Error|error:", line)]
+        assert result.returncode == 0, ("\n".join(aborts[-10:]) + "\n" + result.stdout[-500:]
+                                        + result.stderr[-1500:])
         found = re.search(rf"total over 3 ranks \({mode} mode\): (.*)", result.stdout)
         assert found, result.stdout
         totals[mode] = found.group(1)
