@@ -135,8 +135,9 @@ def main() -> None:
                 ids = select_blocks(*stack[0][3:], top_k=TOP_K, block_size=BLOCK)[0]
             stats = selection_statistics(ids.permute(1, 0, 2))
             del ids
-            dense_ms = (timer(functools.partial(_dense_stack_step, stack, dout))
-                        if not composed and seqlen <= args.dense_max_seqlen else None)
+            if kind == kinds[0]:  # dense attention does not depend on the selection kind
+                dense_ms = (median_ms_of_few(functools.partial(_dense_stack_step, stack, dout))
+                            if not composed and seqlen <= args.dense_max_seqlen else None)
             for precision in precisions:
                 row = dict(seqlen=seqlen, selection=kind, index_precision=precision,
                            layers=args.layers, composed=composed, dense_stack_ms=dense_ms,

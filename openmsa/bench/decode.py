@@ -36,14 +36,17 @@ def plan(args, heads) -> list[dict]:
             for context in args.seqlens for batch in args.batches]
 
 
-def measure(row, args) -> dict:
-    """Times one decode step (MSA, dense) of ``row``'s shape on the GPU."""
+def measure(row, args) -> list[dict]:
+    """Times one decode step of ``row``'s shape on the GPU: dense SDPA over the whole cache once,
+    and ``msa_decode`` on each selection kind of ``args.selections``. Both are timed as CUDA
+    graph replays (how a server runs a decode step: without the host's launch costs) and
+    ``msa_decode`` also eagerly."""
     import torch
     import torch.nn.functional as F
 
     from ..ops.decode import msa_decode
     from .selection import index_inputs
-    from .timing import median_ms
+    from .timing import graphed, median_ms
 
     heads, kv_heads, index_heads = row["heads"]
     batch, context, dim = row["batch"], row["context"], row["head_dim"]
@@ -51,22 +54,62 @@ def measure(row, args) -> dict:
     q = torch.randn(batch, 1, heads, dim, device="cuda", generator=generator).bfloat16()
     k, v = (torch.randn(batch, context, kv_heads, dim, device="cuda",
                         generator=generator).bfloat16() for _ in range(2))
-    index_q, index_k = index_inputs(args.selection, context, index_heads, dim, generator,
-                                    "cuda")
-    index_q = index_q[None, -1:].expand(batch, 1, index_heads, dim).contiguous()
-    index_k = index_k[None].expand(batch, context, 1, dim).contiguous()
     lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     options = dict(top_k=args.top_k, block_size=args.block_size,
                    index_precision=args.index_precision)
-    result = dict(row, heads=f"H{heads}/Hkv{kv_heads}/Hi{index_heads}")
-    result["msa_ms"] = median_ms(lambda: msa_decode(q, k, v, index_q, index_k, lengths,
-                                                    **options))
     q_heads, k_heads, v_heads = (t.transpose(1, 2) for t in (q, k, v))
-    result["dense_ms"] = median_ms(lambda: F.scaled_dot_product_attention(
-        q_heads, k_heads, v_heads, enable_gqa=True))
-    result["speedup_vs_dense"] = result["dense_ms"] / result["msa_ms"]
-    result["msa_vs_floor"] = result["msa_ms"] / result["msa_floor_ms"]
-    return result
+    dense_ms = median_ms(graphed(lambda: F.scaled_dot_product_attention(
+        q_heads, k_heads, v_heads, enable_gqa=True)))
+    results = []
+    for kind in args.selections:
+        index_q, index_k = index_inputs(kind, context, index_heads, dim, generator, "cuda")
+        index_q = index_q[None, -1:].expand(batch, 1, index_heads, dim).contiguous()
+        index_k = index_k[None].expand(batch, context, 1, dim).contiguous()
+
+        def step():
+            return msa_decode(q, k, v, index_q, index_k, lengths, **options)
+
+        _, ids = msa_decode(q, k, v, index_q, index_k, lengths, return_indices=True, **options)
+        result = dict(row, heads=f"H{heads}/Hkv{kv_heads}/Hi{index_heads}", selection=kind,
+                      kept_blocks=float((ids >= 0).sum(-1).float().mean()),
+                      dense_ms=dense_ms, msa_eager_ms=median_ms(step))
+        try:
+            result["msa_ms"] = median_ms(graphed(step))
+        except RuntimeError as error:  # a route that reads the lengths on the host
+            result["msa_ms"], result["graph_error"] = result["msa_eager_ms"], str(error)[:200]
+        result["speedup_vs_dense"] = dense_ms / result["msa_ms"]
+        result["msa_vs_floor"] = result["msa_ms"] / result["msa_floor_ms"]
+        results.append(result)
+    return results
+
+
+def measure_prefill(context: int, heads, args) -> dict:
+    """A ``context``-token prompt through ``msa_decode`` (the cache path: all tokens new, the
+    training kernels with query ranges) against the training forward (``msa_attention`` with
+    inputs that need gradients, KL included), one sequence, ``args.selections[0]``."""
+    import torch
+
+    from ..ops.decode import msa_decode
+    from ..ops.msa import msa_attention
+    from .selection import index_inputs
+    from .timing import median_ms
+
+    num_heads, kv_heads, index_heads = heads
+    dim = args.head_dim
+    generator = torch.Generator(device="cuda").manual_seed(context)
+    q = torch.randn(1, context, num_heads, dim, device="cuda", generator=generator).bfloat16()
+    k, v = (torch.randn(1, context, kv_heads, dim, device="cuda",
+                        generator=generator).bfloat16() for _ in range(2))
+    index_q, index_k = (t[None] for t in index_inputs(args.selections[0], context, index_heads,
+                                                      dim, generator, "cuda"))
+    lengths = torch.full((1,), context, dtype=torch.int32, device="cuda")
+    options = dict(top_k=args.top_k, block_size=args.block_size,
+                   index_precision=args.index_precision)
+    prefill_ms = median_ms(lambda: msa_decode(q, k, v, index_q, index_k, lengths, **options))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, index_q, index_k)]
+    forward_ms = median_ms(lambda: msa_attention(*leaves, **options))
+    return dict(context=context, selection=args.selections[0], prefill_ms=prefill_ms,
+                training_forward_ms=forward_ms, prefill_vs_forward=prefill_ms / forward_ms)
 
 
 def print_table(rows) -> None:
@@ -74,10 +117,11 @@ def print_table(rows) -> None:
     def cell(row, key, fmt):
         return format(row[key], fmt) if key in row else "-"
 
-    print(f"{'context':>8} {'batch':>5} {'MSA ms':>8} {'floor':>7} {'x floor':>7} "
-          f"{'dense ms':>9} {'floor':>7} {'MSA vs dense':>12}")
+    print(f"{'context':>8} {'batch':>5} {'selection':>9} {'MSA ms':>8} {'floor':>7} "
+          f"{'x floor':>7} {'dense ms':>9} {'floor':>7} {'MSA vs dense':>12}")
     for r in rows:
-        print(f"{r['context']:>8} {r['batch']:>5} {cell(r, 'msa_ms', '.3f'):>8} "
+        print(f"{r['context']:>8} {r['batch']:>5} {r.get('selection', '-'):>9} "
+              f"{cell(r, 'msa_ms', '.3f'):>8} "
               f"{r['msa_floor_ms']:>7.3f} {cell(r, 'msa_vs_floor', '.2f'):>7} "
               f"{cell(r, 'dense_ms', '.3f'):>9} {r['dense_floor_ms']:>7.3f} "
               f"{cell(r, 'speedup_vs_dense', '.2f'):>12}")

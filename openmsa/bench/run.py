@@ -103,6 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "next to the memory-bandwidth floor, instead of training steps")
     parser.add_argument("--batches", type=parse_batches, default="1,8,32",
                         help="batch sizes of --decode")
+    parser.add_argument("--selections", type=parse_selections, default="coherent,mid,random",
+                        help="selection kinds --decode times (comma-separated)")
+    parser.add_argument("--prefill-seqlens", type=parse_optional_lengths, default="128k",
+                        help="--decode: prompt lengths whose prefill through msa_decode is timed "
+                        "against the training forward ('' for none)")
 
 
 def plan(args) -> list[dict]:
@@ -130,13 +135,27 @@ def parse_batches(text: str) -> list[int]:
     return batches
 
 
+def parse_selections(text: str) -> list[str]:
+    kinds = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [kind for kind in kinds if kind not in SELECTION_KINDS]
+    if not kinds or unknown:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated kinds of {', '.join(SELECTION_KINDS)}, got {text!r}")
+    return kinds
+
+
+def parse_optional_lengths(text: str) -> list[int]:
+    return parse_lengths(text) if text.strip() else []
+
+
 def run_decode(args) -> int:
     """``--decode``: decode steps against dense decoding (openmsa.bench.decode)."""
     from . import decode
 
     rows = decode.plan(args, args.heads or PRESETS[args.preset])
     print(f"openmsa bench --decode: top_k={args.top_k} block_size={args.block_size} "
-          f"selection={args.selection} index_precision={args.index_precision}; bytes a step "
+          f"selections={','.join(args.selections)} index_precision={args.index_precision}; "
+          f"bytes a step "
           f"reads at {decode.HBM_BYTES_PER_S / 1e12:.0f} TB/s (floors, ms):")
     if args.dry_run:
         decode.print_table(rows)
@@ -147,13 +166,23 @@ def run_decode(args) -> int:
         print("openmsa bench needs a CUDA GPU (use --dry-run to see the plan)", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    results = [decode.measure(row, args) for row in rows]
+    heads = args.heads or PRESETS[args.preset]
+    results, prefill = [], []
+    for number, row in enumerate(rows, 1):
+        print(f"[{number}/{len(rows)}] context {row['context']}, batch {row['batch']}",
+              flush=True)
+        results += decode.measure(row, args)
+    for context in args.prefill_seqlens:
+        prefill.append(decode.measure_prefill(context, heads, args))
     with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                        date=time.strftime("%Y-%m-%d"),
                        args={k: v for k, v in vars(args).items() if k != "handler"},
-                       rows=results), f, indent=2, default=str)
+                       rows=results, prefill=prefill), f, indent=2, default=str)
     decode.print_table(results)
+    for p in prefill:
+        print(f"prefill {p['context']}: msa_decode {p['prefill_ms']:.2f} ms, training forward "
+              f"{p['training_forward_ms']:.2f} ms ({p['prefill_vs_forward']:.3f}x)")
     return 0
 
 
