@@ -47,7 +47,10 @@ if wants sharing; then
 fi
 if wants decode; then
   python3 -m openmsa.cli bench --decode --seqlens 32k,128k,512k --out "$out/bench_decode" 2>&1 \
-    | tee "$out/openmsa_bench_decode.log" | tail -11
+    | tee "$out/openmsa_bench_decode.log" | tail -29
+  python3 -m openmsa.cli bench --decode --seqlens 128k --index-precision fp8 \
+    --selections coherent --prefill-seqlens "" --out "$out/bench_decode_fp8" 2>&1 \
+    | tee "$out/openmsa_bench_decode_fp8.log" | tail -4
 fi
 if wants train; then
   python3 -m openmsa.cli train --preset gpu --out "$out/train" 2>&1 | tee "$out/openmsa_train.log" | tail -3

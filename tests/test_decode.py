@@ -78,8 +78,11 @@ def test_decode_with_given_blocks_and_in_warmup():
 @pytest.mark.parametrize("new,options", [
     (1, dict(top_k=2)), (4, dict(top_k=3, num_sink_blocks=1)),
     (3, dict(top_k=2, num_local_blocks=2, index_softmax_scale=-0.1)),
+    (2, dict(top_k=3, index_precision="fp8")),
+    (2, dict(top_k=2, index_precision="fp8", index_softmax_scale=-0.1)),
     (20, dict(top_k=2)),  # past DECODE_MAX_NEW_TOKENS: the training kernels' query ranges
-], ids=["one_token", "sink", "local2_negative_scale", "long_chunk"])
+], ids=["one_token", "sink", "local2_negative_scale", "fp8", "fp8_negative_scale",
+        "long_chunk"])
 def test_decode_kernels_match_the_reference(new, options):
     """The decode kernels (block scores split over the cache, attention split over the kept
     blocks) give the reference's ids and out, also over given blocks."""
@@ -93,11 +96,40 @@ def test_decode_kernels_match_the_reference(new, options):
                                             return_indices=True, **options)
     reference, reference_ids = openmsa.msa_decode(*args, block_size=64, backend="reference",
                                                   return_indices=True, **options)
-    assert torch.equal(kernel_ids.sort(-1).values, reference_ids.sort(-1).values)
+    if new <= decode_module.DECODE_MAX_NEW_TOKENS:  # the decode top-k keeps the reference's order
+        assert torch.equal(kernel_ids.long(), reference_ids.long())
+    else:
+        assert torch.equal(kernel_ids.sort(-1).values, reference_ids.sort(-1).values)
     assert rel_rms_error(kernel, reference) < 1e-5
     given = openmsa.msa_decode(args[0], k, v, None, None, args[-1], block_size=64,
                                block_indices=reference_ids, backend="triton")
     assert rel_rms_error(given, reference) < 1e-5
+
+
+@interpreted
+@pytest.mark.parametrize("num_blocks,new,top_k,local,sink", [
+    (7, 1, 3, 1, 0), (13, 3, 4, 2, 1), (40, 2, 16, 3, 2), (5, 1, 16, 1, 0), (300, 1, 16, 1, 0)])
+def test_decode_top_blocks_keep_the_references_ids_and_order(num_blocks, new, top_k, local,
+                                                             sink):
+    """The decode top-k kernel against ``select_blocks_from_scores`` on scores full of ties
+    (small integers) and invisible (-inf) blocks, with forced local and sink blocks, fewer
+    visible blocks than top_k, and sequences of different lengths."""
+    from openmsa.ops.decode_kernels import decode_top_blocks
+    from openmsa.ops.naive import select_blocks_from_scores
+
+    generator = torch.Generator().manual_seed(num_blocks)
+    scores = torch.randint(-3, 3, (3, 2, new, num_blocks), generator=generator).float()
+    scores[torch.rand(scores.shape, generator=generator) < 0.2] = float("-inf")
+    lengths = torch.tensor([num_blocks * 64 - 5, num_blocks * 64 - 64, num_blocks * 32 + 3],
+                           dtype=torch.int32)
+    positions = lengths.long()[:, None] - new + torch.arange(new)
+    query_block = (positions // 64)[:, None, :]
+    scores = scores.masked_fill(torch.arange(num_blocks) > query_block[..., None],
+                                float("-inf"))  # causal, as the scoring kernel leaves them
+    expected = select_blocks_from_scores(scores, query_block, top_k, local, sink)
+    got = decode_top_blocks(scores, lengths, top_k=top_k, block_size=64,
+                            num_local_blocks=local, num_sink_blocks=sink)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), expected)
 
 
 @interpreted
@@ -116,8 +148,7 @@ def test_decode_kernels_need_no_host_lengths(monkeypatch):
     assert rel_rms_error(got, expected) < 1e-6
     with pytest.raises(ValueError, match="^cache_seqlens: expected a decode the decode kernels "
                                          "run while a CUDA graph is captured"):
-        openmsa.msa_decode(*args, top_k=2, block_size=64, backend="triton",
-                           index_precision="fp8")
+        openmsa.msa_decode(*args, top_k=2, block_size=64, backend="triton", warmup=True)
 
 
 def test_decode_clear_errors():

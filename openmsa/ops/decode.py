@@ -10,8 +10,9 @@ therefore the rows of ``msa_attention`` at those positions by construction.
 
 On the kernels, up to DECODE_MAX_NEW_TOKENS new tokens per sequence run the decode kernels
 (``decode_kernels``: selection against the whole cache and the main attention over the kept
-blocks, split over the cache and the kept blocks so that batch 1 fills the GPU); longer chunks
-(prefill), warmup and the fp8 index branch run the training kernels one batch row at a time.
+blocks, split over the cache and the kept blocks so that batch 1 fills the GPU; the fp8 index
+branch quantizes there); longer chunks (prefill) and warmup run the training kernels one batch
+row at a time.
 The decode kernels read ``cache_seqlens`` on the device only: while a CUDA graph is captured
 the host checks of its values are skipped and a decode step on them can be captured; the
 training-kernel route reads them on the host and is refused then. On a CPU the eager reference
@@ -113,21 +114,20 @@ def msa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lengths = _check_decode_args(q, k_cache, v_cache, index_q, index_k_cache, cache_seqlens,
                                  block_indices, warmup)
     new_tokens = q.shape[1]
-    if (not warmup and index_precision == "input" and new_tokens <= DECODE_MAX_NEW_TOKENS
-            and _use_kernels(backend, q.device)):
+    if not warmup and new_tokens <= DECODE_MAX_NEW_TOKENS and _use_kernels(backend, q.device):
         return _decode_on_kernels(q, k_cache, v_cache, index_q, index_k_cache, cache_seqlens,
                                   lengths, block_indices, return_indices,
                                   dict(top_k=top_k, block_size=block_size,
                                        softmax_scale=softmax_scale,
                                        index_softmax_scale=index_softmax_scale,
                                        num_local_blocks=num_local_blocks,
-                                       num_sink_blocks=num_sink_blocks, backend=backend))
+                                       num_sink_blocks=num_sink_blocks,
+                                       index_precision=index_precision, backend=backend))
     if lengths is None:
         raise _fail("cache_seqlens", f"a decode the decode kernels run while a CUDA graph is "
-                    f"captured (at most {DECODE_MAX_NEW_TOKENS} new tokens, index_precision "
-                    f"'input', no warmup; the rest reads the lengths on the host)",
-                    f"{new_tokens} new tokens, index_precision={index_precision!r}, "
-                    f"warmup={warmup}")
+                    f"captured (at most {DECODE_MAX_NEW_TOKENS} new tokens, no warmup; the rest "
+                    f"reads the lengths on the host)",
+                    f"{new_tokens} new tokens, warmup={warmup}")
     outs, ids = [], []
     with torch.no_grad():
         for row, length in enumerate(lengths):
@@ -172,13 +172,14 @@ def _decode_on_kernels(q, k_cache, v_cache, index_q, index_k_cache, cache_seqlen
             index_q[first], index_k_cache[first, :first_length], warmup=False, cu_seqlens=None,
             max_seqlen=None, deterministic=False, return_indices=False,
             query_start=first_length - q.shape[1], kl_num_queries=None, kl_value=False,
-            index_precision="input", **options)
+            **options)
         with torch.no_grad():
             block_indices = decode_kernels.decode_select(
                 index_q, index_k_cache[:, :longest], cache_seqlens, top_k=problem.top_k,
                 block_size=problem.block_size, index_softmax_scale=problem.index_softmax_scale,
                 num_local_blocks=problem.num_local_blocks,
-                num_sink_blocks=problem.num_sink_blocks)
+                num_sink_blocks=problem.num_sink_blocks,
+                index_precision=options["index_precision"])
         scale = problem.softmax_scale
     else:
         scale = options["softmax_scale"]

@@ -4,13 +4,17 @@ long caches, split over the cache so that batch 1 fills the GPU.
 - ``decode_block_scores``: one program per (sequence, index key head, run of BLOCKS_PER_PROGRAM
   cached blocks) scores all the sequence's new tokens x the key head's index heads against each
   block of the run (one MMA of ``Tq * G`` rows) and max-pools them: every cached index key is
-  read once per step. The top-k over the block scores is ``naive.select_blocks_from_scores``
-  (PyTorch, on ``[B, Hi, Tq, blocks]``: a few thousand scores a row), so forced blocks, ties and
-  ``-1`` slots are the reference's by construction.
+  read once per step.
+- ``decode_top_blocks``: one program per (sequence, index head, new token) keeps the forced
+  blocks and the best others in ``naive.select_blocks_from_scores``'s order, by one max per slot
+  over int64 keys that order as (score, lower block).
 - ``decode_attention``: one program per (new token, index head, kept slot) attends the index
   head's main heads over that one block (flash-decoding's split over keys, here over kept
   blocks) and writes a partial (max, sum, accumulator); ``merge_partials`` combines the slots by
-  their log-sum-exps.
+  their log-sum-exps and writes the output dtype.
+
+Each is one launch, so a decode step is four kernels (a CUDA graph replays them without the
+host's costs).
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .naive import select_blocks_from_scores
 from .problem import LOG2_E
+from .quantize import quantize_tile_e4m3
 
 BLOCKS_PER_PROGRAM = 8  # cached blocks a scoring program walks: 1024 keys of 128
+ORDERED_NEG_INF = tl.constexpr(-2139095041)  # -inf's bits as the top-k's monotone int32
+REMOVED = tl.constexpr(-(2**63))  # the key of a block already kept
 
 
 @triton.jit
@@ -30,16 +36,20 @@ def _decode_block_scores_kernel(
     IQ, IKC, LENGTHS, SCORES, stride_iq_b, stride_iq_t, stride_iq_h, stride_ik_b, stride_ik_t,
     stride_ik_h, stride_s_b, stride_s_h, stride_s_t, scale,
     NEW: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """SCORES [B, Hi, NEW, blocks] (pre-filled with -inf): each block's max-pooled, scaled index
-    score for every new token (row r: token r // G, index head key_head * G + r % G)."""
+    """SCORES [B, Hi, NEW, blocks]: each block's max-pooled, scaled index score for every new
+    token (row r: token r // G, index head key_head * G + r % G); -inf for blocks past the
+    sequence's length. FP8: the scores of SPEC section 8, the rows of index_q and of each block
+    of cached index keys quantized here (the codes are exact in fp16, so their products are
+    exact and summed in fp32)."""
     b = tl.program_id(0).to(tl.int64)
     key_head = tl.program_id(1)
     length = tl.load(LENGTHS + b).to(tl.int64)
     first = tl.program_id(2) * BLOCKS_PER_PROGRAM
     last = tl.minimum(first + BLOCKS_PER_PROGRAM, (length + BLOCK - 1) // BLOCK)
+    end = tl.minimum(first + BLOCKS_PER_PROGRAM, NUM_BLOCKS)
     rows = tl.arange(0, ROWS)
     token = rows // G
     head = key_head * G + rows % G
@@ -48,20 +58,68 @@ def _decode_block_scores_kernel(
     dims = tl.arange(0, HEAD_DIM)
     iq = tl.load(IQ + b * stride_iq_b + token[:, None] * stride_iq_t + head[:, None] * stride_iq_h
                  + dims[None, :], mask=row_valid[:, None], other=0.0)
+    row_scale = tl.full([ROWS], scale, tl.float32)
+    if FP8:
+        codes_dtype = tl.float32 if iq.dtype == tl.float32 else tl.float16
+        iq_codes, iq_scale = quantize_tile_e4m3(iq)
+        iq = iq_codes.to(codes_dtype)
+        row_scale = row_scale * iq_scale
     key_offsets = tl.arange(0, BLOCK)
     ik_base = IKC + b * stride_ik_b + key_head * stride_ik_h
     for block in range(first, last):
         key_pos = block * BLOCK + key_offsets
         ik = tl.load(ik_base + key_pos[:, None].to(tl.int64) * stride_ik_t + dims[None, :],
                      mask=(key_pos < length)[:, None], other=0.0)
-        scores = tl.dot(iq, tl.trans(ik), input_precision=PRECISION)
+        if FP8:
+            ik_codes, ik_scale = quantize_tile_e4m3(ik)
+            scores = tl.dot(iq, tl.trans(ik_codes.to(codes_dtype)),
+                            input_precision=PRECISION) * ik_scale[None, :]
+        else:
+            scores = tl.dot(iq, tl.trans(ik), input_precision=PRECISION)
         visible = (key_pos[None, :] <= position[:, None]) & (key_pos < length)[None, :]
         if NEGATIVE_SCALE:
-            pooled = tl.min(tl.where(visible, scores, float("inf")), axis=1) * scale
+            pooled = tl.min(tl.where(visible, scores, float("inf")), axis=1) * row_scale
         else:
-            pooled = tl.max(tl.where(visible, scores, float("-inf")), axis=1) * scale
+            pooled = tl.max(tl.where(visible, scores, float("-inf")), axis=1) * row_scale
         tl.store(SCORES + b * stride_s_b + head * stride_s_h + token * stride_s_t + block,
                  pooled, mask=row_valid)
+    for block in range(tl.maximum(last, first), end):
+        tl.store(SCORES + b * stride_s_b + head * stride_s_h + token * stride_s_t + block,
+                 tl.full([ROWS], float("-inf"), tl.float32), mask=row_valid)
+
+
+@triton.jit
+def _decode_top_blocks_kernel(
+    SCORES, LENGTHS, IDS, stride_s_b, stride_s_h, stride_s_t, stride_ids_b, stride_ids_h,
+    stride_ids_t, num_blocks, NEW: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+    NUM_LOCAL: tl.constexpr, NUM_SINK: tl.constexpr, BLOCKS_POW2: tl.constexpr,
+):
+    """IDS [B, Hi, NEW, TOP_K] of one (sequence, index head, new token) row: steps 3-4 of the
+    selection in ``naive.select_blocks_from_scores``'s order (forced blocks in block order,
+    then descending scores, ties to the lower block, -1 where no visible block is left)."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    token = tl.program_id(2)
+    position = tl.load(LENGTHS + b).to(tl.int32) - NEW + token
+    blocks = tl.arange(0, BLOCKS_POW2)
+    scores = tl.load(SCORES + b * stride_s_b + head * stride_s_h + token * stride_s_t + blocks,
+                     mask=blocks < num_blocks, other=float("-inf"))
+    behind = position // BLOCK - blocks
+    forced = (behind >= 0) & ((behind < NUM_LOCAL) | (blocks < NUM_SINK))
+    scores = tl.where(forced, float("inf"), scores)
+    # One int64 key per block that orders as (score, then the lower block) does: the score's
+    # bits made monotone as a signed integer in the high half, the block's complement in the
+    # low half. One max per slot then finds the next kept block.
+    bits = scores.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    keys = (ordered << 32) | (4294967295 - blocks.to(tl.int64))
+    out = IDS + b * stride_ids_b + head * stride_ids_h + token * stride_ids_t
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=0)
+        block = (4294967295 - (best - ((best >> 32) << 32))).to(tl.int32)
+        # Blocks scored -inf (invisible) and the removed ones are never kept.
+        tl.store(out + slot, tl.where((best >> 32) > ORDERED_NEG_INF, block, -1))
+        keys = tl.where(keys == best, REMOVED, keys)
 
 
 @triton.jit
@@ -120,15 +178,17 @@ def _precision(tensor: torch.Tensor) -> str:
 
 
 def decode_block_scores(index_q, index_k_cache, lengths, block_size: int,
-                        index_softmax_scale: float) -> torch.Tensor:
+                        index_softmax_scale: float, index_precision: str = "input"
+                        ) -> torch.Tensor:
     """fp32 ``[B, Hi, Tq, blocks]``: each cached block's max-pooled, scaled index score for
-    every new token (-inf where no key of the block is visible to it)."""
+    every new token (-inf where no key of the block is visible to it), from input-precision
+    or fp8 index scores."""
     batch, new, num_index_heads, head_dim = index_q.shape
     capacity, num_key_heads = index_k_cache.shape[1], index_k_cache.shape[2]
     group = num_index_heads // num_key_heads
     num_blocks = -(-capacity // block_size)
-    scores = torch.full((batch, num_index_heads, new, num_blocks), float("-inf"),
-                        dtype=torch.float32, device=index_q.device)
+    scores = torch.empty((batch, num_index_heads, new, num_blocks), dtype=torch.float32,
+                         device=index_q.device)
     index_q = index_q if index_q.stride(-1) == 1 else index_q.contiguous()
     index_k_cache = index_k_cache if index_k_cache.stride(-1) == 1 else index_k_cache.contiguous()
     grid = (batch, num_key_heads, triton.cdiv(num_blocks, BLOCKS_PER_PROGRAM))
@@ -138,23 +198,37 @@ def decode_block_scores(index_q, index_k_cache, lengths, block_size: int,
         index_k_cache.stride(2), scores.stride(0), scores.stride(1), scores.stride(2),
         index_softmax_scale, NEW=new, G=group,
         ROWS=max(16, triton.next_power_of_2(new * group)), BLOCK=block_size, HEAD_DIM=head_dim,
-        BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM, NEGATIVE_SCALE=index_softmax_scale < 0,
+        BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM, NUM_BLOCKS=num_blocks,
+        NEGATIVE_SCALE=index_softmax_scale < 0, FP8=index_precision == "fp8",
         PRECISION=_precision(index_q))
     return scores
 
 
 def decode_select(index_q, index_k_cache, lengths, *, top_k: int, block_size: int,
-                  index_softmax_scale: float, num_local_blocks: int,
-                  num_sink_blocks: int) -> torch.Tensor:
+                  index_softmax_scale: float, num_local_blocks: int, num_sink_blocks: int,
+                  index_precision: str = "input") -> torch.Tensor:
     """Kept block ids int32 ``[B, Hi, Tq, top_k]`` of the new tokens (SPEC section 3 steps 1-4
     at positions ``lengths[b] - Tq ...``)."""
     scores = decode_block_scores(index_q, index_k_cache, lengths, block_size,
-                                 index_softmax_scale)
-    new = index_q.shape[1]
-    positions = lengths.long()[:, None] - new + torch.arange(new, device=lengths.device)
-    query_block = (positions // block_size)[:, None, :]  # [B, 1, Tq] against [B, Hi, Tq, NB]
-    return select_blocks_from_scores(scores, query_block, top_k, num_local_blocks,
-                                     num_sink_blocks).to(torch.int32)
+                                 index_softmax_scale, index_precision)
+    return decode_top_blocks(scores, lengths, top_k=top_k, block_size=block_size,
+                             num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks)
+
+
+def decode_top_blocks(scores, lengths, *, top_k: int, block_size: int, num_local_blocks: int,
+                      num_sink_blocks: int) -> torch.Tensor:
+    """Steps 3-4 on block scores ``[B, Hi, Tq, blocks]`` of the new tokens (the last ``Tq`` of
+    each sequence's ``lengths[b]``): int32 ids ``[B, Hi, Tq, top_k]``, one program per row."""
+    batch, num_index_heads, new, num_blocks = scores.shape
+    ids = torch.empty(batch, num_index_heads, new, top_k, dtype=torch.int32,
+                      device=scores.device)
+    pow2 = triton.next_power_of_2(num_blocks)
+    _decode_top_blocks_kernel[(batch, num_index_heads, new)](
+        scores, lengths, ids, scores.stride(0), scores.stride(1), scores.stride(2),
+        ids.stride(0), ids.stride(1), ids.stride(2), num_blocks, NEW=new, BLOCK=block_size,
+        TOP_K=top_k, NUM_LOCAL=num_local_blocks, NUM_SINK=num_sink_blocks, BLOCKS_POW2=pow2,
+        num_warps=max(4, min(16, pow2 // 256)))
+    return ids
 
 
 def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
@@ -180,12 +254,35 @@ def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
         softmax_scale * LOG2_E, NEW=new, GQ=gq, ROWS=max(16, triton.next_power_of_2(gq)),
         KV_GROUP=num_index_heads // num_kv_heads, NUM_HEADS=num_heads, SLOTS=slots,
         BLOCK=block_size, HEAD_DIM=head_dim, PRECISION=_precision(q))
-    return merge_partials(maxes, sums, accs).view(batch, new, num_heads, head_dim).to(q.dtype)
+    merged = merge_partials(maxes.view(-1, slots), sums.view(-1, slots),
+                            accs.view(-1, slots, head_dim), q.dtype)
+    return merged.view(batch, new, num_heads, head_dim)
 
 
-def merge_partials(maxes, sums, accs) -> torch.Tensor:
-    """Softmax-weighted merge over the last slot dim: ``sum_s 2^(m_s - M) acc_s / sum_s
-    2^(m_s - M) l_s`` (the own block is always kept, so M is finite)."""
-    top = maxes.amax(dim=-1, keepdim=True)
-    weights = torch.exp2(maxes - top)  # unused slots: 2^-inf = 0
-    return (weights[..., None] * accs).sum(dim=-2) / (weights * sums).sum(dim=-1)[..., None]
+@triton.jit
+def _merge_partials_kernel(MAXES, SUMS, ACCS, OUT, SLOTS: tl.constexpr,
+                           SLOTS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """OUT row (new token, head) = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the
+    row's slots (the own block is always kept, so M is finite)."""
+    row = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, SLOTS_POW2)
+    dims = tl.arange(0, HEAD_DIM)
+    valid = slots < SLOTS
+    maxes = tl.load(MAXES + row * SLOTS + slots, mask=valid, other=float("-inf"))
+    sums = tl.load(SUMS + row * SLOTS + slots, mask=valid, other=0.0)
+    accs = tl.load(ACCS + (row * SLOTS + slots[:, None]) * HEAD_DIM + dims[None, :],
+                   mask=valid[:, None], other=0.0)
+    weights = tl.exp2(maxes - tl.max(maxes, axis=0))  # unused slots: 2^-inf = 0
+    out = tl.sum(weights[:, None] * accs, axis=0) / tl.sum(weights * sums, axis=0)
+    tl.store(OUT + row * HEAD_DIM + dims, out.to(OUT.dtype.element_ty))
+
+
+def merge_partials(maxes, sums, accs, dtype) -> torch.Tensor:
+    """The slots' partials ``[R, SLOTS]``, ``[R, SLOTS]``, ``[R, SLOTS, D]`` merged by their
+    log-sum-exps into ``[R, D]`` of ``dtype``."""
+    rows, slots, head_dim = accs.shape
+    out = torch.empty(rows, head_dim, dtype=dtype, device=accs.device)
+    _merge_partials_kernel[(rows,)](maxes, sums, accs, out, SLOTS=slots,
+                                    SLOTS_POW2=max(16, triton.next_power_of_2(slots)),
+                                    HEAD_DIM=head_dim)
+    return out

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .interpreter import INTERPRETING
+
 INDEX_PRECISIONS = ("input", "fp8")
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
 # Rows quantized per step: bounds the fp32 temporaries at 1M tokens (64k rows of 128 dims:
@@ -46,29 +48,52 @@ def quantize_rows_e4m3(x: torch.Tensor, chunk_rows: int = _CHUNK_ROWS):
 
 
 @triton.jit
+def round_to_e4m3(y):
+    """fp32 ``y`` (``|y| <= 448``) rounded to the nearest e4m3 value, ties to even, as fp32.
+    Done in fp32 arithmetic rather than by a cast: Triton's CPU interpreter casts values just
+    below a power of two (127.03) to half the right code (64)."""
+    exponent = (y.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased
+    step_exponent = tl.maximum(exponent - 127, -6) - 3  # 3 mantissa bits; subnormals below 2^-6
+    step = ((step_exponent + 127) << 23).to(tl.float32, bitcast=True)
+    inverse_step = ((127 - step_exponent) << 23).to(tl.float32, bitcast=True)
+    # Adding and removing 1.5 * 2^23 rounds y / step (exact: a power of two) to an integer,
+    # ties to even.
+    return ((y * inverse_step + 12582912.0) - 12582912.0) * step
+
+
+@triton.jit
+def quantize_tile_e4m3(x):
+    """A tile's rows ``x [R, D]`` -> (codes ``[R, D]``, fp32 scales ``[R]``) as
+    ``quantize_rows_e4m3``; the codes are e4m3 values held in fp32."""
+    x = x.to(tl.float32)
+    row_max = tl.max(tl.abs(x), axis=1)
+    # Correctly rounded divisions (Triton's "/" is approximate in fp32), as PyTorch's.
+    scale = tl.where(row_max > 0, tl.math.div_rn(row_max, tl.full(row_max.shape, 448.0,
+                                                                   tl.float32)), 1.0)
+    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    return round_to_e4m3(tl.clamp(scaled, -448.0, 448.0)), scale
+
+
+@triton.jit
 def _quantize_rows_kernel(X, CODES, SCALES, num_rows, stride_row, DIM: tl.constexpr,
                           ROWS: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
     valid = rows < num_rows
     x = tl.load(X + rows[:, None] * stride_row + dims[None, :], mask=valid[:, None],
-                other=0.0).to(tl.float32)
-    row_max = tl.max(tl.abs(x), axis=1)
-    # Correctly rounded divisions (Triton's "/" is approximate in fp32), as PyTorch's.
-    scale = tl.where(row_max > 0, tl.math.div_rn(row_max, tl.full([ROWS], 448.0, tl.float32)),
-                     1.0)
-    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    codes = tl.clamp(scaled, -448.0, 448.0).to(tl.float8e4nv)  # round to nearest even
-    tl.store(CODES + rows[:, None] * DIM + dims[None, :], codes, mask=valid[:, None])
+                other=0.0)
+    codes, scale = quantize_tile_e4m3(x)
+    tl.store(CODES + rows[:, None] * DIM + dims[None, :], codes.to(tl.float8e4nv),
+             mask=valid[:, None])
     tl.store(SCALES + rows, scale, mask=valid)
 
 
 def quantize_rows_e4m3_fused(x: torch.Tensor):
     """``quantize_rows_e4m3`` in one Triton kernel (CUDA tensors): one read of ``x``, one write
     of the codes and scales. Bit for bit the PyTorch operations' result
-    (tests/gpu/test_fp8_index_gpu.py); the CPU interpreter's fp8 casts are wrong, so on a CPU the
-    operations run instead."""
-    if x.device.type != "cuda":
+    (tests/ops/test_quantize.py under the CPU interpreter, tests/gpu/test_fp8_index_gpu.py); on a
+    CPU without the interpreter the operations run instead."""
+    if x.device.type != "cuda" and not INTERPRETING:
         return quantize_rows_e4m3(x)
     dim = x.shape[-1]
     rows = x.reshape(-1, dim)

@@ -11,8 +11,9 @@ from openmsa.testing import rel_rms_error, same_block_sets
 BF16_ERROR = 1e-2  # rel. RMS of bf16 kernels against the fp32 reference
 
 
+@pytest.mark.parametrize("index_precision", ["input", "fp8"])
 @pytest.mark.parametrize("new", [1, 4, 40])  # 40: past DECODE_MAX_NEW_TOKENS (query ranges)
-def test_decode_matches_the_fp32_reference_in_bf16(new):
+def test_decode_matches_the_fp32_reference_in_bf16(new, index_precision):
     lengths = torch.tensor([3000, 1777, 129], dtype=torch.int32, device="cuda")
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, index_q, index_k = (
@@ -20,7 +21,8 @@ def test_decode_matches_the_fp32_reference_in_bf16(new):
         for heads in (16, 2, 2, 4, 1))
     new_q, new_iq = (torch.stack([t[b, n - new:n] for b, n in enumerate(lengths.tolist())])
                      for t in (q, index_q))
-    options = dict(top_k=8, block_size=128, return_indices=True)
+    options = dict(top_k=8, block_size=128, return_indices=True,
+                   index_precision=index_precision)
     out, ids = openmsa.msa_decode(new_q, k, v, new_iq, index_k, lengths, **options)
     expected, expected_ids = openmsa.msa_decode(
         *(t.float() for t in (new_q, k, v, new_iq, index_k)), lengths, backend="reference",
@@ -55,7 +57,8 @@ def test_cached_generation_steps_match_a_full_recompute_in_bf16():
         assert rel_rms_error(logits.float(), full[:, 2999 + step]) < 3e-2, step
 
 
-def test_decode_step_replays_under_a_cuda_graph():
+@pytest.mark.parametrize("index_precision", ["input", "fp8"])
+def test_decode_step_replays_under_a_cuda_graph(index_precision):
     """One decode step of the decode kernels captured once, replayed after the caches and
     lengths changed in place: equal to an eager step."""
     generator = torch.Generator(device="cuda").manual_seed(2)
@@ -67,7 +70,7 @@ def test_decode_step_replays_under_a_cuda_graph():
 
     def step():
         return openmsa.msa_decode(new_q, k, v, new_iq, index_k, lengths, top_k=8,
-                                  block_size=128)
+                                  block_size=128, index_precision=index_precision)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

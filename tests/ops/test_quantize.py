@@ -7,7 +7,8 @@ import torch
 
 import openmsa
 from openmsa.ops.naive import select_blocks_from_scores
-from openmsa.ops.quantize import E4M3_MAX, quantize_rows_e4m3
+from openmsa.ops.interpreter import INTERPRETING
+from openmsa.ops.quantize import E4M3_MAX, quantize_rows_e4m3, quantize_rows_e4m3_fused
 from openmsa.ops.validate import check_index_precision
 
 # Every finite e4m3 value, in bit order (code 0x7F and 0xFF are NaN).
@@ -35,15 +36,24 @@ def quantize_by_the_spec(x: torch.Tensor):
     return round_to_e4m3((x / scale[..., None]).clamp(-448, 448)), scale
 
 
-def test_codes_are_the_nearest_e4m3_values_ties_to_even():
+def hard_rows():
+    """Rows whose codes test the rounding: random magnitudes over six decades, an all-zero row,
+    an exact row, exact halfway points, subnormals, and values just below powers of two (the
+    CPU interpreter's cast rounds 127.03 down to 64)."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(64, 3, 48, generator=generator) * torch.logspace(-3, 3, 48)
     x[5, 1] = 0  # all zero: scale 1
-    x[6:8, 0] = 0
+    x[6:9, 0] = 0
     x[6, 0, :4] = torch.tensor([448.0, 10.0, 0.0, -448.0])  # an exact row: codes = values
     # Values of x / s exactly halfway between two e4m3 values (in [16, 32) the step is 2; 0.5 and
     # the halfway points of subnormals): the max entry pins s = 1.
     x[7, 0, :6] = torch.tensor([448.0, 17.0, 19.0, -21.0, 2.0 ** -10, 3 * 2.0 ** -10])
+    x[8, 0, :5] = torch.tensor([448.0, 127.03, -63.9, 15.99, 1.999])
+    return x
+
+
+def test_codes_are_the_nearest_e4m3_values_ties_to_even():
+    x = hard_rows()
     codes, scales = quantize_rows_e4m3(x)
     expected_codes, expected_scales = quantize_by_the_spec(x)
     assert codes.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
@@ -51,8 +61,20 @@ def test_codes_are_the_nearest_e4m3_values_ties_to_even():
     assert torch.equal(codes.double(), expected_codes)
     assert scales[5, 1] == 1 and codes[5, 1].float().abs().max() == 0
     assert codes[7, 0, :6].tolist() == [448.0, 16.0, 20.0, -20.0, 0.0, 2.0 ** -8]
+    assert codes[8, 0, :5].tolist() == [448.0, 128.0, -64.0, 16.0, 2.0]
     nonzero = x.abs().amax(-1) > 0
     assert (codes.float().abs().amax(-1)[nonzero] == E4M3_MAX).all()
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1 (the README's test command)")
+def test_the_triton_quantizer_gives_the_specs_codes_and_scales():
+    """The kernel the fp8 selection and the decode kernels quantize with (round_to_e4m3 in
+    fp32 arithmetic), against the SPEC's rounding by search."""
+    x = hard_rows()[..., :32]  # a power-of-two head dim
+    codes, scales = quantize_rows_e4m3_fused(x)
+    expected_codes, expected_scales = quantize_by_the_spec(x)
+    assert codes.dtype == torch.float8_e4m3fn
+    assert torch.equal(scales, expected_scales) and torch.equal(codes.double(), expected_codes)
 
 
 def test_chunks_do_not_change_the_result_and_inputs_may_be_strided():
