@@ -123,14 +123,17 @@ def compile_select_for_sm90(index_precision: str, **config):
 def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
                             heads_per_index_head: int = 16):
     """The decode kernels (``ops.decode_kernels``), bf16, D = 128, blocks of 128, as
-    ``msa_decode`` launches them for ``new_tokens`` new tokens a sequence, compiled for sm_90a.
-    Returns (block-score kernel, attention kernel)."""
+    ``msa_decode`` launches them for ``new_tokens`` new tokens a sequence, compiled for sm_90a
+    (the block-score kernel at its largest tuned run: input precision at its deepest pipeline,
+    fp8 without one, which at 256 rows is what fits without spills). Returns (block scores, fp8 block scores, top blocks, attention, merge)."""
     from triton.compiler import ASTSource
 
-    from openmsa.ops.decode_kernels import (BLOCKS_PER_PROGRAM, _decode_attention_kernel,
-                                            _decode_block_scores_kernel)
+    from openmsa.ops.decode_kernels import (_decode_attention_kernel,
+                                            _decode_block_scores_kernel,
+                                            _decode_top_blocks_kernel, _merge_partials_kernel)
 
-    def build(fn, types, constants):
+    def build(fn, types, constants, num_warps=4):
+        fn = fn.fn if isinstance(fn, triton.runtime.Autotuner) else fn  # autotuned: its kernel
         types = dict({name: "i32" for name in fn.arg_names}, **types,
                      **{name: "constexpr" for name in constants})
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
@@ -138,14 +141,19 @@ def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
         source = ASTSource(fn=fn, signature={name: types[name] for name in fn.arg_names},
                            constexprs=constants, attrs=aligned)
         return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=4))
+                              options=dict(num_warps=num_warps))
 
     rows = max(16, triton.next_power_of_2(new_tokens * heads_per_key_head))
-    scores = build(_decode_block_scores_kernel,
-                   dict(IQ="*bf16", IKC="*bf16", LENGTHS="*i32", SCORES="*fp32", scale="fp32"),
-                   dict(NEW=new_tokens, G=heads_per_key_head, ROWS=rows, BLOCK=128,
-                        HEAD_DIM=128, BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM,
-                        NEGATIVE_SCALE=False, PRECISION="tf32"))
+    scores = [build(_decode_block_scores_kernel,
+                    dict(IQ="*bf16", IKC="*bf16", LENGTHS="*i32", SCORES="*fp32", scale="fp32"),
+                    dict(NEW=new_tokens, G=heads_per_key_head, ROWS=rows, BLOCK=128,
+                         HEAD_DIM=128, BLOCKS_PER_PROGRAM=16, NEGATIVE_SCALE=False, FP8=fp8,
+                         PRECISION="tf32", STAGES=1 if fp8 else 3), num_warps=8)
+              for fp8 in (False, True)]
+    top_blocks = build(_decode_top_blocks_kernel, dict(SCORES="*fp32", LENGTHS="*i32",
+                                                       IDS="*i32"),
+                       dict(NEW=new_tokens, BLOCK=128, TOP_K=16, NUM_LOCAL=1, NUM_SINK=0,
+                            BLOCKS_POW2=8192), num_warps=16)
     attention = build(_decode_attention_kernel,
                       dict(Q="*bf16", KC="*bf16", VC="*bf16", IDS="*i32", LENGTHS="*i32",
                            MAXES="*fp32", SUMS="*fp32", ACCS="*fp32", scale_log2="fp32"),
@@ -153,7 +161,10 @@ def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
                            ROWS=max(16, triton.next_power_of_2(heads_per_index_head)),
                            KV_GROUP=1, NUM_HEADS=4 * heads_per_index_head, SLOTS=16, BLOCK=128,
                            HEAD_DIM=128, PRECISION="tf32"))
-    return scores, attention
+    merge = build(_merge_partials_kernel, dict(MAXES="*fp32", SUMS="*fp32", ACCS="*fp32",
+                                               OUT="*bf16"),
+                  dict(SLOTS=16, SLOTS_POW2=16, HEAD_DIM=128))
+    return (*scores, top_blocks, attention, merge)
 
 
 def ptxas_report(ptx: str) -> dict:

@@ -49,16 +49,20 @@ def quantize_rows_e4m3(x: torch.Tensor, chunk_rows: int = _CHUNK_ROWS):
 
 @triton.jit
 def round_to_e4m3(y):
-    """fp32 ``y`` (``|y| <= 448``) rounded to the nearest e4m3 value, ties to even, as fp32.
-    Done in fp32 arithmetic rather than by a cast: Triton's CPU interpreter casts values just
-    below a power of two (127.03) to half the right code (64)."""
-    exponent = (y.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased
+    """fp32 ``y`` (``|y| <= 448``) rounded to the nearest e4m3 value, ties to even, as fp32
+    (the sign kept, also on zeros, as a cast keeps it). Done in fp32 arithmetic rather than by a
+    cast: Triton's CPU interpreter casts values just below a power of two (127.03) to half the
+    right code (64)."""
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF  # biased
     step_exponent = tl.maximum(exponent - 127, -6) - 3  # 3 mantissa bits; subnormals below 2^-6
     step = ((step_exponent + 127) << 23).to(tl.float32, bitcast=True)
     inverse_step = ((127 - step_exponent) << 23).to(tl.float32, bitcast=True)
-    # Adding and removing 1.5 * 2^23 rounds y / step (exact: a power of two) to an integer,
+    # Adding and removing 1.5 * 2^23 rounds |y| / step (exact: a power of two) to an integer,
     # ties to even.
-    return ((y * inverse_step + 12582912.0) - 12582912.0) * step
+    magnitude = ((tl.abs(y) * inverse_step + 12582912.0) - 12582912.0) * step
+    return (magnitude.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32,
+                                                                            bitcast=True)
 
 
 @triton.jit

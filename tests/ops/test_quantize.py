@@ -48,7 +48,7 @@ def hard_rows():
     # Values of x / s exactly halfway between two e4m3 values (in [16, 32) the step is 2; 0.5 and
     # the halfway points of subnormals): the max entry pins s = 1.
     x[7, 0, :6] = torch.tensor([448.0, 17.0, 19.0, -21.0, 2.0 ** -10, 3 * 2.0 ** -10])
-    x[8, 0, :5] = torch.tensor([448.0, 127.03, -63.9, 15.99, 1.999])
+    x[8, 0, :7] = torch.tensor([448.0, 127.03, -63.9, 15.99, 1.999, -2.0 ** -12, -0.0])
     return x
 
 
@@ -61,7 +61,7 @@ def test_codes_are_the_nearest_e4m3_values_ties_to_even():
     assert torch.equal(codes.double(), expected_codes)
     assert scales[5, 1] == 1 and codes[5, 1].float().abs().max() == 0
     assert codes[7, 0, :6].tolist() == [448.0, 16.0, 20.0, -20.0, 0.0, 2.0 ** -8]
-    assert codes[8, 0, :5].tolist() == [448.0, 128.0, -64.0, 16.0, 2.0]
+    assert codes[8, 0, :7].tolist() == [448.0, 128.0, -64.0, 16.0, 2.0, 0.0, 0.0]
     nonzero = x.abs().amax(-1) > 0
     assert (codes.float().abs().amax(-1)[nonzero] == E4M3_MAX).all()
 
@@ -75,6 +75,9 @@ def test_the_triton_quantizer_gives_the_specs_codes_and_scales():
     expected_codes, expected_scales = quantize_by_the_spec(x)
     assert codes.dtype == torch.float8_e4m3fn
     assert torch.equal(scales, expected_scales) and torch.equal(codes.double(), expected_codes)
+    # Bit for bit as PyTorch's cast, which keeps the sign of values rounding to zero.
+    cast_codes, _ = quantize_rows_e4m3(x)
+    assert torch.equal(codes.view(torch.uint8), cast_codes.view(torch.uint8))
 
 
 def test_chunks_do_not_change_the_result_and_inputs_may_be_strided():
