@@ -124,16 +124,14 @@ def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
                             heads_per_index_head: int = 16):
     """The decode kernels (``ops.decode_kernels``), bf16, D = 128, blocks of 128, as
     ``msa_decode`` launches them for ``new_tokens`` new tokens a sequence, compiled for sm_90a
-    (the block-score kernel at its largest tuned run: input precision at its deepest pipeline,
-    fp8 without one, which at 256 rows is what fits without spills). Returns (block scores, fp8 block scores, top blocks, attention, merge)."""
+    (the block-score kernel in both index precisions). Returns (block scores, fp8 block scores, top blocks, attention, merge)."""
     from triton.compiler import ASTSource
 
-    from openmsa.ops.decode_kernels import (_decode_attention_kernel,
+    from openmsa.ops.decode_kernels import (BLOCKS_PER_PROGRAM, _decode_attention_kernel,
                                             _decode_block_scores_kernel,
                                             _decode_top_blocks_kernel, _merge_partials_kernel)
 
     def build(fn, types, constants, num_warps=4):
-        fn = fn.fn if isinstance(fn, triton.runtime.Autotuner) else fn  # autotuned: its kernel
         types = dict({name: "i32" for name in fn.arg_names}, **types,
                      **{name: "constexpr" for name in constants})
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
@@ -147,8 +145,8 @@ def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
     scores = [build(_decode_block_scores_kernel,
                     dict(IQ="*bf16", IKC="*bf16", LENGTHS="*i32", SCORES="*fp32", scale="fp32"),
                     dict(NEW=new_tokens, G=heads_per_key_head, ROWS=rows, BLOCK=128,
-                         HEAD_DIM=128, BLOCKS_PER_PROGRAM=16, NEGATIVE_SCALE=False, FP8=fp8,
-                         PRECISION="tf32", STAGES=1 if fp8 else 3), num_warps=8)
+                         HEAD_DIM=128, BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM,
+                         NEGATIVE_SCALE=False, FP8=fp8, PRECISION="tf32"))
               for fp8 in (False, True)]
     top_blocks = build(_decode_top_blocks_kernel, dict(SCORES="*fp32", LENGTHS="*i32",
                                                        IDS="*i32"),

@@ -1,8 +1,8 @@
 """Decode kernels (``msa_decode``, SPEC section 10): a few new query tokens per sequence against
 long caches, split over the cache so that batch 1 fills the GPU.
 
-- ``decode_block_scores``: one program per (sequence, index key head, run of cached blocks;
-  the run's length, warps and pipelining autotuned per shape) scores all the sequence's new tokens x the key head's index heads against each
+- ``decode_block_scores``: one program per (sequence, index key head, run of BLOCKS_PER_PROGRAM
+  cached blocks) scores all the sequence's new tokens x the key head's index heads against each
   block of the run (one MMA of ``Tq * G`` rows) and max-pools them: every cached index key is
   read once per step.
 - ``decode_top_blocks``: one program per (sequence, index head, new token) keeps the forced
@@ -23,33 +23,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .interpreter import INTERPRETING
 from .problem import LOG2_E
 from .quantize import quantize_tile_e4m3
 
+BLOCKS_PER_PROGRAM = 8  # cached blocks a scoring program walks: 1024 keys of 128
 ORDERED_NEG_INF = tl.constexpr(-2139095041)  # -inf's bits as the top-k's monotone int32
 REMOVED = tl.constexpr(-(2**63))  # the key of a block already kept
 
 
-def _score_configs():
-    """Cached blocks a program walks, warps and loads in flight: tuned per shape on the GPU
-    (one config under the interpreter, where timing means nothing)."""
-    if INTERPRETING:
-        return [triton.Config(dict(BLOCKS_PER_PROGRAM=8, STAGES=1), num_warps=4)]
-    return [triton.Config(dict(BLOCKS_PER_PROGRAM=blocks, STAGES=stages), num_warps=warps)
-            for blocks in (4, 8, 16) for stages in (1, 3) for warps in (4, 8)]
-
-
-# Tuned once per (sequences x key heads x cached blocks rounded up to a power of two, ...): a
-# growing cache does not retune at every block.
-@triton.autotune(configs=_score_configs(), key=["tuning_key", "NEW", "G", "FP8"])
 @triton.jit
 def _decode_block_scores_kernel(
     IQ, IKC, LENGTHS, SCORES, stride_iq_b, stride_iq_t, stride_iq_h, stride_ik_b, stride_ik_t,
-    stride_ik_h, stride_s_b, stride_s_h, stride_s_t, scale, num_blocks, tuning_key,
+    stride_ik_h, stride_s_b, stride_s_h, stride_s_t, scale, num_blocks,
     NEW: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
-    FP8: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+    FP8: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """SCORES [B, Hi, NEW, blocks]: each block's max-pooled, scaled index score for every new
     token (row r: token r // G, index head key_head * G + r % G); -inf for blocks past the
@@ -78,7 +66,7 @@ def _decode_block_scores_kernel(
         row_scale = row_scale * iq_scale
     key_offsets = tl.arange(0, BLOCK)
     ik_base = IKC + b * stride_ik_b + key_head * stride_ik_h
-    for block in tl.range(first, last, num_stages=STAGES):
+    for block in range(first, last):
         key_pos = block * BLOCK + key_offsets
         ik = tl.load(ik_base + key_pos[:, None].to(tl.int64) * stride_ik_t + dims[None, :],
                      mask=(key_pos < length)[:, None], other=0.0)
@@ -203,18 +191,15 @@ def decode_block_scores(index_q, index_k_cache, lengths, block_size: int,
                          device=index_q.device)
     index_q = index_q if index_q.stride(-1) == 1 else index_q.contiguous()
     index_k_cache = index_k_cache if index_k_cache.stride(-1) == 1 else index_k_cache.contiguous()
-    def grid(meta):
-        return (batch, num_key_heads, triton.cdiv(num_blocks, meta["BLOCKS_PER_PROGRAM"]))
-
+    grid = (batch, num_key_heads, triton.cdiv(num_blocks, BLOCKS_PER_PROGRAM))
     _decode_block_scores_kernel[grid](
         index_q, index_k_cache, lengths, scores, index_q.stride(0), index_q.stride(1),
         index_q.stride(2), index_k_cache.stride(0), index_k_cache.stride(1),
         index_k_cache.stride(2), scores.stride(0), scores.stride(1), scores.stride(2),
-        index_softmax_scale, num_blocks,
-        batch * num_key_heads * triton.next_power_of_2(num_blocks), NEW=new, G=group,
+        index_softmax_scale, num_blocks, NEW=new, G=group,
         ROWS=max(16, triton.next_power_of_2(new * group)), BLOCK=block_size, HEAD_DIM=head_dim,
-        NEGATIVE_SCALE=index_softmax_scale < 0, FP8=index_precision == "fp8",
-        PRECISION=_precision(index_q))
+        BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM, NEGATIVE_SCALE=index_softmax_scale < 0,
+        FP8=index_precision == "fp8", PRECISION=_precision(index_q))
     return scores
 
 
