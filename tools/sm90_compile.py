@@ -129,9 +129,10 @@ def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
 
     from openmsa.ops.decode_kernels import (BLOCKS_PER_PROGRAM, _decode_attention_kernel,
                                             _decode_block_scores_kernel,
-                                            _decode_top_blocks_kernel, _merge_partials_kernel)
+                                            _decode_top_blocks_kernel, _merge_partials_kernel,
+                                            score_launch)
 
-    def build(fn, types, constants, num_warps=4):
+    def build(fn, types, constants, num_warps=4, num_stages=3):
         types = dict({name: "i32" for name in fn.arg_names}, **types,
                      **{name: "constexpr" for name in constants})
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
@@ -139,14 +140,15 @@ def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
         source = ASTSource(fn=fn, signature={name: types[name] for name in fn.arg_names},
                            constexprs=constants, attrs=aligned)
         return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps))
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
 
     rows = max(16, triton.next_power_of_2(new_tokens * heads_per_key_head))
     scores = [build(_decode_block_scores_kernel,
                     dict(IQ="*bf16", IKC="*bf16", LENGTHS="*i32", SCORES="*fp32", scale="fp32"),
                     dict(NEW=new_tokens, G=heads_per_key_head, ROWS=rows, BLOCK=128,
                          HEAD_DIM=128, BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM,
-                         NEGATIVE_SCALE=False, FP8=fp8, PRECISION="tf32"))
+                         NEGATIVE_SCALE=False, FP8=fp8, PRECISION="tf32"),
+                    **score_launch(rows, fp8))
               for fp8 in (False, True)]
     top_blocks = build(_decode_top_blocks_kernel, dict(SCORES="*fp32", LENGTHS="*i32",
                                                        IDS="*i32"),

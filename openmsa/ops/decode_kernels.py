@@ -27,6 +27,15 @@ from .problem import LOG2_E
 from .quantize import quantize_tile_e4m3
 
 BLOCKS_PER_PROGRAM = 8  # cached blocks a scoring program walks: 1024 keys of 128
+
+
+def score_launch(rows: int, fp8: bool) -> dict:
+    """Warps and pipeline stages of a block-score program: 8 warps and no pipelined loads where
+    quantizing key blocks beside 128+ query rows would spill (ptxas, sm_90a), else Triton's
+    defaults (4 warps, 3 stages; the launch the GPU figures were measured with)."""
+    return dict(num_warps=8, num_stages=1) if fp8 and rows >= 128 else {}
+
+
 ORDERED_NEG_INF = tl.constexpr(-2139095041)  # -inf's bits as the top-k's monotone int32
 REMOVED = tl.constexpr(-(2**63))  # the key of a block already kept
 
@@ -191,15 +200,17 @@ def decode_block_scores(index_q, index_k_cache, lengths, block_size: int,
                          device=index_q.device)
     index_q = index_q if index_q.stride(-1) == 1 else index_q.contiguous()
     index_k_cache = index_k_cache if index_k_cache.stride(-1) == 1 else index_k_cache.contiguous()
+    rows = max(16, triton.next_power_of_2(new * group))
+    fp8 = index_precision == "fp8"
     grid = (batch, num_key_heads, triton.cdiv(num_blocks, BLOCKS_PER_PROGRAM))
     _decode_block_scores_kernel[grid](
         index_q, index_k_cache, lengths, scores, index_q.stride(0), index_q.stride(1),
         index_q.stride(2), index_k_cache.stride(0), index_k_cache.stride(1),
         index_k_cache.stride(2), scores.stride(0), scores.stride(1), scores.stride(2),
-        index_softmax_scale, num_blocks, NEW=new, G=group,
-        ROWS=max(16, triton.next_power_of_2(new * group)), BLOCK=block_size, HEAD_DIM=head_dim,
-        BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM, NEGATIVE_SCALE=index_softmax_scale < 0,
-        FP8=index_precision == "fp8", PRECISION=_precision(index_q))
+        index_softmax_scale, num_blocks, NEW=new, G=group, ROWS=rows, BLOCK=block_size,
+        HEAD_DIM=head_dim, BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM,
+        NEGATIVE_SCALE=index_softmax_scale < 0, FP8=fp8, PRECISION=_precision(index_q),
+        **score_launch(rows, fp8))
     return scores
 
 
