@@ -21,8 +21,8 @@ CPU_CASES = (
     MSACase("gqa", batch=2, seqlen=300, num_heads=4, num_kv_heads=2, num_index_heads=2,
             options=dict(top_k=2, block_size=64)),
     MSACase("packed", seqlens=(70, 200, 1, 129), num_heads=8, num_kv_heads=2, num_index_heads=4,
-            num_index_kv_heads=2, options=dict(top_k=3, block_size=64, num_local_blocks=2,
-                                               num_sink_blocks=1)),
+            num_index_kv_heads=2, options=dict(top_k=4, block_size=64, num_local_blocks=2,
+                                               local_block_dilation=2, num_sink_blocks=1)),
     MSACase("warmup", batch=1, seqlen=200, num_heads=4, num_kv_heads=1, num_index_heads=2,
             options=dict(block_size=64, warmup=True)),
     MSACase("fp8 index", batch=1, seqlen=300, num_heads=4, num_kv_heads=2, num_index_heads=2,
@@ -33,7 +33,8 @@ GPU_CASES = (
             head_dim=128, index_head_dim=128, options=dict(top_k=4, block_size=128)),
     MSACase("packed", seqlens=(700, 1500, 1, 333), num_heads=16, num_kv_heads=2,
             num_index_heads=4, head_dim=128, index_head_dim=128,
-            options=dict(top_k=4, block_size=64, num_local_blocks=2, num_sink_blocks=1)),
+            options=dict(top_k=4, block_size=64, num_local_blocks=2, local_block_dilation=2,
+                         num_sink_blocks=1)),
     MSACase("paper", batch=1, seqlen=4096, num_heads=16, num_kv_heads=2, num_index_heads=4,
             head_dim=128, index_head_dim=128, options=dict(top_k=16, block_size=128)),
     MSACase("warmup", batch=1, seqlen=2048, num_heads=8, num_kv_heads=2, num_index_heads=2,
@@ -149,6 +150,14 @@ def _check(args) -> int:
     return 1 if failures else 0
 
 
+def add_local_block_arguments(parser: argparse.ArgumentParser) -> None:
+    """The forced local window of the MSA model (SPEC section 3 step 3), for train and bench."""
+    parser.add_argument("--num-local-blocks", type=positive_int, default=1, metavar="L",
+                        help="the own block and L - 1 blocks before it are always kept")
+    parser.add_argument("--local-block-dilation", type=positive_int, default=1, metavar="D",
+                        help="those blocks' spacing: blk(i) - D, blk(i) - 2D, ... (1: contiguous)")
+
+
 def _bench(args) -> int:
     from .bench.run import run
 
@@ -160,7 +169,8 @@ def _train(args) -> int:
 
     run(args.preset, args.out, device=args.device, seed=args.seed, steps=args.steps,
         index_precision=args.index_precision, layers=args.layers,
-        share_index_every=args.share_index_every)
+        share_index_every=args.share_index_every, num_local_blocks=args.num_local_blocks,
+        local_block_dilation=args.local_block_dilation)
     return 0
 
 
@@ -191,6 +201,7 @@ def main(argv=None) -> int:
     train.add_argument("--share-index-every", type=positive_int, default=1, metavar="N",
                        help="MSA layers 0, N, 2N, ... select blocks, the others reuse the "
                        "selection of the one before them (default 1: every layer selects)")
+    add_local_block_arguments(train)
     train.set_defaults(handler=_train)
     bench = commands.add_parser(
         "bench", formatter_class=HelpFormatter,
@@ -200,6 +211,7 @@ def main(argv=None) -> int:
     from .bench.run import add_arguments
 
     add_arguments(bench)
+    add_local_block_arguments(bench)
     bench.set_defaults(handler=_bench)
     check = commands.add_parser(
         "check", formatter_class=HelpFormatter,

@@ -137,7 +137,7 @@ def msa_options(options: dict) -> dict:
                     num_local_blocks=1, num_sink_blocks=0, warmup=False, cu_seqlens=None,
                     max_seqlen=None, deterministic=False, return_indices=False, backend="auto",
                     query_start=None, kl_num_queries=None, kl_value=True,
-                    index_precision="input")
+                    index_precision="input", local_block_dilation=1)
     return dict(defaults, **options)
 
 

@@ -237,3 +237,35 @@ def test_train_shares_the_index_across_layers_when_asked(tmp_path, monkeypatch):
     assert summary["share_index_every"] == 2 and summary["settings"]["layers"] == 3
     with pytest.raises(SystemExit):
         cli.main(["train", "--preset", "tiny", "--share-index-every", "0"])
+
+
+def test_train_local_window_options_reach_every_msa_layer(tmp_path, monkeypatch):
+    """--num-local-blocks 2 --local-block-dilation 3: every MSA layer's attention options and
+    the summary carry them; a window wider than the preset's top_k and a dilation of 0 are
+    refused."""
+    import json
+
+    from openmsa.train import run as train_run
+
+    built = []
+    original = train_run.RetrievalModel
+
+    def recording(*args, **kwargs):
+        built.append(original(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(train_run, "RetrievalModel", recording)
+    assert cli.main(["train", "--preset", "tiny", "--num-local-blocks", "2",
+                     "--local-block-dilation", "3", "--out", str(tmp_path)]) == 0
+    layers = [module for model in built for module in model.modules()
+              if getattr(module, "is_msa_layer", False)]
+    assert layers and all((layer.options["num_local_blocks"],
+                           layer.options["local_block_dilation"]) == (2, 3) for layer in layers)
+    summary = json.loads((tmp_path / "metrics.json").read_text())["summary"]
+    assert (summary["num_local_blocks"], summary["local_block_dilation"]) == (2, 3)
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--preset", "tiny", "--local-block-dilation", "0"])
+    with pytest.raises(ValueError, match="^num_local_blocks: expected an int <= the preset's "
+                                         "top_k=2, received 3$"):
+        cli.main(["train", "--preset", "tiny", "--num-local-blocks", "3",
+                  "--out", str(tmp_path / "wide")])

@@ -158,13 +158,15 @@ SEQUENCE_CASES = [
     ("warmup", (4, 2, 2, 1), 1, False, True),
     ("packed", (8, 4, 4, 1), 1, True, False),
     ("packed warmup", (4, 1, 2, 1), 1, True, True),
+    ("dilated local window", (4, 2, 2, 1), 1, False, False,
+     dict(top_k=3, num_local_blocks=2, local_block_dilation=2)),
 ]
 
 
-def _check_sequence_mode(heads, batch, packed, warmup):
+def _check_sequence_mode(heads, batch, packed, warmup, extra=None):
     """out, kl, all five gradients and the kept blocks against the single-process run."""
     tensors, out_grad = _inputs(heads, batch)
-    options = dict(OPTIONS, warmup=warmup, return_indices=not warmup)
+    options = dict(OPTIONS, warmup=warmup, return_indices=not warmup, **(extra or {}))
     dim = 1  # the sequence dim
     if packed:
         tensors, out_grad, dim = [t[0] for t in tensors], out_grad[0], 0

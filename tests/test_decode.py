@@ -29,8 +29,9 @@ def _new_tokens(full, new):
 @pytest.mark.parametrize("new", [1, 5])
 @pytest.mark.parametrize("options", [dict(top_k=2), dict(top_k=3, num_sink_blocks=1),
                                      dict(top_k=2, num_local_blocks=2, index_softmax_scale=-0.1),
-                                     dict(top_k=2, index_precision="fp8")],
-                         ids=["default", "sink", "local2_negative_scale", "fp8"])
+                                     dict(top_k=2, index_precision="fp8"),
+                                     dict(top_k=3, num_local_blocks=2, local_block_dilation=2)],
+                         ids=["default", "sink", "local2_negative_scale", "fp8", "dilated"])
 def test_decode_equals_the_rows_of_msa_attention(new, options):
     q, k, v, index_q, index_k = _caches()
     lengths = torch.tensor(LENGTHS, dtype=torch.int32)
@@ -80,9 +81,10 @@ def test_decode_with_given_blocks_and_in_warmup():
     (3, dict(top_k=2, num_local_blocks=2, index_softmax_scale=-0.1)),
     (2, dict(top_k=3, index_precision="fp8")),
     (2, dict(top_k=2, index_precision="fp8", index_softmax_scale=-0.1)),
+    (3, dict(top_k=4, num_local_blocks=3, local_block_dilation=2, num_sink_blocks=1)),
     (20, dict(top_k=2)),  # past DECODE_MAX_NEW_TOKENS: the training kernels' query ranges
 ], ids=["one_token", "sink", "local2_negative_scale", "fp8", "fp8_negative_scale",
-        "long_chunk"])
+        "dilated", "long_chunk"])
 def test_decode_kernels_match_the_reference(new, options):
     """The decode kernels (block scores split over the cache, attention split over the kept
     blocks) give the reference's ids and out, also over given blocks."""
@@ -107,13 +109,14 @@ def test_decode_kernels_match_the_reference(new, options):
 
 
 @interpreted
-@pytest.mark.parametrize("num_blocks,new,top_k,local,sink", [
-    (7, 1, 3, 1, 0), (13, 3, 4, 2, 1), (40, 2, 16, 3, 2), (5, 1, 16, 1, 0), (300, 1, 16, 1, 0)])
+@pytest.mark.parametrize("num_blocks,new,top_k,local,sink,dilation", [
+    (7, 1, 3, 1, 0, 1), (13, 3, 4, 2, 1, 1), (40, 2, 16, 3, 2, 1), (5, 1, 16, 1, 0, 1),
+    (300, 1, 16, 1, 0, 1), (40, 2, 8, 4, 1, 3)])
 def test_decode_top_blocks_keep_the_references_ids_and_order(num_blocks, new, top_k, local,
-                                                             sink):
+                                                             sink, dilation):
     """The decode top-k kernel against ``select_blocks_from_scores`` on scores full of ties
-    (small integers) and invisible (-inf) blocks, with forced local and sink blocks, fewer
-    visible blocks than top_k, and sequences of different lengths."""
+    (small integers) and invisible (-inf) blocks, with forced local (also dilated) and sink
+    blocks, fewer visible blocks than top_k, and sequences of different lengths."""
     from openmsa.ops.decode_kernels import decode_top_blocks
     from openmsa.ops.naive import select_blocks_from_scores
 
@@ -126,9 +129,10 @@ def test_decode_top_blocks_keep_the_references_ids_and_order(num_blocks, new, to
     query_block = (positions // 64)[:, None, :]
     scores = scores.masked_fill(torch.arange(num_blocks) > query_block[..., None],
                                 float("-inf"))  # causal, as the scoring kernel leaves them
-    expected = select_blocks_from_scores(scores, query_block, top_k, local, sink)
+    expected = select_blocks_from_scores(scores, query_block, top_k, local, sink, dilation)
     got = decode_top_blocks(scores, lengths, top_k=top_k, block_size=64,
-                            num_local_blocks=local, num_sink_blocks=sink)
+                            num_local_blocks=local, num_sink_blocks=sink,
+                            local_block_dilation=dilation)
     assert got.dtype == torch.int32 and torch.equal(got.long(), expected)
 
 

@@ -132,12 +132,20 @@ def test_layer_passes_its_attention_options_through(monkeypatch):
         return openmsa.naive_msa_attention(*tensors, **options)
 
     monkeypatch.setattr(layer_module, "msa_attention", recording)
-    layer = MSAAttention(64, num_heads=4, num_kv_heads=2, head_dim=64, top_k=2, block_size=64,
-                         num_sink_blocks=1, deterministic=True, index_precision="fp8")
+    layer = MSAAttention(64, num_heads=4, num_kv_heads=2, head_dim=64, top_k=3, block_size=64,
+                         num_sink_blocks=1, deterministic=True, index_precision="fp8",
+                         num_local_blocks=2, local_block_dilation=2)
     layer(torch.randn(1, 130, 64))
-    assert {key: seen[key] for key in ("top_k", "block_size", "num_sink_blocks",
-                                       "deterministic", "index_precision")} == dict(
-        top_k=2, block_size=64, num_sink_blocks=1, deterministic=True, index_precision="fp8")
+    names = ("top_k", "block_size", "num_sink_blocks", "deterministic", "index_precision",
+             "num_local_blocks", "local_block_dilation")
+    assert {key: seen[key] for key in names} == dict(
+        top_k=3, block_size=64, num_sink_blocks=1, deterministic=True, index_precision="fp8",
+        num_local_blocks=2, local_block_dilation=2)
+
+
+def test_layer_refuses_a_bad_local_block_dilation_when_built():
+    with pytest.raises(ValueError, match="^local_block_dilation: expected an int >= 1"):
+        MSAAttention(64, num_heads=4, num_kv_heads=2, local_block_dilation=0)
 
 
 def test_layer_refuses_an_unknown_index_precision_when_built():

@@ -94,6 +94,27 @@ def test_warmup_switch_and_clear_errors():
         convert_to_msa(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="^index_precision:"):
         convert_to_msa(tiny_model("llama"), index_precision="fp4")
+    with pytest.raises(ValueError, match="^local_block_dilation: expected an int >= 1"):
+        convert_to_msa(tiny_model("llama"), local_block_dilation=0)
+
+
+def test_converted_layers_keep_a_dilated_local_window_also_with_the_cache():
+    """local_block_dilation reaches every converted layer: the cached generation path
+    (msa_decode) gives the uncached forward's logits, and the dilated window changes them
+    against the contiguous one."""
+    tokens = torch.randint(101, (1, 700), generator=torch.Generator().manual_seed(5))
+    logits = {}
+    for dilation in (1, 3):
+        model = tiny_model("llama")
+        convert_to_msa(model, top_k=3, block_size=64, num_local_blocks=2,
+                       local_block_dilation=dilation, backend="reference")
+        assert all(layer.self_attn.options["local_block_dilation"] == dilation
+                   for layer in model.model.layers)
+        with torch.no_grad():
+            logits[dilation] = model(tokens, use_cache=False).logits
+            cached = model(tokens, use_cache=True).logits
+        torch.testing.assert_close(cached, logits[dilation], rtol=1e-9, atol=1e-9)
+    assert not torch.equal(logits[1], logits[3])
 
 
 def test_converted_layers_select_with_the_given_index_precision():

@@ -152,8 +152,8 @@ def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
               for fp8 in (False, True)]
     top_blocks = build(_decode_top_blocks_kernel, dict(SCORES="*fp32", LENGTHS="*i32",
                                                        IDS="*i32"),
-                       dict(NEW=new_tokens, BLOCK=128, TOP_K=16, NUM_LOCAL=1, NUM_SINK=0,
-                            BLOCKS_POW2=8192), num_warps=16)
+                       dict(NEW=new_tokens, BLOCK=128, TOP_K=16, NUM_LOCAL=1, LOCAL_DILATION=1,
+                            NUM_SINK=0, BLOCKS_POW2=8192), num_warps=16)
     attention = build(_decode_attention_kernel,
                       dict(Q="*bf16", KC="*bf16", VC="*bf16", IDS="*i32", LENGTHS="*i32",
                            MAXES="*fp32", SUMS="*fp32", ACCS="*fp32", scale_log2="fp32"),

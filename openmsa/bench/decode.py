@@ -45,6 +45,7 @@ def measure(row, args) -> list[dict]:
     import torch.nn.functional as F
 
     from ..ops.decode import msa_decode
+    from .run import msa_options
     from .selection import index_inputs
     from .timing import graphed, median_ms
 
@@ -55,8 +56,7 @@ def measure(row, args) -> list[dict]:
     k, v = (torch.randn(batch, context, kv_heads, dim, device="cuda",
                         generator=generator).bfloat16() for _ in range(2))
     lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    options = dict(top_k=args.top_k, block_size=args.block_size,
-                   index_precision=args.index_precision)
+    options = msa_options(args)
     q_heads, k_heads, v_heads = (t.transpose(1, 2) for t in (q, k, v))
     dense_ms = median_ms(graphed(lambda: F.scaled_dot_product_attention(
         q_heads, k_heads, v_heads, enable_gqa=True)))
@@ -91,6 +91,7 @@ def measure_prefill(context: int, heads, args) -> dict:
 
     from ..ops.decode import msa_decode
     from ..ops.msa import msa_attention
+    from .run import msa_options
     from .selection import index_inputs
     from .timing import median_ms
 
@@ -103,8 +104,7 @@ def measure_prefill(context: int, heads, args) -> dict:
     index_q, index_k = (t[None] for t in index_inputs(args.selections[0], context, index_heads,
                                                       dim, generator, "cuda"))
     lengths = torch.full((1,), context, dtype=torch.int32, device="cuda")
-    options = dict(top_k=args.top_k, block_size=args.block_size,
-                   index_precision=args.index_precision)
+    options = msa_options(args)
     prefill_ms = median_ms(lambda: msa_decode(q, k, v, index_q, index_k, lengths, **options))
     leaves = [t.detach().requires_grad_() for t in (q, k, v, index_q, index_k)]
     forward_ms = median_ms(lambda: msa_attention(*leaves, **options))

@@ -125,6 +125,14 @@ def plan(args) -> list[dict]:
     return rows
 
 
+def msa_options(args) -> dict:
+    """The selection options of ``args`` as ``msa_attention`` / ``msa_decode`` take them."""
+    return dict(top_k=args.top_k, block_size=args.block_size,
+                index_precision=args.index_precision,
+                num_local_blocks=getattr(args, "num_local_blocks", 1),
+                local_block_dilation=getattr(args, "local_block_dilation", 1))
+
+
 def parse_batches(text: str) -> list[int]:
     try:
         batches = [int(part) for part in text.split(",") if part.strip()]
@@ -231,8 +239,7 @@ def measure(row, args) -> dict:
     from .timing import median_ms
 
     seqlen = row["seqlen"]
-    options = dict(top_k=args.top_k, block_size=args.block_size,
-                   index_precision=args.index_precision)
+    options = msa_options(args)
     result = dict(row)
     case = MSACase("check", batch=1, seqlen=min(seqlen, CHECK_TOKENS), num_heads=row["heads"],
                    num_kv_heads=row["kv_heads"], num_index_heads=row["index_heads"],

@@ -24,7 +24,7 @@ from torch import nn
 from ..layers.msa_attention import rotate_half
 from ..ops.decode import msa_decode
 from ..ops.msa import msa_attention, sparse_attention
-from ..ops.validate import check_index_precision
+from ..ops.validate import check_index_precision, check_local_block_dilation
 
 SUPPORTED = ("LlamaAttention", "Qwen3Attention")
 
@@ -50,7 +50,8 @@ class HFMSAAttention(nn.Module):
 
     def __init__(self, original: nn.Module, *, top_k: int, block_size: int,
                  num_local_blocks: int, num_sink_blocks: int, backend: str,
-                 index_precision: str = "input", share_index_from: "HFMSAAttention | None" = None):
+                 index_precision: str = "input", share_index_from: "HFMSAAttention | None" = None,
+                 local_block_dilation: int = 1):
         super().__init__()
         config = original.config
         self.config, self.layer_idx = config, original.layer_idx
@@ -65,7 +66,8 @@ class HFMSAAttention(nn.Module):
         self.k_norm = getattr(original, "k_norm", identity)
         self.options = dict(top_k=top_k, block_size=block_size,
                             num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
-                            backend=backend, index_precision=index_precision)
+                            local_block_dilation=local_block_dilation, backend=backend,
+                            index_precision=index_precision)
         self.warmup = False
         self.last_kl = None
         # The kept ids of the latest forward, for the layers sharing this one's selection; the
@@ -162,6 +164,7 @@ class HFMSAAttention(nn.Module):
         out, ids = msa_decode(q, k_all, v_all, index_q, index_k_all, lengths,
                               top_k=self.options["top_k"],
                               num_local_blocks=self.options["num_local_blocks"],
+                              local_block_dilation=self.options["local_block_dilation"],
                               num_sink_blocks=self.options["num_sink_blocks"],
                               index_precision=self.options["index_precision"],
                               return_indices=True, **options)
@@ -193,7 +196,7 @@ class HFMSAAttention(nn.Module):
 def convert_to_msa(model: nn.Module, *, top_k: int = 16, block_size: int = 128,
                    num_local_blocks: int = 1, num_sink_blocks: int = 0,
                    backend: str = "auto", index_precision: str = "input",
-                   share_index_every: int = 1) -> int:
+                   share_index_every: int = 1, local_block_dilation: int = 1) -> int:
     """Replaces every Llama / Qwen3 attention module of ``model`` in place; returns how many.
     The options are ``msa_attention``'s (``index_precision="fp8"``: selection on fp8 index
     scores). ``share_index_every=N``: the attention modules 0, N, 2N, ... (in the model's
@@ -201,6 +204,7 @@ def convert_to_msa(model: nn.Module, *, top_k: int = 16, block_size: int = 128,
     (default 1: every layer selects)."""
     _require_transformers()
     check_index_precision(index_precision)
+    check_local_block_dilation(local_block_dilation)
     if (isinstance(share_index_every, bool) or not isinstance(share_index_every, int)
             or share_index_every < 1):
         raise ValueError(f"share_index_every: expected an int >= 1, received "
@@ -218,7 +222,7 @@ def convert_to_msa(model: nn.Module, *, top_k: int = 16, block_size: int = 128,
         converted.append(HFMSAAttention(
             module, top_k=top_k, block_size=block_size, num_local_blocks=num_local_blocks,
             num_sink_blocks=num_sink_blocks, backend=backend, index_precision=index_precision,
-            share_index_from=source))
+            share_index_from=source, local_block_dilation=local_block_dilation))
         setattr(parent, child, converted[-1])
     return len(targets)
 

@@ -8,7 +8,8 @@ from torch import nn
 from ..context_parallel import (MODES, context_parallel_msa_attention,
                                 context_parallel_sparse_attention, shard_sequence)
 from ..ops.msa import msa_attention, sparse_attention
-from ..ops.validate import check_index_precision, query_positions_from_offsets
+from ..ops.validate import (check_index_precision, check_local_block_dilation,
+                            query_positions_from_offsets)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +39,8 @@ class MSAAttention(nn.Module):
     index branch reads a detached copy of the hidden states, so the KL trains only the index
     projections. ``warmup = True`` runs dense causal attention (the KL then covers the whole
     prefix); ``MSAWarmupSchedule`` switches every layer of a model by step. ``top_k``,
-    ``block_size``, ``num_local_blocks``, ``num_sink_blocks``, ``backend``, ``deterministic``
+    ``block_size``, ``num_local_blocks``, ``local_block_dilation``, ``num_sink_blocks``,
+    ``backend``, ``deterministic``
     and ``index_precision`` (``"fp8"``: selection on fp8 index scores) are passed to
     ``msa_attention``.
 
@@ -61,7 +63,7 @@ class MSAAttention(nn.Module):
                  bias: bool = False, backend: str = "auto", deterministic: bool = False,
                  index_precision: str = "input", context_parallel_group=None,
                  context_parallel_mode: str = "head",
-                 share_index_from: "MSAAttention | None" = None):
+                 share_index_from: "MSAAttention | None" = None, local_block_dilation: int = 1):
         super().__init__()
         # With a process group, hidden_states is this rank's shard of the sequence and the
         # attention runs across the group (openmsa.context_parallel): head mode
@@ -70,6 +72,7 @@ class MSAAttention(nn.Module):
             raise ValueError(f"context_parallel_mode: expected one of {MODES}, received "
                              f"{context_parallel_mode!r}")
         check_index_precision(index_precision)  # here, not at the first forward
+        check_local_block_dilation(local_block_dilation)
         self.context_parallel_group = context_parallel_group
         self.context_parallel_mode = context_parallel_mode
         head_dim = head_dim or hidden_size // num_heads
@@ -80,8 +83,8 @@ class MSAAttention(nn.Module):
         self.index_head_dim = index_head_dim
         self.options = dict(top_k=top_k, block_size=block_size,
                             num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
-                            backend=backend, deterministic=deterministic,
-                            index_precision=index_precision)
+                            local_block_dilation=local_block_dilation, backend=backend,
+                            deterministic=deterministic, index_precision=index_precision)
         self.rope_theta = rope_theta
         self.warmup = False
         # The kept ids of the latest forward, kept for the layers that share them.

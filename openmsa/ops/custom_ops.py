@@ -31,7 +31,7 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
                 num_sink_blocks: int, warmup: bool, max_seqlen: int, kl_value: bool,
                 index_grad: bool, query_start: int = 0, kl_num_queries: Optional[int] = None,
                 dense_batch: int = 0, deterministic: bool = False,
-                index_precision: str = "input",
+                index_precision: str = "input", local_block_dilation: int = 1,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                            torch.Tensor, torch.Tensor]:
@@ -39,14 +39,15 @@ def msa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torc
     return pipeline.forward(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size,
                             softmax_scale, index_scale, num_local_blocks, num_sink_blocks,
                             warmup, max_seqlen, kl_value, index_grad, query_start,
-                            kl_num_queries, dense_batch, deterministic, index_precision)
+                            kl_num_queries, dense_batch, deterministic, index_precision,
+                            local_block_dilation)
 
 
 @msa_forward.register_fake
 def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softmax_scale,
       index_scale, num_local_blocks, num_sink_blocks, warmup, max_seqlen, kl_value, index_grad,
       query_start=0, kl_num_queries=None, dense_batch=0, deterministic=False,
-      index_precision="input"):
+      index_precision="input", local_block_dilation=1):
     total, num_heads, _ = q.shape
     num_index_heads, index_dim = index_q.shape[1], index_q.shape[2]
     if warmup:
@@ -116,7 +117,8 @@ def _(dout, dkl, q, k, v, index_q, index_k, out, lse, lse_index, block_ids, d_in
 def _setup_context(ctx, inputs, output):
     q, k, v, index_q, index_k, cu_seqlens, _, _, block_size, softmax_scale, index_scale = (
         inputs[:11])
-    # The backward's trailing options; index_precision (selection's alone) is not one.
+    # The backward's trailing options; index_precision and local_block_dilation (selection's
+    # alone) are not.
     query_start, kl_num_queries, dense_batch, deterministic = inputs[17:21]
     out, _, *saved = output
     ctx.save_for_backward(q, k, v, index_q, index_k, out, cu_seqlens, *saved)
@@ -147,7 +149,7 @@ def _backward_with(backward):
             dq = dk = dv = None
         if not index_grads:
             grad_index_q = grad_index_k = None
-        return (dq, dk, dv, grad_index_q, grad_index_k) + (None,) * 17
+        return (dq, dk, dv, grad_index_q, grad_index_k) + (None,) * 18
 
     return formula
 

@@ -90,7 +90,8 @@ def msa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                cache_seqlens: torch.Tensor, *, top_k: int = 16, block_size: int = 128,
                softmax_scale: float | None = None, index_softmax_scale: float | None = None,
                num_local_blocks: int = 1, num_sink_blocks: int = 0,
-               index_precision: str = "input", block_indices: torch.Tensor | None = None,
+               local_block_dilation: int = 1, index_precision: str = "input",
+               block_indices: torch.Tensor | None = None,
                return_indices: bool = False, warmup: bool = False, backend: str = "auto"):
     """MSA for new tokens against a cache (SPEC section 10); inference only.
 
@@ -121,6 +122,7 @@ def msa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                        softmax_scale=softmax_scale,
                                        index_softmax_scale=index_softmax_scale,
                                        num_local_blocks=num_local_blocks,
+                                       local_block_dilation=local_block_dilation,
                                        num_sink_blocks=num_sink_blocks,
                                        index_precision=index_precision, backend=backend))
     if lengths is None:
@@ -147,6 +149,7 @@ def msa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 q[rows], *keys, index_q[rows], index_k_cache[rows, :length], top_k=top_k,
                 block_size=block_size, softmax_scale=softmax_scale,
                 index_softmax_scale=index_softmax_scale, num_local_blocks=num_local_blocks,
+                local_block_dilation=local_block_dilation,
                 num_sink_blocks=num_sink_blocks, index_precision=index_precision,
                 query_start=start, kl_value=False, return_indices=True, backend=backend)
             outs.append(out)
@@ -178,6 +181,7 @@ def _decode_on_kernels(q, k_cache, v_cache, index_q, index_k_cache, cache_seqlen
                 index_q, index_k_cache[:, :longest], cache_seqlens, top_k=problem.top_k,
                 block_size=problem.block_size, index_softmax_scale=problem.index_softmax_scale,
                 num_local_blocks=problem.num_local_blocks,
+                local_block_dilation=problem.local_block_dilation,
                 num_sink_blocks=problem.num_sink_blocks,
                 index_precision=options["index_precision"])
         scale = problem.softmax_scale

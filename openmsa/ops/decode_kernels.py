@@ -101,7 +101,8 @@ def _decode_block_scores_kernel(
 def _decode_top_blocks_kernel(
     SCORES, LENGTHS, IDS, stride_s_b, stride_s_h, stride_s_t, stride_ids_b, stride_ids_h,
     stride_ids_t, num_blocks, NEW: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
-    NUM_LOCAL: tl.constexpr, NUM_SINK: tl.constexpr, BLOCKS_POW2: tl.constexpr,
+    NUM_LOCAL: tl.constexpr, LOCAL_DILATION: tl.constexpr, NUM_SINK: tl.constexpr,
+    BLOCKS_POW2: tl.constexpr,
 ):
     """IDS [B, Hi, NEW, TOP_K] of one (sequence, index head, new token) row: steps 3-4 of the
     selection in ``naive.select_blocks_from_scores``'s order (forced blocks in block order,
@@ -114,7 +115,8 @@ def _decode_top_blocks_kernel(
     scores = tl.load(SCORES + b * stride_s_b + head * stride_s_h + token * stride_s_t + blocks,
                      mask=blocks < num_blocks, other=float("-inf"))
     behind = position // BLOCK - blocks
-    forced = (behind >= 0) & ((behind < NUM_LOCAL) | (blocks < NUM_SINK))
+    local = ((behind % LOCAL_DILATION) == 0) & (behind < NUM_LOCAL * LOCAL_DILATION)
+    forced = (behind >= 0) & (local | (blocks < NUM_SINK))
     scores = tl.where(forced, float("inf"), scores)
     # One int64 key per block that orders as (score, then the lower block) does: the score's
     # bits made monotone as a signed integer in the high half, the block's complement in the
@@ -216,17 +218,18 @@ def decode_block_scores(index_q, index_k_cache, lengths, block_size: int,
 
 def decode_select(index_q, index_k_cache, lengths, *, top_k: int, block_size: int,
                   index_softmax_scale: float, num_local_blocks: int, num_sink_blocks: int,
-                  index_precision: str = "input") -> torch.Tensor:
+                  index_precision: str = "input", local_block_dilation: int = 1) -> torch.Tensor:
     """Kept block ids int32 ``[B, Hi, Tq, top_k]`` of the new tokens (SPEC section 3 steps 1-4
     at positions ``lengths[b] - Tq ...``)."""
     scores = decode_block_scores(index_q, index_k_cache, lengths, block_size,
                                  index_softmax_scale, index_precision)
     return decode_top_blocks(scores, lengths, top_k=top_k, block_size=block_size,
-                             num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks)
+                             num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
+                             local_block_dilation=local_block_dilation)
 
 
 def decode_top_blocks(scores, lengths, *, top_k: int, block_size: int, num_local_blocks: int,
-                      num_sink_blocks: int) -> torch.Tensor:
+                      num_sink_blocks: int, local_block_dilation: int = 1) -> torch.Tensor:
     """Steps 3-4 on block scores ``[B, Hi, Tq, blocks]`` of the new tokens (the last ``Tq`` of
     each sequence's ``lengths[b]``): int32 ids ``[B, Hi, Tq, top_k]``, one program per row."""
     batch, num_index_heads, new, num_blocks = scores.shape
@@ -236,7 +239,8 @@ def decode_top_blocks(scores, lengths, *, top_k: int, block_size: int, num_local
     _decode_top_blocks_kernel[(batch, num_index_heads, new)](
         scores, lengths, ids, scores.stride(0), scores.stride(1), scores.stride(2),
         ids.stride(0), ids.stride(1), ids.stride(2), num_blocks, NEW=new, BLOCK=block_size,
-        TOP_K=top_k, NUM_LOCAL=num_local_blocks, NUM_SINK=num_sink_blocks, BLOCKS_POW2=pow2,
+        TOP_K=top_k, NUM_LOCAL=num_local_blocks, LOCAL_DILATION=local_block_dilation,
+        NUM_SINK=num_sink_blocks, BLOCKS_POW2=pow2,
         num_warps=max(4, min(16, pow2 // 256)))
     return ids
 

@@ -57,7 +57,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
                   deterministic: bool = False, return_indices: bool = False,
                   backend: str = "auto", block_indices: torch.Tensor | None = None,
                   kl_value: bool = True, query_start: int | None = None,
-                  kl_num_queries: int | None = None, index_precision: str = "input"):
+                  kl_num_queries: int | None = None, index_precision: str = "input",
+                  local_block_dilation: int = 1):
     """MiniMax Sparse Attention: returns ``(out, kl)`` (``(out, kl, indices)`` with
     ``return_indices=True``).
 
@@ -71,7 +72,9 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         softmax_scale: main-branch scale, default ``D ** -0.5``.
         index_softmax_scale: index-branch scale, default ``Di ** -0.5``.
         num_local_blocks: the own block plus ``num_local_blocks - 1`` blocks before it are always
-            kept.
+            kept (a sliding window of blocks).
+        local_block_dilation: the spacing of those blocks: ``d`` keeps ``blk(i) - d,
+            blk(i) - 2d, ...`` (default 1: contiguous), so a short window reaches further back.
         num_sink_blocks: the first ``num_sink_blocks`` blocks are always kept.
         warmup: dense causal main attention; the KL covers the whole causal prefix.
         cu_seqlens: int32 ``[N + 1]`` offsets of packed sequences (``flash_attn_varlen_func``).
@@ -132,7 +135,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks, warmup=warmup,
         cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, deterministic=deterministic,
         return_indices=return_indices, backend=backend, query_start=query_start,
-        kl_num_queries=kl_num_queries, kl_value=kl_value, index_precision=index_precision)
+        kl_num_queries=kl_num_queries, kl_value=kl_value, index_precision=index_precision,
+        local_block_dilation=local_block_dilation)
     if block_indices is not None:
         validate_block_indices(block_indices, problem, cu_seqlens, q.device)
     if not _use_kernels(backend, q.device, index_precision):
@@ -160,7 +164,8 @@ def msa_kernels(operator, q, k, v, index_q, index_k, problem, cu_seqlens, max_se
         packed_tokens(index_k), cu, ids, problem.top_k, problem.block_size,
         problem.softmax_scale, problem.index_softmax_scale, problem.num_local_blocks,
         problem.num_sink_blocks, warmup, longest, kl_value, index_grad, problem.query_start,
-        problem.kl_num_queries, dense_batch, deterministic, problem.index_precision)
+        problem.kl_num_queries, dense_batch, deterministic, problem.index_precision,
+        problem.local_block_dilation)
     # The operator's ids are its own tensor (int32, also when the caller gave int64 ids).
     block_ids = None if warmup else ids_from_token_major(token_major_ids, problem.packed,
                                                          problem.batch, problem.seqlen)
@@ -171,7 +176,8 @@ def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, top_k: int = 
                   block_size: int = 128, index_softmax_scale: float | None = None,
                   num_local_blocks: int = 1, num_sink_blocks: int = 0,
                   cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                  backend: str = "auto", index_precision: str = "input") -> torch.Tensor:
+                  backend: str = "auto", index_precision: str = "input",
+                  local_block_dilation: int = 1) -> torch.Tensor:
     """The index branch's block selection alone (SPEC section 3, steps 1-4).
 
     Args are those of ``msa_attention``. Returns the kept block ids, int32 ``[B, Hi, S, top_k]``
@@ -183,10 +189,11 @@ def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, top_k: int = 
         index_q, index_k, top_k=top_k, block_size=block_size,
         index_softmax_scale=index_softmax_scale, num_local_blocks=num_local_blocks,
         num_sink_blocks=num_sink_blocks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-        backend=backend, index_precision=index_precision)
+        backend=backend, index_precision=index_precision,
+        local_block_dilation=local_block_dilation)
     options = dict(top_k=top_k, block_size=block_size, index_softmax_scale=scale,
                    num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
-                   index_precision=index_precision)
+                   index_precision=index_precision, local_block_dilation=local_block_dilation)
     if not _use_kernels(backend, index_q.device, index_precision):
         return naive_select_blocks(index_q, index_k, cu_seqlens, **options)
     packed = cu_seqlens is not None
@@ -243,7 +250,8 @@ def naive_msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
                         deterministic: bool = False, return_indices: bool = False,
                         backend: str = "reference", block_indices: torch.Tensor | None = None,
                         kl_value: bool = True, query_start: int | None = None,
-                        kl_num_queries: int | None = None, index_precision: str = "input"):
+                        kl_num_queries: int | None = None, index_precision: str = "input",
+                        local_block_dilation: int = 1):
     """The eager PyTorch reference of ``msa_attention`` (same signature and results).
 
     Plain autograd over chunked, checkpointed queries: exact, slow, and the test oracle. It
@@ -257,7 +265,8 @@ def naive_msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
         num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks, warmup=warmup,
         cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, deterministic=deterministic,
         return_indices=return_indices, backend="reference", query_start=query_start,
-        kl_num_queries=kl_num_queries, kl_value=kl_value, index_precision=index_precision)
+        kl_num_queries=kl_num_queries, kl_value=kl_value, index_precision=index_precision,
+        local_block_dilation=local_block_dilation)
     if block_indices is not None:
         validate_block_indices(block_indices, problem, cu_seqlens, q.device)
     out, kl, block_ids = naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens,

@@ -9,8 +9,9 @@ with ``i`` a query position, ``j`` a key position and ``blk(j) = j // block_size
    scales of ``openmsa.ops.quantize``; the KL keeps ``z``.
 2. Block scores ``m[r,i,n] = max_{j in block n, j <= i} z[r,i,j]`` (``-inf`` if the block is not
    visible yet).
-3. Forced blocks: the own block ``blk(i)``, the ``num_local_blocks - 1`` blocks before it and the
-   first ``num_sink_blocks`` blocks (where visible). They count toward ``top_k``.
+3. Forced blocks: the own block ``blk(i)``, ``num_local_blocks - 1`` blocks before it spaced
+   ``local_block_dilation`` apart (``blk(i) - d, blk(i) - 2d, ...``) and the first
+   ``num_sink_blocks`` blocks (where visible). They count toward ``top_k``.
 4. Selection: the forced blocks, then the highest block scores (raw, no softmax) until ``top_k``
    blocks are kept; ties go to the lower block id; ``-inf`` blocks are never kept; unused slots
    are ``-1``.
@@ -40,7 +41,8 @@ _CHUNK_ELEMENTS = 1 << 26
 
 
 def select_blocks_from_scores(block_scores: torch.Tensor, query_block: torch.Tensor, top_k: int,
-                              num_local_blocks: int, num_sink_blocks: int) -> torch.Tensor:
+                              num_local_blocks: int, num_sink_blocks: int,
+                              local_block_dilation: int = 1) -> torch.Tensor:
     """Steps 3-4: kept block ids from block scores.
 
     block_scores: ``[..., C, NB]`` float, ``-inf`` for blocks not visible to the query.
@@ -51,7 +53,9 @@ def select_blocks_from_scores(block_scores: torch.Tensor, query_block: torch.Ten
     num_blocks = block_scores.shape[-1]
     blocks = torch.arange(num_blocks, device=block_scores.device)
     behind = query_block[..., None] - blocks  # [..., C, NB] blocks before the query's
-    forced = (behind >= 0) & ((behind < num_local_blocks) | (blocks < num_sink_blocks))
+    local = (behind % local_block_dilation == 0) & (
+        behind < num_local_blocks * local_block_dilation)
+    forced = (behind >= 0) & (local | (blocks < num_sink_blocks))
     ranked = block_scores.masked_fill(forced, float("inf"))
     # A stable descending sort keeps equal scores in block order: ties go to the lower id.
     scores, ids = torch.sort(ranked, dim=-1, descending=True, stable=True)
@@ -101,7 +105,8 @@ def _selection_scores(index_q, index_k, causal, scale, index_precision, compute_
     return _index_scores(index_q.to(compute_dtype), index_k.to(compute_dtype), causal, scale)
 
 
-def _select_from_index_scores(z, query_pos, block_size, top_k, num_local_blocks, num_sink_blocks):
+def _select_from_index_scores(z, query_pos, block_size, top_k, num_local_blocks, num_sink_blocks,
+                              local_block_dilation=1):
     """Steps 2-4: index scores ``[B, Hi, C, N]`` -> kept block ids ``[B, Hi, C, top_k]``."""
     num_keys = z.shape[-1]
     num_blocks = -(-num_keys // block_size)
@@ -110,12 +115,13 @@ def _select_from_index_scores(z, query_pos, block_size, top_k, num_local_blocks,
                                      value=float("-inf"))
     block_scores = padded.view(*z.shape[:-1], num_blocks, block_size).amax(dim=-1)
     return select_blocks_from_scores(block_scores, query_pos // block_size, top_k,
-                                     num_local_blocks, num_sink_blocks)
+                                     num_local_blocks, num_sink_blocks, local_block_dilation)
 
 
 @torch.no_grad()
 def naive_select_blocks(index_q, index_k, cu_seqlens, *, top_k, block_size, index_softmax_scale,
-                        num_local_blocks, num_sink_blocks, index_precision="input"):
+                        num_local_blocks, num_sink_blocks, index_precision="input",
+                        local_block_dilation=1):
     """Reference of steps 1-4 alone: kept block ids, int32 ``[B, Hi, S, top_k]`` for ``[B, S, ...]``
     inputs, ``[Hi, T, top_k]`` for packed ones."""
     compute_dtype = torch.float64 if index_q.dtype == torch.float64 else torch.float32
@@ -137,7 +143,8 @@ def naive_select_blocks(index_q, index_k, cu_seqlens, *, top_k, block_size, inde
             z = _selection_scores(seq_q[:, start:end], seq_k[:, :end], causal,
                                   index_softmax_scale, index_precision, compute_dtype)
             ids.append(_select_from_index_scores(z, query_pos, block_size, top_k,
-                                                 num_local_blocks, num_sink_blocks))
+                                                 num_local_blocks, num_sink_blocks,
+                                                 local_block_dilation))
     if cu_seqlens is None:
         return torch.cat(ids, dim=2).to(torch.int32)
     return torch.cat([i[0] for i in ids], dim=1).to(torch.int32)
@@ -175,7 +182,8 @@ def _attend_chunk(q, k, v, index_q, index_k, block_ids, first_query: int, proble
                 index_q.detach(), index_k.detach(), causal, p.index_softmax_scale,
                 p.index_precision, compute_dtype)
             block_ids = _select_from_index_scores(ranked, query_pos, p.block_size, p.top_k,
-                                                  p.num_local_blocks, p.num_sink_blocks)
+                                                  p.num_local_blocks, p.num_sink_blocks,
+                                                  p.local_block_dilation)
         # Step 5.
         kept = _kept_token_mask(block_ids, num_keys, p.block_size) & causal  # [B, Hi, C, N]
 

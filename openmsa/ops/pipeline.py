@@ -49,7 +49,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Te
             kl_value: bool, index_grad: bool, query_start: int = 0,
             kl_num_queries: Optional[int] = None, dense_batch: int = 0,
             deterministic: bool = False, index_precision: str = "input",
-            tuning: Tuning = DEFAULT_TUNING):
+            local_block_dilation: int = 1, tuning: Tuning = DEFAULT_TUNING):
     """Returns out, kl (fp32 0-dim: the exact KL, clamped at 0, or 0 with ``kl_value=False``),
     the main lse2 ``[Tq, H]``, the index log-sum-exp ``[Tq, Hi]``, the kept block ids, the
     unscaled KL gradients of index_q (fp32 ``[Tq, Hi, Di]``) and index_k (fp32, index_k's
@@ -61,7 +61,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Te
     on cuDNN over that many equal batch rows (``openmsa.ops.dense``; every token a query).
     ``deterministic``: the KL's gradients and value are summed in a fixed order
     (``kl.index_branch_kl``). ``index_precision``: the scores selection ranks ("input" or
-    "fp8", SPEC section 8); the KL always uses the input-precision ones."""
+    "fp8", SPEC section 8); the KL always uses the input-precision ones.
+    ``local_block_dilation``: the spacing of the forced local blocks (SPEC section 3 step 3)."""
     # 1. Selection: the kept block ids [Tq, Hi, k].
     query_work = index_max = None
     if warmup:
@@ -80,7 +81,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Te
             index_q, index_k, cu_seqlens, top_k=top_k, block_size=block_size,
             index_softmax_scale=index_scale, num_local_blocks=num_local_blocks,
             num_sink_blocks=num_sink_blocks, query_start=query_start,
-            index_precision=index_precision, return_max=keeps_best)
+            index_precision=index_precision, return_max=keeps_best,
+            local_block_dilation=local_block_dilation)
         ids, index_max = selected if keeps_best else (selected, None)
     # 2. Work lists: the query tiles' block unions now, the key-block list when first needed.
     problem = SparseAttentionProblem(q, k, ids, cu_seqlens, block_size, softmax_scale, index_k,

@@ -88,7 +88,7 @@ def _select_fwd_kernel(
     G: tl.constexpr, TILE_TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     TOP_K: tl.constexpr, TOPK_SLOTS: tl.constexpr, NUM_LOCAL: tl.constexpr,
-    NUM_SINK: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, WITH_MAX: tl.constexpr,
+    LOCAL_DILATION: tl.constexpr, NUM_SINK: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, WITH_MAX: tl.constexpr,
     PRECISION: tl.constexpr, QUANTIZED: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
 ):
     """QUANTIZED: IQ and IK hold e4m3 codes, IQ_SCALE [Tq, Hi] and IK_SCALE [T, Hik] their
@@ -148,7 +148,8 @@ def _select_fwd_kernel(
         pooled = _block_score(iq, ik_base, key_scale, block, key_offsets, dims, stride_ik_t,
                               scale, BLOCK, NEGATIVE_SCALE, PRECISION, QUANTIZED, IMPRECISE_ACC)
         behind = own_block - block
-        forced = (behind < NUM_LOCAL) | (block < NUM_SINK)
+        forced = (((behind % LOCAL_DILATION) == 0) & (behind < NUM_LOCAL * LOCAL_DILATION)
+                  | (block < NUM_SINK))
         keys = _merge_block(keys, pooled, block, forced)
 
     # The own block: causal mask, always forced.
@@ -178,14 +179,17 @@ def _select_fwd_kernel(
         kept_score = _order_preserving_bits(score_bits).to(tl.float32, bitcast=True)
         row_max = tl.maximum(tl.max(tl.where(unforced, kept_score, float("-inf")), axis=1),
                              pooled)
-        forced_before = tl.maximum(own_block - (NUM_LOCAL - 1), 0)
-        for block in range(forced_before, own_block):  # local blocks before the own one
+        # The local blocks before the own one: own_block - d, - 2d, ... while in the sequence.
+        local_steps = tl.minimum(NUM_LOCAL - 1, own_block // LOCAL_DILATION)
+        for step in range(1, local_steps + 1):
+            block = own_block - step * LOCAL_DILATION
             row_max = tl.maximum(row_max, _block_score(
                 iq, ik_base, _key_scales(ik_scale_base, block, key_offsets, stride_iks_t,
                                          own_block, BLOCK, QUANTIZED),
                 block, key_offsets, dims, stride_ik_t, scale, BLOCK, NEGATIVE_SCALE, PRECISION,
                 QUANTIZED, IMPRECISE_ACC))
-        for block in range(0, tl.minimum(NUM_SINK, forced_before)):  # sinks not local
+        # Sinks, once more where one is also a local block (a maximum does not mind).
+        for block in range(0, tl.minimum(NUM_SINK, own_block)):
             row_max = tl.maximum(row_max, _block_score(
                 iq, ik_base, _key_scales(ik_scale_base, block, key_offsets, stride_iks_t,
                                          own_block, BLOCK, QUANTIZED),
@@ -213,7 +217,8 @@ def _tile_tokens(index_heads_per_key_head: int, block_size: int, tile_rows: int)
 def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: torch.Tensor,
                       *, top_k: int, block_size: int, index_softmax_scale: float,
                       num_local_blocks: int, num_sink_blocks: int, query_start: int = 0,
-                      index_precision: str = "input", tile_rows: int | None = None,
+                      index_precision: str = "input", local_block_dilation: int = 1,
+                      tile_rows: int | None = None,
                       num_warps: int | None = None, num_stages: int | None = None,
                       imprecise_acc: int | None | str = "config", return_max: bool = False):
     """Kept block ids for packed inputs.
@@ -270,7 +275,8 @@ def select_blocks_fwd(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens: 
         ROWS=max(16, triton.next_power_of_2(heads_per_key_head * tile_tokens)),
         BLOCK=block_size, HEAD_DIM=head_dim,
         TOP_K=top_k, TOPK_SLOTS=max(2, triton.next_power_of_2(top_k)),
-        NUM_LOCAL=num_local_blocks, NUM_SINK=num_sink_blocks,
+        NUM_LOCAL=num_local_blocks, LOCAL_DILATION=local_block_dilation,
+        NUM_SINK=num_sink_blocks,
         NEGATIVE_SCALE=index_softmax_scale < 0, WITH_MAX=return_max, PRECISION=precision,
         QUANTIZED=quantized,
         IMPRECISE_ACC=config.get("imprecise_acc") if imprecise_acc == "config" else imprecise_acc,

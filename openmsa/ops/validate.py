@@ -48,6 +48,7 @@ class MSAProblem:
     num_keys: int  # tokens of k per batch row (S, or T packed)
     kl_num_queries: int  # the KL's mean divides by this many query tokens
     index_precision: str = "input"  # selection's index scores: "input" or "fp8" (SPEC 8)
+    local_block_dilation: int = 1  # blocks between the forced local blocks (SPEC 3 step 3)
 
 
 def _fail(name: str, expected: str, received) -> ValueError:
@@ -288,6 +289,13 @@ def _check_index_heads(index_q, index_k) -> None:
                     "index_q", index_k.shape[-2])
 
 
+def check_local_block_dilation(local_block_dilation) -> None:
+    _check_int("local_block_dilation", local_block_dilation)
+    if local_block_dilation < 1:
+        raise _fail("local_block_dilation", "an int >= 1 (1: contiguous local blocks)",
+                    local_block_dilation)
+
+
 def check_index_precision(index_precision) -> None:
     if not isinstance(index_precision, str):
         raise TypeError("index_precision: expected a str, received "
@@ -307,7 +315,8 @@ def check_fp8_device(index_precision: str, device: torch.device) -> None:
                     f"'fp8' on a GPU of capability {capability[0]}.{capability[1]}")
 
 
-def _check_selection_options(top_k, block_size, num_local_blocks, num_sink_blocks) -> None:
+def _check_selection_options(top_k, block_size, num_local_blocks, num_sink_blocks,
+                             local_block_dilation=1) -> None:
     _check_int("block_size", block_size)
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise _fail("block_size", f"one of {SUPPORTED_BLOCK_SIZES}", block_size)
@@ -318,6 +327,7 @@ def _check_selection_options(top_k, block_size, num_local_blocks, num_sink_block
     if num_local_blocks < 1:
         raise _fail("num_local_blocks", "an int >= 1 (the query's own block is always kept)",
                     num_local_blocks)
+    check_local_block_dilation(local_block_dilation)
     _check_int("num_sink_blocks", num_sink_blocks)
     if num_sink_blocks < 0:
         raise _fail("num_sink_blocks", "an int >= 0", num_sink_blocks)
@@ -328,13 +338,14 @@ def _check_selection_options(top_k, block_size, num_local_blocks, num_sink_block
 
 def validate_select_args(index_q, index_k, *, top_k, block_size, index_softmax_scale,
                          num_local_blocks, num_sink_blocks, cu_seqlens, max_seqlen,
-                         backend, index_precision="input") -> float:
+                         backend, index_precision="input", local_block_dilation=1) -> float:
     """Validates the arguments of ``select_blocks``; returns the resolved index scale."""
     check_backend(backend)
     check_index_precision(index_precision)
     _check_tensors({"index_q": index_q, "index_k": index_k}, backend, cu_seqlens, max_seqlen)
     _check_index_heads(index_q, index_k)
-    _check_selection_options(top_k, block_size, num_local_blocks, num_sink_blocks)
+    _check_selection_options(top_k, block_size, num_local_blocks, num_sink_blocks,
+                             local_block_dilation)
     return _resolve_scale("index_softmax_scale", index_softmax_scale, index_q.shape[-1])
 
 
@@ -342,7 +353,7 @@ def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_s
                       index_softmax_scale, num_local_blocks, num_sink_blocks, warmup, cu_seqlens,
                       max_seqlen, deterministic, return_indices, backend, query_start=None,
                       kl_num_queries=None, kl_value=True,
-                      index_precision="input") -> MSAProblem:
+                      index_precision="input", local_block_dilation=1) -> MSAProblem:
     """Validates the arguments of ``msa_attention`` (SPEC sections 2, 5, 6 and 7)."""
     tensors = {"q": q, "k": k, "v": v, "index_q": index_q, "index_k": index_k}
     for name, tensor in tensors.items():
@@ -386,7 +397,8 @@ def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_s
     if num_index_heads % num_kv_heads:
         raise _fail("index_q", f"a multiple of the {num_kv_heads} heads of k (all main heads of "
                     "one index head must share one KV head)", num_index_heads)
-    _check_selection_options(top_k, block_size, num_local_blocks, num_sink_blocks)
+    _check_selection_options(top_k, block_size, num_local_blocks, num_sink_blocks,
+                             local_block_dilation)
     scale = _resolve_scale("softmax_scale", softmax_scale, head_dim)
     index_scale = _resolve_scale("index_softmax_scale", index_softmax_scale, index_q.shape[-1])
     if warmup and return_indices:
@@ -413,6 +425,7 @@ def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_s
         num_keys=num_keys,
         kl_num_queries=kl_num_queries or batch * num_queries,
         index_precision=index_precision,
+        local_block_dilation=local_block_dilation,
     )
 
 

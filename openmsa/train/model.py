@@ -65,7 +65,8 @@ class RetrievalModel(nn.Module):
     def __init__(self, task: RetrievalTask, attention: str, hidden_size: int = 128,
                  layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 64,
                  top_k: int = 2, block_size: int = 64, rope_theta: float = 10000.0,
-                 index_precision: str = "input", share_index_every: int = 1):
+                 index_precision: str = "input", share_index_every: int = 1,
+                 num_local_blocks: int = 1, local_block_dilation: int = 1):
         super().__init__()
         if not isinstance(share_index_every, int) or share_index_every < 1:
             raise ValueError(f"share_index_every: expected an int >= 1, received "
@@ -82,7 +83,9 @@ class RetrievalModel(nn.Module):
                           else self.blocks[layer - layer % share_index_every].attention)
                 made = MSAAttention(hidden_size, num_heads, num_kv_heads, head_dim,
                                     top_k=top_k, block_size=block_size, rope_theta=rope_theta,
-                                    index_precision=index_precision, share_index_from=source)
+                                    index_precision=index_precision, share_index_from=source,
+                                    num_local_blocks=num_local_blocks,
+                                    local_block_dilation=local_block_dilation)
             self.blocks.append(Block(made, hidden_size))
         self.norm = nn.RMSNorm(hidden_size, eps=1e-6)
         self.head = nn.Linear(hidden_size, task.num_values)

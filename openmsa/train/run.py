@@ -132,7 +132,8 @@ def evaluate(model, tokens, answers, fact_positions, block_size):
 
 
 def train_model(kind: str, preset: Preset, device, seed: int, progress,
-                index_precision: str = "input", share_index_every: int = 1) -> list[dict]:
+                index_precision: str = "input", share_index_every: int = 1,
+                num_local_blocks: int = 1, local_block_dilation: int = 1) -> list[dict]:
     task = _task(preset)
     torch.manual_seed(seed)
     phases = []  # (last step, task, batch) of each curriculum phase
@@ -141,7 +142,9 @@ def train_model(kind: str, preset: Preset, device, seed: int, progress,
     model = RetrievalModel(task, kind, layers=preset.layers, top_k=preset.top_k,
                            block_size=preset.block_size, rope_theta=preset.rope_theta,
                            num_kv_heads=preset.num_kv_heads, index_precision=index_precision,
-                           share_index_every=share_index_every).to(device)
+                           share_index_every=share_index_every,
+                           num_local_blocks=num_local_blocks,
+                           local_block_dilation=local_block_dilation).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
     schedule = MSAWarmupSchedule(preset.warmup_steps if kind == "msa" else 0)
     data = torch.Generator().manual_seed(seed + 1)
@@ -277,13 +280,17 @@ def _write_plot(histories: dict, out_dir: str, preset_name: str) -> str:
 
 def run(preset_name: str, out_dir: str, device: str | torch.device | None = None, seed: int = 0,
         steps: int | None = None, index_precision: str = "input", layers: int | None = None,
-        share_index_every: int = 1) -> dict:
-    """Trains the dense and the MSA model of a preset; ``index_precision`` is the MSA
-    model's (``msa_attention``'s option). ``layers``: attention blocks instead of the preset's;
-    ``share_index_every``: MSA layers 0, N, 2N, ... select, the others share the selection of
-    the one before them (SPEC section 9)."""
+        share_index_every: int = 1, num_local_blocks: int = 1,
+        local_block_dilation: int = 1) -> dict:
+    """Trains the dense and the MSA model of a preset; ``index_precision``,
+    ``num_local_blocks`` and ``local_block_dilation`` are the MSA model's (``msa_attention``'s
+    options). ``layers``: attention blocks instead of the preset's; ``share_index_every``: MSA
+    layers 0, N, 2N, ... select, the others share the selection of the one before them (SPEC
+    section 9)."""
     check_index_precision(index_precision)
-    for name, value in (("layers", layers), ("share_index_every", share_index_every)):
+    for name, value in (("layers", layers), ("share_index_every", share_index_every),
+                        ("num_local_blocks", num_local_blocks),
+                        ("local_block_dilation", local_block_dilation)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
             raise ValueError(f"{name}: expected a positive int, received {value!r}")
@@ -306,13 +313,17 @@ def run(preset_name: str, out_dir: str, device: str | torch.device | None = None
     print(f"openmsa train: preset {preset_name} on {device}, index precision "
           f"{index_precision}, index shared every {share_index_every} layers: {asdict(preset)}")
     progress = _progress_printer()
+    if num_local_blocks > preset.top_k:
+        raise ValueError(f"num_local_blocks: expected an int <= the preset's top_k="
+                         f"{preset.top_k}, received {num_local_blocks}")
     histories = {kind: train_model(kind, preset, device, seed, progress, index_precision,
-                                   share_index_every)
+                                   share_index_every, num_local_blocks, local_block_dilation)
                  for kind in ("dense", "msa")}
     final = {kind: history[-1] for kind, history in histories.items()}
     summary = {"preset": preset_name, "settings": asdict(preset), "device": str(device),
                "seed": seed, "index_precision": index_precision,
-               "share_index_every": share_index_every, "final": final}
+               "share_index_every": share_index_every, "num_local_blocks": num_local_blocks,
+               "local_block_dilation": local_block_dilation, "final": final}
     os.makedirs(out_dir, exist_ok=True)  # only now: a run that fails early leaves no folder
     with open(os.path.join(out_dir, "metrics.json"), "w") as f:
         json.dump({"summary": summary, "history": histories}, f, indent=2)

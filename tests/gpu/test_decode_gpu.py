@@ -11,9 +11,10 @@ from openmsa.testing import rel_rms_error, same_block_sets
 BF16_ERROR = 1e-2  # rel. RMS of bf16 kernels against the fp32 reference
 
 
+@pytest.mark.parametrize("local", [(1, 1), (3, 2)], ids=["own_block", "dilated_window"])
 @pytest.mark.parametrize("index_precision", ["input", "fp8"])
 @pytest.mark.parametrize("new", [1, 4, 40])  # 40: past DECODE_MAX_NEW_TOKENS (query ranges)
-def test_decode_matches_the_fp32_reference_in_bf16(new, index_precision):
+def test_decode_matches_the_fp32_reference_in_bf16(new, index_precision, local):
     lengths = torch.tensor([3000, 1777, 129], dtype=torch.int32, device="cuda")
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, index_q, index_k = (
@@ -22,7 +23,8 @@ def test_decode_matches_the_fp32_reference_in_bf16(new, index_precision):
     new_q, new_iq = (torch.stack([t[b, n - new:n] for b, n in enumerate(lengths.tolist())])
                      for t in (q, index_q))
     options = dict(top_k=8, block_size=128, return_indices=True,
-                   index_precision=index_precision)
+                   index_precision=index_precision, num_local_blocks=local[0],
+                   local_block_dilation=local[1])
     out, ids = openmsa.msa_decode(new_q, k, v, new_iq, index_k, lengths, **options)
     expected, expected_ids = openmsa.msa_decode(
         *(t.float() for t in (new_q, k, v, new_iq, index_k)), lengths, backend="reference",

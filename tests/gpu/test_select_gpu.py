@@ -19,6 +19,8 @@ CASES = [
     (4096, 4, 1, 128, 128, 16, {}),
     (3000, 4, 2, 64, 64, 8, dict(num_local_blocks=2, num_sink_blocks=1)),
     (2500, 8, 1, 128, 64, 64, {}),
+    (6000, 4, 1, 128, 128, 16, dict(num_local_blocks=4, local_block_dilation=3,
+                                    num_sink_blocks=1)),
 ]
 
 
@@ -60,8 +62,12 @@ def test_bf16_selection_matches_fp32_reference_up_to_near_ties(case):
         spread = max(swapped) - min(swapped)
         assert spread <= 2 ** -7 * max(abs(s) for s in swapped) + 1e-3, (r, i, mine, theirs)
     assert rate > 0.95
-    assert (kernel == torch.arange(seqlen, device="cuda")[None, None, :, None] // block_size
-            ).any(-1).all()
+    own = torch.arange(seqlen, device="cuda")[None, None, :, None] // block_size
+    assert (kernel == own).any(-1).all()
+    dilation = options.get("local_block_dilation", 1)
+    for step in range(1, options.get("num_local_blocks", 1)):  # the dilated window's blocks
+        wanted = own - step * dilation
+        assert ((kernel == wanted).any(-1) | (wanted < 0).squeeze(-1)).all(), step
 
 
 @pytest.mark.parametrize("seqlens", [(16384,), (5000, 1, 9000, 2384)])

@@ -18,6 +18,9 @@ CASES = [
             num_index_heads=1, head_dim=128, options=dict(top_k=2, block_size=128)),
     MSACase("one_main_head_per_index_head", batch=1, seqlen=140, num_heads=4, num_kv_heads=4,
             num_index_heads=4, options=dict(top_k=1, block_size=64, softmax_scale=0.3)),
+    MSACase("packed_dilated_window", seqlens=(260, 1, 330), num_heads=4, num_kv_heads=2,
+            num_index_heads=2, options=dict(top_k=4, block_size=64, num_local_blocks=2,
+                                            local_block_dilation=2)),
 ]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
 

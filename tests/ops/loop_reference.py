@@ -11,7 +11,7 @@ import torch
 
 def loop_msa(q, k, v, index_q, index_k, *, top_k=16, block_size=128, num_local_blocks=1,
              num_sink_blocks=0, warmup=False, cu_seqlens=None, softmax_scale=None,
-             index_softmax_scale=None):
+             index_softmax_scale=None, local_block_dilation=1):
     """Inputs ``[B, S, heads, dim]`` or ``[T, heads, dim]`` with cu_seqlens (a list of offsets).
 
     Returns out (float64, q's shape), kl (float64 0-dim) and the kept block ids as a list of sets
@@ -49,9 +49,9 @@ def loop_msa(q, k, v, index_q, index_k, *, top_k=16, block_size=128, num_local_b
                     own = i // block_size
                     block_score = {n: z[n * block_size:(n + 1) * block_size].max().item()
                                    for n in range(own + 1)}
-                    # Step 3: forced blocks.
-                    forced = {n for n in range(own + 1)
-                              if own - n < num_local_blocks or n < num_sink_blocks}
+                    # Step 3: forced blocks: own - m * d for m < num_local_blocks, and sinks.
+                    local = {own - m * local_block_dilation for m in range(num_local_blocks)}
+                    forced = {n for n in range(own + 1) if n in local or n < num_sink_blocks}
                     # Step 4: then the best remaining blocks, ties to the lower id.
                     rest = sorted((n for n in block_score if n not in forced),
                                   key=lambda n: (-block_score[n], n))

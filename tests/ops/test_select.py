@@ -34,6 +34,9 @@ SELECT_CASES = [
      dict(top_k=8, block_size=64)),
     ("local_and_sink", (1, 450), 2, 1, 64, torch.float32,
      dict(top_k=4, block_size=64, num_local_blocks=2, num_sink_blocks=1)),
+    ("dilated_local_window", (2, 700), 2, 1, 64, torch.float32,
+     dict(top_k=6, block_size=64, num_local_blocks=3, local_block_dilation=3,
+          num_sink_blocks=1)),
     ("block_128_head_dim_128", (1, 400), 4, 1, 128, torch.float32,
      dict(top_k=2, block_size=128)),
     ("three_heads_per_key_head", (1, 260), 6, 2, 64, torch.float32,
@@ -61,19 +64,21 @@ def test_kernel_selection_equals_reference(case, index_precision):
                                rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("seqlens,index_precision", [((70, 1, 200, 129), "input"),
-                                                     ((64, 128, 65), "input"),
-                                                     ((70, 1, 200, 129), "fp8")])
-def test_packed_selection_equals_reference_and_each_sequence_alone(seqlens, index_precision):
+@pytest.mark.parametrize("seqlens,index_precision,dilation", [
+    ((70, 1, 200, 129), "input", 1), ((64, 128, 65), "input", 1), ((70, 1, 200, 129), "fp8", 1),
+    ((70, 1, 200, 329), "input", 2), ((70, 1, 200, 329), "fp8", 3)])
+def test_packed_selection_equals_reference_and_each_sequence_alone(seqlens, index_precision,
+                                                                   dilation):
     index_q, index_k = integer_index_inputs((sum(seqlens),), 4, 2, seed=1)
     cu_seqlens = torch.tensor([0, *seqlens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    options = dict(top_k=3, block_size=64, index_softmax_scale=1.0, num_sink_blocks=1,
-                   index_precision=index_precision)
+    options = dict(top_k=3 if dilation == 1 else 4, block_size=64, index_softmax_scale=1.0,
+                   num_sink_blocks=1, index_precision=index_precision,
+                   num_local_blocks=1 if dilation == 1 else 2, local_block_dilation=dilation)
     kernel = openmsa.select_blocks(index_q, index_k, cu_seqlens=cu_seqlens, backend="triton",
                                    **options)
     reference = openmsa.select_blocks(index_q, index_k, cu_seqlens=cu_seqlens,
                                       backend="reference", **options)
-    assert kernel.shape == (4, sum(seqlens), 3)
+    assert kernel.shape == (4, sum(seqlens), options["top_k"])
     assert torch.equal(kernel.sort(dim=-1).values, reference.sort(dim=-1).values)
     offsets = cu_seqlens.tolist()
     for start, end in zip(offsets, offsets[1:]):
@@ -83,20 +88,23 @@ def test_packed_selection_equals_reference_and_each_sequence_alone(seqlens, inde
                            alone[0].sort(dim=-1).values)
 
 
-@pytest.mark.parametrize("scale,top_k,local,sinks", [(0.3, 2, 1, 0), (-0.5, 2, 1, 0),
-                                                     (0.3, 4, 2, 1), (0.3, 4, 1, 2)])
-def test_row_max_is_the_largest_visible_score(scale, top_k, local, sinks):
+@pytest.mark.parametrize("scale,top_k,local,sinks,dilation", [
+    (0.3, 2, 1, 0, 1), (-0.5, 2, 1, 0, 1), (0.3, 4, 2, 1, 1), (0.3, 4, 1, 2, 1),
+    (0.3, 6, 3, 1, 2), (-0.5, 4, 3, 0, 3)])
+def test_row_max_is_the_largest_visible_score(scale, top_k, local, sinks, dilation):
     """return_max: each (token, index head)'s largest scaled score over its visible keys (a
     negative scale makes it the scaled smallest raw score), in packed input with a range of
-    queries starting inside a sequence; forced local and sink blocks included (top_k leaves a
-    slot for the best unforced block, as msa_attention requires before using it)."""
+    queries starting inside a sequence; forced local (also dilated) and sink blocks included
+    (top_k leaves a slot for the best unforced block, as msa_attention requires before using
+    it)."""
     seqlens = (70, 1, 200, 129)
     index_q, index_k = integer_index_inputs((sum(seqlens),), 4, 2, seed=2)
     cu = torch.tensor([0, *seqlens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     first = 37
     _, row_max = select_module.select_blocks_fwd(
         index_q[first:], index_k, cu, top_k=top_k, block_size=32, index_softmax_scale=scale,
-        num_local_blocks=local, num_sink_blocks=sinks, query_start=first, return_max=True)
+        num_local_blocks=local, num_sink_blocks=sinks, query_start=first, return_max=True,
+        local_block_dilation=dilation)
     expected = torch.empty(sum(seqlens), 4)
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         scores = scale * torch.einsum("ihd,jhd->hij", index_q[start:end],
@@ -104,6 +112,29 @@ def test_row_max_is_the_largest_visible_score(scale, top_k, local, sinks):
         causal = torch.ones(end - start, end - start, dtype=torch.bool).tril()
         expected[start:end] = scores.masked_fill(~causal, float("-inf")).amax(-1).T
     torch.testing.assert_close(row_max, expected[first:], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_a_dilated_window_forces_every_dth_block(backend):
+    """local_block_dilation=d keeps blk(i), blk(i) - d, ..., blk(i) - (L - 1) d of every row
+    (those inside the sequence), whatever their scores: index keys that make those blocks
+    the worst, so that only forcing keeps them."""
+    seqlen, block, local, dilation = 900, 64, 3, 4
+    index_q = torch.ones(1, seqlen, 2, 64)
+    position = torch.arange(seqlen)
+    # Scores fall with the distance from block 2 mod 4 (own blocks excepted by causality):
+    # blocks own - 4, own - 8 score lowest for most rows.
+    index_k = (-(position // block - 2).remainder(dilation).float() * 10
+               - (position // block).float())[None, :, None, None].expand(1, seqlen, 1, 64)
+    ids = openmsa.select_blocks(index_q, index_k.contiguous(), top_k=local + 2, block_size=block,
+                                num_local_blocks=local, local_block_dilation=dilation,
+                                index_softmax_scale=1.0, backend=backend)
+    for i in range(seqlen):
+        own = i // block
+        forced = {own - m * dilation for m in range(local) if own - m * dilation >= 0}
+        for r in range(2):
+            kept = set(ids[0, r, i].tolist()) - {-1}
+            assert forced <= kept, (i, r, forced, kept)
 
 
 @pytest.mark.parametrize("return_max", [False, True])
