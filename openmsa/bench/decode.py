@@ -45,7 +45,7 @@ def measure(row, args) -> list[dict]:
     import torch.nn.functional as F
 
     from ..ops.decode import msa_decode
-    from .run import msa_options
+    from .options import msa_options
     from .selection import index_inputs
     from .timing import graphed, median_ms
 
@@ -91,7 +91,7 @@ def measure_prefill(context: int, heads, args) -> dict:
 
     from ..ops.decode import msa_decode
     from ..ops.msa import msa_attention
-    from .run import msa_options
+    from .options import msa_options
     from .selection import index_inputs
     from .timing import median_ms
 

@@ -22,6 +22,7 @@ from ..ops.msa import GPU_HEAD_DIMS
 from ..ops.quantize import INDEX_PRECISIONS
 from ..ops.validate import MAX_TOP_K, SUPPORTED_BLOCK_SIZES
 from . import flops
+from .options import msa_options
 from .selection import SELECTION_KINDS, index_inputs, selection_statistics
 
 PRESETS = {"h64": (64, 4, 4), "h16": (16, 2, 4)}  # (H, Hkv, Hi), Hik = 1
@@ -123,14 +124,6 @@ def plan(args) -> list[dict]:
             msa_main_fwd_tflop=flops.main_attention_flops(triples, args.head_dim) / 1e12,
             index_tflop=flops.index_scoring_flops(seqlen, index_heads, args.head_dim) / 1e12))
     return rows
-
-
-def msa_options(args) -> dict:
-    """The selection options of ``args`` as ``msa_attention`` / ``msa_decode`` take them."""
-    return dict(top_k=args.top_k, block_size=args.block_size,
-                index_precision=args.index_precision,
-                num_local_blocks=getattr(args, "num_local_blocks", 1),
-                local_block_dilation=getattr(args, "local_block_dilation", 1))
 
 
 def parse_batches(text: str) -> list[int]:

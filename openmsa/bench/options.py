@@ -1,0 +1,10 @@
+"""The attention options of ``openmsa bench``'s arguments, shared by its training-step and
+decode modes."""
+
+
+def msa_options(args) -> dict:
+    """The selection options of ``args`` as ``msa_attention`` / ``msa_decode`` take them."""
+    return dict(top_k=args.top_k, block_size=args.block_size,
+                index_precision=args.index_precision,
+                num_local_blocks=getattr(args, "num_local_blocks", 1),
+                local_block_dilation=getattr(args, "local_block_dilation", 1))
