@@ -188,34 +188,8 @@ def test_context_parallel_example_runs_on_three_processes_and_the_modes_agree(tm
     assert totals["sequence"] == totals["head"]
 
 
-def test_train_index_precision_reaches_every_msa_layer_and_the_metrics(tmp_path, monkeypatch):
-    import json
-
-    from openmsa.train import run as train_run
-
-    built = []
-    original = train_run.RetrievalModel
-
-    def recording(*args, **kwargs):
-        model = original(*args, **kwargs)
-        built.append(model)
-        return model
-
-    monkeypatch.setattr(train_run, "RetrievalModel", recording)
-    assert cli.main(["train", "--preset", "tiny", "--index-precision", "fp8",
-                     "--out", str(tmp_path)]) == 0
-    layers = [module for model in built for module in model.modules()
-              if getattr(module, "is_msa_layer", False)]
-    assert layers and all(layer.options["index_precision"] == "fp8" for layer in layers)
-    summary = json.loads((tmp_path / "metrics.json").read_text())["summary"]
-    assert summary["index_precision"] == "fp8"
-    with pytest.raises(SystemExit):
-        cli.main(["train", "--preset", "tiny", "--index-precision", "int4"])
-
-
-def test_train_shares_the_index_across_layers_when_asked(tmp_path, monkeypatch):
-    """--layers 3 --share-index-every 2: the MSA model's layers 0 and 2 select, layer 1 reuses
-    layer 0's selection; the summary records it; bad values are refused."""
+def _train_and_record_models(monkeypatch, out, *arguments):
+    """``openmsa train --preset tiny ARGUMENTS``: the models it built and its summary."""
     import json
 
     from openmsa.train import run as train_run
@@ -228,12 +202,32 @@ def test_train_shares_the_index_across_layers_when_asked(tmp_path, monkeypatch):
         return built[-1]
 
     monkeypatch.setattr(train_run, "RetrievalModel", recording)
-    assert cli.main(["train", "--preset", "tiny", "--layers", "3", "--share-index-every", "2",
-                     "--out", str(tmp_path)]) == 0
+    assert cli.main(["train", "--preset", "tiny", *arguments, "--out", str(out)]) == 0
+    return built, json.loads((out / "metrics.json").read_text())["summary"]
+
+
+def _msa_layers(models):
+    return [module for model in models for module in model.modules()
+            if getattr(module, "is_msa_layer", False)]
+
+
+def test_train_index_precision_reaches_every_msa_layer_and_the_metrics(tmp_path, monkeypatch):
+    built, summary = _train_and_record_models(monkeypatch, tmp_path, "--index-precision", "fp8")
+    layers = _msa_layers(built)
+    assert layers and all(layer.options["index_precision"] == "fp8" for layer in layers)
+    assert summary["index_precision"] == "fp8"
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--preset", "tiny", "--index-precision", "int4"])
+
+
+def test_train_shares_the_index_across_layers_when_asked(tmp_path, monkeypatch):
+    """--layers 3 --share-index-every 2: the MSA model's layers 0 and 2 select, layer 1 reuses
+    layer 0's selection; the summary records it; bad values are refused."""
+    built, summary = _train_and_record_models(monkeypatch, tmp_path, "--layers", "3",
+                                              "--share-index-every", "2")
     msa = [model for model in built if isinstance(model.blocks[0].attention, MSAAttention)]
     assert len(msa) == 1 and len(msa[0].blocks) == 3
     assert [b.attention.has_index_branch for b in msa[0].blocks] == [True, False, True]
-    summary = json.loads((tmp_path / "metrics.json").read_text())["summary"]
     assert summary["share_index_every"] == 2 and summary["settings"]["layers"] == 3
     with pytest.raises(SystemExit):
         cli.main(["train", "--preset", "tiny", "--share-index-every", "0"])
@@ -243,25 +237,11 @@ def test_train_local_window_options_reach_every_msa_layer(tmp_path, monkeypatch)
     """--num-local-blocks 2 --local-block-dilation 3: every MSA layer's attention options and
     the summary carry them; a window wider than the preset's top_k and a dilation of 0 are
     refused."""
-    import json
-
-    from openmsa.train import run as train_run
-
-    built = []
-    original = train_run.RetrievalModel
-
-    def recording(*args, **kwargs):
-        built.append(original(*args, **kwargs))
-        return built[-1]
-
-    monkeypatch.setattr(train_run, "RetrievalModel", recording)
-    assert cli.main(["train", "--preset", "tiny", "--num-local-blocks", "2",
-                     "--local-block-dilation", "3", "--out", str(tmp_path)]) == 0
-    layers = [module for model in built for module in model.modules()
-              if getattr(module, "is_msa_layer", False)]
+    built, summary = _train_and_record_models(monkeypatch, tmp_path, "--num-local-blocks", "2",
+                                              "--local-block-dilation", "3")
+    layers = _msa_layers(built)
     assert layers and all((layer.options["num_local_blocks"],
                            layer.options["local_block_dilation"]) == (2, 3) for layer in layers)
-    summary = json.loads((tmp_path / "metrics.json").read_text())["summary"]
     assert (summary["num_local_blocks"], summary["local_block_dilation"]) == (2, 3)
     with pytest.raises(SystemExit):
         cli.main(["train", "--preset", "tiny", "--local-block-dilation", "0"])
