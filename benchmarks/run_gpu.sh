@@ -2,7 +2,9 @@
 # The GPU run: GPU tests, bf16 check against the reference, benchmarks. Prints short tables last.
 #   bash benchmarks/run_gpu.sh OUTDIR [PARTS]   PARTS: all (default) or a comma-separated list
 #   of select, attention, kl, msa (the benchmark scripts), fp8 (bench_fp8_index.py), sharing
-#   (bench_sharing.py), decode (openmsa bench --decode), train, bench
+#   (bench_sharing.py), decode (openmsa bench --decode), train, sharing-train (the GPU preset with
+#   OPENMSA_TRAIN_LAYERS layers, default 2, every layer selecting against layer 0 selecting for
+#   all, side by side), bench
 #   (the user-facing commands `openmsa train --preset gpu` and `openmsa bench`), cli (= train,bench)
 # OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
 # over calls of a time-limited machine.
@@ -13,7 +15,8 @@ set -u
 out=${1:?usage: run_gpu.sh OUTDIR [all|PART,PART...]}
 parts=",${2:-all},"
 wants() {
-  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode)$ ]] && return 0
+  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train)$ ]] \
+    && return 0
   [[ "$parts" == *",$1,"* ]] || { [[ "$parts" == *",cli,"* ]] && [[ "$1" =~ ^(train|bench)$ ]]; }
 }
 mkdir -p "$out"
@@ -54,6 +57,17 @@ if wants decode; then
 fi
 if wants train; then
   python3 -m openmsa.cli train --preset gpu --out "$out/train" 2>&1 | tee "$out/openmsa_train.log" | tail -3
+fi
+if wants sharing-train; then
+  layers=${OPENMSA_TRAIN_LAYERS:-2}
+  pids=()
+  for every in 1 "$layers"; do  # small kernels: the two runs share the GPU
+    python3 -m openmsa.cli train --preset gpu --layers "$layers" --share-index-every "$every" \
+      --out "$out/train_layers${layers}_share$every" > "$out/train_layers${layers}_share$every.log" 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  tail -n 2 "$out"/train_layers"${layers}"_share*.log
 fi
 if wants bench; then
   python3 -m openmsa.cli bench --seqlens 4k,16k,32k,64k,128k --out "$out/bench_h64" 2>&1 \
