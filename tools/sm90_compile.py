@@ -106,7 +106,8 @@ def compile_select_for_sm90(index_precision: str, **config):
     types.update(IQ=element, IK=element, IQ_SCALE="*fp32", IK_SCALE="*fp32", IDS="*i32",
                  ROW_MAX="*fp32", CU_SEQLENS="*i32", SCHEDULE="*i32", scale="fp32")
     constants = dict(G=4, TILE_TOKENS=config["tile_rows"] // 4, ROWS=config["tile_rows"],
-                     BLOCK=128, HEAD_DIM=128, TOP_K=16, TOPK_SLOTS=16, NUM_LOCAL=1, NUM_SINK=0,
+                     BLOCK=128, HEAD_DIM=128, TOP_K=16, TOPK_SLOTS=16, NUM_LOCAL=1,
+                     LOCAL_DILATION=1, NUM_SINK=0,
                      NEGATIVE_SCALE=False, WITH_MAX=not quantized, PRECISION="tf32",
                      QUANTIZED=quantized, IMPRECISE_ACC=config.get("imprecise_acc"))
     # As the launch: with the row maximum (input precision) registers are capped.
