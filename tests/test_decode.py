@@ -137,6 +137,25 @@ def test_decode_top_blocks_keep_the_references_ids_and_order(num_blocks, new, to
 
 
 @interpreted
+def test_decode_block_scores_do_not_depend_on_the_launch():
+    """The block-score kernel's tuning knobs (blocks a program walks, warps, stages), as
+    benchmarks/bench_decode_scores.py sweeps them, leave the scores as they are, -inf past each
+    sequence's cache included."""
+    from openmsa.ops.decode_kernels import decode_block_scores
+
+    _, _, _, index_q, index_k = _caches(torch.float32)
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32)
+    new_iq = _new_tokens(index_q, 2)
+    shipped = decode_block_scores(new_iq, index_k, lengths, 64, 0.125)
+    for blocks in (1, 3, 16):
+        tuned = decode_block_scores(new_iq, index_k, lengths, 64, 0.125,
+                                    blocks_per_program=blocks,
+                                    launch=dict(num_warps=8, num_stages=2))
+        assert torch.equal(tuned, shipped), blocks
+    assert torch.isinf(shipped[2, :, :, -(-130 // 64):]).all()  # past the 130 cached tokens
+
+
+@interpreted
 def test_decode_kernels_need_no_host_lengths(monkeypatch):
     """As under CUDA graph capture (the host's view of cache_seqlens unreadable): the decode
     kernels score every cached block and mask by the device's lengths, with the same result;

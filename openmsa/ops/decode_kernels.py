@@ -189,11 +189,14 @@ def _precision(tensor: torch.Tensor) -> str:
 
 
 def decode_block_scores(index_q, index_k_cache, lengths, block_size: int,
-                        index_softmax_scale: float, index_precision: str = "input"
-                        ) -> torch.Tensor:
+                        index_softmax_scale: float, index_precision: str = "input", *,
+                        blocks_per_program: int = BLOCKS_PER_PROGRAM,
+                        launch: dict | None = None) -> torch.Tensor:
     """fp32 ``[B, Hi, Tq, blocks]``: each cached block's max-pooled, scaled index score for
     every new token (-inf where no key of the block is visible to it), from input-precision
-    or fp8 index scores."""
+    or fp8 index scores. ``blocks_per_program`` and ``launch`` (``num_warps``,
+    ``num_stages``) tune the kernel; the defaults are the measured launch
+    (benchmarks/bench_decode_scores.py sweeps them)."""
     batch, new, num_index_heads, head_dim = index_q.shape
     capacity, num_key_heads = index_k_cache.shape[1], index_k_cache.shape[2]
     group = num_index_heads // num_key_heads
@@ -204,15 +207,15 @@ def decode_block_scores(index_q, index_k_cache, lengths, block_size: int,
     index_k_cache = index_k_cache if index_k_cache.stride(-1) == 1 else index_k_cache.contiguous()
     rows = max(16, triton.next_power_of_2(new * group))
     fp8 = index_precision == "fp8"
-    grid = (batch, num_key_heads, triton.cdiv(num_blocks, BLOCKS_PER_PROGRAM))
+    grid = (batch, num_key_heads, triton.cdiv(num_blocks, blocks_per_program))
     _decode_block_scores_kernel[grid](
         index_q, index_k_cache, lengths, scores, index_q.stride(0), index_q.stride(1),
         index_q.stride(2), index_k_cache.stride(0), index_k_cache.stride(1),
         index_k_cache.stride(2), scores.stride(0), scores.stride(1), scores.stride(2),
         index_softmax_scale, num_blocks, NEW=new, G=group, ROWS=rows, BLOCK=block_size,
-        HEAD_DIM=head_dim, BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM,
+        HEAD_DIM=head_dim, BLOCKS_PER_PROGRAM=blocks_per_program,
         NEGATIVE_SCALE=index_softmax_scale < 0, FP8=fp8, PRECISION=_precision(index_q),
-        **score_launch(rows, fp8))
+        **(score_launch(rows, fp8) if launch is None else launch))
     return scores
 
 
