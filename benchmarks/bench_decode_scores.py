@@ -18,11 +18,11 @@ import time
 import torch
 import triton
 
+from openmsa.bench.decode import HBM_BYTES_PER_S
 from openmsa.bench.selection import index_inputs
 from openmsa.bench.timing import graphed, median_ms
 from openmsa.ops.decode_kernels import BLOCKS_PER_PROGRAM, decode_block_scores
 
-HBM_BYTES_PER_S = 4.0e12
 LAUNCHES = [(BLOCKS_PER_PROGRAM, None, None)] + [
     (blocks, warps, stages) for blocks, warps, stages in itertools.product((4, 8, 16), (4, 8),
                                                                            (1, 2, 3))]

@@ -31,16 +31,23 @@ def median_ms_of_few(fn, reps: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def graphed(fn):
-    """``fn`` captured once in a CUDA graph (after two warm-up calls on a side stream); returns
-    its replay, which runs the same kernels without the host's launch and Python costs."""
+def captured(fn, warmups: int = 2):
+    """``fn`` captured once in a CUDA graph, after ``warmups`` calls on a side stream (they
+    compile the kernels): returns the graph and the outputs of the captured call, which each
+    replay rewrites in place."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
+        for _ in range(warmups):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+        outputs = fn()
+    return graph, outputs
+
+
+def graphed(fn):
+    """``fn``'s replay from a CUDA graph (``captured``): the same kernels without the host's
+    launch and Python costs."""
+    return captured(fn)[0].replay

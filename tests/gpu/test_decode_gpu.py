@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import openmsa
+from openmsa.bench.timing import captured as captured_graph
 from openmsa.testing import rel_rms_error, same_block_sets
 
 BF16_ERROR = 1e-2  # rel. RMS of bf16 kernels against the fp32 reference
@@ -74,14 +75,7 @@ def test_decode_step_replays_under_a_cuda_graph(index_precision):
         return openmsa.msa_decode(new_q, k, v, new_iq, index_k, lengths, top_k=8,
                                   block_size=128, index_precision=index_precision)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = captured_graph(step)
     for seed, new_lengths in ((3, [4001, 2501]), (4, [130, 4096])):
         fresh = torch.Generator(device="cuda").manual_seed(seed)
         for buffer in (new_q, k, v, new_iq, index_k):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import openmsa
+from openmsa.bench.timing import captured as captured_graph
 from openmsa.layers import MSAAttention
 from openmsa.testing import rel_rms_error
 
@@ -86,15 +87,7 @@ def test_shared_stack_replays_under_a_cuda_graph_bitwise():
         loss = _loss(stack, x)
         return (loss,) + torch.autograd.grad(loss, parameters)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step(static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step(static)
+    graph, captured = captured_graph(lambda: step(static))
     for seed in (1, 2):
         fresh = torch.randn(1, 2048, 512, device="cuda", dtype=torch.bfloat16,
                             generator=torch.Generator(device="cuda").manual_seed(seed))

@@ -7,6 +7,7 @@ import torch
 
 import openmsa
 from openmsa import msa_attention
+from openmsa.bench.timing import captured as captured_graph
 from openmsa.ops.custom_ops import msa_backward, msa_forward
 from openmsa.ops.layout import batch_cu_seqlens
 
@@ -70,15 +71,7 @@ def test_forward_backward_replays_under_a_cuda_graph(deterministic):
         out, kl = msa_attention(*tensors, top_k=8, block_size=128, deterministic=deterministic)
         return (out, kl) + torch.autograd.grad((out, kl), tensors, (dout, one))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compiles the kernels before capture
-            step(static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step(static)
+    graph, captured = captured_graph(lambda: step(static))
     for seed in (1, 2):
         fresh = inputs(seed=seed)
         with torch.no_grad():
