@@ -43,7 +43,8 @@ DEVICE = "cuda"
 LONG_SEQLEN = 524288  # from here on steps take seconds: the median of 3 after one warm-up
 
 
-def reference_rows(index_q, index_k, positions, precision, top_k=TOP_K, block_size=BLOCK):
+def reference_rows(index_q, index_k, positions, precision, top_k=TOP_K, block_size=BLOCK,
+                   num_local_blocks=1, local_block_dilation=1):
     """fp32 reference selection (the eager reference's scoring and ranking) of the query tokens
     at ``positions`` (sorted) of one sequence (index_q ``[S, Hi, Di]``, index_k ``[S, 1, Di]``):
     ids ``[n, Hi, top_k]``."""
@@ -51,7 +52,8 @@ def reference_rows(index_q, index_k, positions, precision, top_k=TOP_K, block_si
     causal = torch.arange(keys, device=positions.device)[None, :] <= positions[:, None]
     z = _selection_scores(index_q[positions][None], index_k[None, :keys], causal,
                           index_q.shape[-1] ** -0.5, precision, torch.float32)
-    ids = _select_from_index_scores(z, positions, block_size, top_k, 1, 0)  # [1, Hi, n, k]
+    ids = _select_from_index_scores(z, positions, block_size, top_k, num_local_blocks, 0,
+                                    local_block_dilation)  # [1, Hi, n, k]
     return ids[0].permute(1, 0, 2)
 
 

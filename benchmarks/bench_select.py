@@ -2,6 +2,7 @@
 
     python benchmarks/bench_select.py --out DIR [--seqlens 131072,524288,1048576]
         [--precisions input,fp8,fp8-64] [--kinds coherent,mid,random] [--tune fp8]
+        [--num-local-blocks 1] [--local-block-dilation 1]
 
 Effective TFLOP/s count 2 * Hi * Di FLOPs per causal (i, j) pair, in either precision. Both
 index precisions run on the same bf16 inputs; fp8's time includes its quantization pass, which
@@ -87,6 +88,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=16)
+    parser.add_argument("--num-local-blocks", type=int, default=1)
+    parser.add_argument("--local-block-dilation", type=int, default=1,
+                        help="spacing of the forced local blocks (SPEC section 3 step 3)")
     parser.add_argument("--tune", default="",
                         help="precisions whose kernel configurations to sweep at --tune-seqlen "
                         "first (the best is then used), e.g. fp8")
@@ -112,14 +116,16 @@ def main() -> None:
     def run_kernel(index_q, index_k, cu, variant, **config):
         return select_blocks_fwd(index_q, index_k, cu, top_k=args.top_k,
                                  block_size=args.block_size, index_softmax_scale=scale,
-                                 num_local_blocks=1, num_sink_blocks=0,
+                                 num_local_blocks=args.num_local_blocks, num_sink_blocks=0,
+                                 local_block_dilation=args.local_block_dilation,
                                  index_precision=variant.partition("-")[0], **config)
 
     def reference_agreement(ids, index_q, index_k, seqlen):
         generator = torch.Generator(device=device).manual_seed(1)
         positions = sampled_positions(seqlen, TUNE_SAMPLES, generator)
         reference = torch.cat([reference_rows(index_q, index_k, chunk, "fp8", args.top_k,
-                                              args.block_size)
+                                              args.block_size, args.num_local_blocks,
+                                              args.local_block_dilation)
                                for chunk in positions.split(REFERENCE_CHUNK)])
         return same_block_sets(ids[positions], reference).float().mean().item()
 
@@ -131,7 +137,8 @@ def main() -> None:
         generator = torch.Generator(device=device).manual_seed(1)
         positions = sampled_positions(args.tune_seqlen, TUNE_SAMPLES, generator)
         reference = reference_rows(index_q, index_k, positions, precision, args.top_k,
-                                   args.block_size)
+                                   args.block_size, args.num_local_blocks,
+                                   args.local_block_dilation)
         tried = []
         for config in SWEEP[precision]:
             try:

@@ -4,8 +4,8 @@
 #   of select, attention, kl, msa (the benchmark scripts), fp8 (bench_fp8_index.py), sharing
 #   (bench_sharing.py), decode (openmsa bench --decode), train, sharing-train (the GPU preset with
 #   OPENMSA_TRAIN_LAYERS layers, default 2, every layer selecting against layer 0 selecting for
-#   all, side by side), decode-scores (bench_decode_scores.py: the block-score kernel's launch
-#   sweep), bench
+#   all, side by side, for each seed of OPENMSA_TRAIN_SEEDS, default 0), decode-kernels
+#   (bench_decode_kernels.py: the decode kernels' launches and the step's stages), bench
 #   (the user-facing commands `openmsa train --preset gpu` and `openmsa bench`), cli (= train,bench)
 # OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
 # over calls of a time-limited machine.
@@ -16,7 +16,7 @@ set -u
 out=${1:?usage: run_gpu.sh OUTDIR [all|PART,PART...]}
 parts=",${2:-all},"
 wants() {
-  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-scores)$ ]] \
+  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels)$ ]] \
     && return 0
   [[ "$parts" == *",$1,"* ]] || { [[ "$parts" == *",cli,"* ]] && [[ "$1" =~ ^(train|bench)$ ]]; }
 }
@@ -59,17 +59,20 @@ fi
 if wants train; then
   python3 -m openmsa.cli train --preset gpu --out "$out/train" 2>&1 | tee "$out/openmsa_train.log" | tail -3
 fi
-if wants decode-scores; then
-  python3 benchmarks/bench_decode_scores.py --out "$out" 2>&1 | tee "$out/bench_decode_scores.log" \
-    | tail -8
+if wants decode-kernels; then
+  python3 benchmarks/bench_decode_kernels.py --out "$out" 2>&1 \
+    | tee "$out/bench_decode_kernels.log" | tail -14
 fi
 if wants sharing-train; then
   layers=${OPENMSA_TRAIN_LAYERS:-2}
   pids=()
-  for every in 1 "$layers"; do  # small kernels: the two runs share the GPU
-    python3 -m openmsa.cli train --preset gpu --layers "$layers" --share-index-every "$every" \
-      --out "$out/train_layers${layers}_share$every" > "$out/train_layers${layers}_share$every.log" 2>&1 &
-    pids+=($!)
+  for seed in ${OPENMSA_TRAIN_SEEDS:-0}; do
+    for every in 1 "$layers"; do  # small kernels: the runs share the GPU
+      name="train_layers${layers}_share${every}_seed$seed"
+      python3 -m openmsa.cli train --preset gpu --layers "$layers" --share-index-every "$every" \
+        --seed "$seed" --out "$out/$name" > "$out/$name.log" 2>&1 &
+      pids+=($!)
+    done
   done
   wait "${pids[@]}"
   tail -n 2 "$out"/train_layers"${layers}"_share*.log

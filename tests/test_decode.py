@@ -139,7 +139,7 @@ def test_decode_top_blocks_keep_the_references_ids_and_order(num_blocks, new, to
 @interpreted
 def test_decode_block_scores_do_not_depend_on_the_launch():
     """The block-score kernel's tuning knobs (blocks a program walks, warps, stages), as
-    benchmarks/bench_decode_scores.py sweeps them, leave the scores as they are, -inf past each
+    benchmarks/bench_decode_kernels.py sweeps them, leave the scores as they are, -inf past each
     sequence's cache included."""
     from openmsa.ops.decode_kernels import decode_block_scores
 
@@ -153,6 +153,28 @@ def test_decode_block_scores_do_not_depend_on_the_launch():
                                     launch=dict(num_warps=8, num_stages=2))
         assert torch.equal(tuned, shipped), blocks
     assert torch.isinf(shipped[2, :, :, -(-130 // 64):]).all()  # past the 130 cached tokens
+
+
+@interpreted
+def test_the_attentions_in_kernel_merge_equals_a_merge_launch():
+    """The decode attention's merge by the last slot program of a row (arrival counters that
+    the top-k kernel zeroes, whatever they held) against the separate merge launch, with unused
+    (-1) slots; counters zeroed by decode_attention itself when none are given."""
+    from openmsa.ops.decode_kernels import decode_attention, decode_select
+
+    q, k, v, index_q, index_k = _caches(torch.float32)
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32)
+    new = 2
+    arrivals = torch.full((len(LENGTHS) * new, 2), 5, dtype=torch.int32)
+    ids = decode_select(_new_tokens(index_q, new), index_k, lengths, top_k=8, block_size=64,
+                        index_softmax_scale=0.125, num_local_blocks=1, num_sink_blocks=0,
+                        arrivals=arrivals)
+    assert (ids[2] == -1).any() and (ids >= 0).any()  # 130 cached tokens: 3 blocks of 8 slots
+    assert torch.equal(arrivals, torch.zeros_like(arrivals))
+    args = (_new_tokens(q, new), k, v, ids, lengths, 64, 0.125)
+    separate = decode_attention(*args, merge="separate")
+    assert rel_rms_error(decode_attention(*args, arrivals), separate) < 1e-6
+    assert rel_rms_error(decode_attention(*args), separate) < 1e-6
 
 
 @interpreted

@@ -125,10 +125,12 @@ def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
                             heads_per_index_head: int = 16):
     """The decode kernels (``ops.decode_kernels``), bf16, D = 128, blocks of 128, as
     ``msa_decode`` launches them for ``new_tokens`` new tokens a sequence, compiled for sm_90a
-    (the block-score kernel in both index precisions). Returns (block scores, fp8 block scores, top blocks, attention, merge)."""
+    (the block-score kernel in both index precisions, the attention with its merge and without).
+    Returns (block scores, fp8 block scores, top blocks, attention, attention without its
+    merge, merge)."""
     from triton.compiler import ASTSource
 
-    from openmsa.ops.decode_kernels import (BLOCKS_PER_PROGRAM, _decode_attention_kernel,
+    from openmsa.ops.decode_kernels import (_decode_attention_kernel,
                                             _decode_block_scores_kernel,
                                             _decode_top_blocks_kernel, _merge_partials_kernel,
                                             score_launch)
@@ -144,28 +146,32 @@ def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
                               options=dict(num_warps=num_warps, num_stages=num_stages))
 
     rows = max(16, triton.next_power_of_2(new_tokens * heads_per_key_head))
-    scores = [build(_decode_block_scores_kernel,
-                    dict(IQ="*bf16", IKC="*bf16", LENGTHS="*i32", SCORES="*fp32", scale="fp32"),
-                    dict(NEW=new_tokens, G=heads_per_key_head, ROWS=rows, BLOCK=128,
-                         HEAD_DIM=128, BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM,
-                         NEGATIVE_SCALE=False, FP8=fp8, PRECISION="tf32"),
-                    **score_launch(rows, fp8))
-              for fp8 in (False, True)]
+    scores = []
+    for fp8 in (False, True):
+        launch = score_launch(rows, fp8)
+        scores.append(build(
+            _decode_block_scores_kernel,
+            dict(IQ="*bf16", IKC="*bf16", LENGTHS="*i32", SCORES="*fp32", scale="fp32"),
+            dict(NEW=new_tokens, G=heads_per_key_head, ROWS=rows, BLOCK=128, HEAD_DIM=128,
+                 BLOCKS_PER_PROGRAM=launch.pop("blocks_per_program"), NEGATIVE_SCALE=False,
+                 FP8=fp8, PRECISION="tf32"), **launch))
     top_blocks = build(_decode_top_blocks_kernel, dict(SCORES="*fp32", LENGTHS="*i32",
-                                                       IDS="*i32"),
+                                                       IDS="*i32", ARRIVALS="*i32"),
                        dict(NEW=new_tokens, BLOCK=128, TOP_K=16, NUM_LOCAL=1, LOCAL_DILATION=1,
-                            NUM_SINK=0, BLOCKS_POW2=8192), num_warps=16)
-    attention = build(_decode_attention_kernel,
-                      dict(Q="*bf16", KC="*bf16", VC="*bf16", IDS="*i32", LENGTHS="*i32",
-                           MAXES="*fp32", SUMS="*fp32", ACCS="*fp32", scale_log2="fp32"),
-                      dict(NEW=new_tokens, GQ=heads_per_index_head,
-                           ROWS=max(16, triton.next_power_of_2(heads_per_index_head)),
-                           KV_GROUP=1, NUM_HEADS=4 * heads_per_index_head, SLOTS=16, BLOCK=128,
-                           HEAD_DIM=128, PRECISION="tf32"))
+                            NUM_SINK=0, BLOCKS_POW2=8192, ZERO_ARRIVALS=True), num_warps=16)
+    attention = [build(_decode_attention_kernel,
+                       dict(Q="*bf16", KC="*bf16", VC="*bf16", IDS="*i32", LENGTHS="*i32",
+                            MAXES="*fp32", SUMS="*fp32", ACCS="*fp32", ARRIVALS="*i32",
+                            OUT="*bf16", scale_log2="fp32"),
+                       dict(NEW=new_tokens, GQ=heads_per_index_head,
+                            ROWS=max(16, triton.next_power_of_2(heads_per_index_head)),
+                            KV_GROUP=1, NUM_HEADS=4 * heads_per_index_head, SLOTS=16, BLOCK=128,
+                            HEAD_DIM=128, PRECISION="tf32", MERGE=merge))
+                 for merge in (True, False)]
     merge = build(_merge_partials_kernel, dict(MAXES="*fp32", SUMS="*fp32", ACCS="*fp32",
                                                OUT="*bf16"),
                   dict(SLOTS=16, SLOTS_POW2=16, HEAD_DIM=128))
-    return (*scores, top_blocks, attention, merge)
+    return (*scores, top_blocks, *attention, merge)
 
 
 def ptxas_report(ptx: str) -> dict:

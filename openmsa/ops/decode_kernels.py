@@ -10,11 +10,11 @@ long caches, split over the cache so that batch 1 fills the GPU.
   over int64 keys that order as (score, lower block).
 - ``decode_attention``: one program per (new token, index head, kept slot) attends the index
   head's main heads over that one block (flash-decoding's split over keys, here over kept
-  blocks) and writes a partial (max, sum, accumulator); ``merge_partials`` combines the slots by
-  their log-sum-exps and writes the output dtype.
+  blocks) and writes a partial (max, sum, accumulator); the last of a row's slot programs to
+  finish (an arrival counter per row, which the top-k kernel zeroes) combines the slots by their
+  log-sum-exps and writes the output dtype.
 
-Each is one launch, so a decode step is four kernels (a CUDA graph replays them without the
-host's costs).
+A decode step is three kernels (a CUDA graph replays them without the host's costs).
 """
 
 from __future__ import annotations
@@ -26,14 +26,19 @@ import triton.language as tl
 from .problem import LOG2_E
 from .quantize import quantize_tile_e4m3
 
-BLOCKS_PER_PROGRAM = 8  # cached blocks a scoring program walks: 1024 keys of 128
-
-
 def score_launch(rows: int, fp8: bool) -> dict:
-    """Warps and pipeline stages of a block-score program: 8 warps and no pipelined loads where
-    quantizing key blocks beside 128+ query rows would spill (ptxas, sm_90a), else Triton's
-    defaults (4 warps, 3 stages; the launch the GPU figures were measured with)."""
-    return dict(num_warps=8, num_stages=1) if fp8 and rows >= 128 else {}
+    """Cached blocks per program, warps and pipeline stages of a block-score launch, measured by
+    benchmarks/bench_decode_kernels.py: 4 blocks, 4 warps, 2 stages for input-precision scores;
+    fp8 walks 8 blocks with Triton's default warps and stages, or 8 warps and no pipelined loads
+    where quantizing key blocks beside 128+ query rows would spill (ptxas, sm_90a)."""
+    if not fp8:
+        return dict(blocks_per_program=4, num_warps=4, num_stages=2)
+    return dict(blocks_per_program=8, **(dict(num_warps=8, num_stages=1) if rows >= 128 else {}))
+
+
+def top_blocks_warps(num_blocks_pow2: int) -> int:
+    """Warps of a top-k program over ``num_blocks_pow2`` block keys."""
+    return max(4, min(16, num_blocks_pow2 // 256))
 
 
 ORDERED_NEG_INF = tl.constexpr(-2139095041)  # -inf's bits as the top-k's monotone int32
@@ -99,17 +104,21 @@ def _decode_block_scores_kernel(
 
 @triton.jit
 def _decode_top_blocks_kernel(
-    SCORES, LENGTHS, IDS, stride_s_b, stride_s_h, stride_s_t, stride_ids_b, stride_ids_h,
-    stride_ids_t, num_blocks, NEW: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
-    NUM_LOCAL: tl.constexpr, LOCAL_DILATION: tl.constexpr, NUM_SINK: tl.constexpr,
-    BLOCKS_POW2: tl.constexpr,
+    SCORES, LENGTHS, IDS, ARRIVALS, stride_s_b, stride_s_h, stride_s_t, stride_ids_b,
+    stride_ids_h, stride_ids_t, num_blocks, NEW: tl.constexpr, BLOCK: tl.constexpr,
+    TOP_K: tl.constexpr, NUM_LOCAL: tl.constexpr, LOCAL_DILATION: tl.constexpr,
+    NUM_SINK: tl.constexpr, BLOCKS_POW2: tl.constexpr, ZERO_ARRIVALS: tl.constexpr,
 ):
     """IDS [B, Hi, NEW, TOP_K] of one (sequence, index head, new token) row: steps 3-4 of the
     selection in ``naive.select_blocks_from_scores``'s order (forced blocks in block order,
-    then descending scores, ties to the lower block, -1 where no visible block is left)."""
+    then descending scores, ties to the lower block, -1 where no visible block is left).
+    ZERO_ARRIVALS: also zeroes the row's arrival counter ARRIVALS [B * NEW, Hi] of
+    ``_decode_attention_kernel``, which runs next."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     token = tl.program_id(2)
+    if ZERO_ARRIVALS:
+        tl.store(ARRIVALS + (b * NEW + token) * tl.num_programs(1) + head, 0)
     position = tl.load(LENGTHS + b).to(tl.int32) - NEW + token
     blocks = tl.arange(0, BLOCKS_POW2)
     scores = tl.load(SCORES + b * stride_s_b + head * stride_s_h + token * stride_s_t + blocks,
@@ -135,15 +144,17 @@ def _decode_top_blocks_kernel(
 
 @triton.jit
 def _decode_attention_kernel(
-    Q, KC, VC, IDS, LENGTHS, MAXES, SUMS, ACCS, stride_q_b, stride_q_t, stride_q_h, stride_k_b,
-    stride_k_t, stride_k_h, stride_ids_b, stride_ids_h, stride_ids_t, scale_log2,
-    NEW: tl.constexpr, GQ: tl.constexpr, ROWS: tl.constexpr, KV_GROUP: tl.constexpr,
-    NUM_HEADS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    Q, KC, VC, IDS, LENGTHS, MAXES, SUMS, ACCS, ARRIVALS, OUT, stride_q_b, stride_q_t,
+    stride_q_h, stride_k_b, stride_k_t, stride_k_h, stride_ids_b, stride_ids_h, stride_ids_t,
+    scale_log2, NEW: tl.constexpr, GQ: tl.constexpr, ROWS: tl.constexpr,
+    KV_GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr,
 ):
     """Partials of one (new token, index head, kept slot): its main heads' max (base 2), sum of
     exponentials and accumulator over the slot's block, into MAXES, SUMS [B * NEW, H, SLOTS]
-    and ACCS [B * NEW, H, SLOTS, D] (max -inf and zeros for an unused slot)."""
+    and ACCS [B * NEW, H, SLOTS, D] (max -inf and zeros for an unused slot). MERGE: the last
+    slot program of the (token, index head) to arrive (ARRIVALS [B * NEW, Hi], zero before the
+    launch, counts them) merges the row's partials into OUT [B * NEW, H, D]."""
     row = tl.program_id(0).to(tl.int64)  # b * NEW + token
     index_head = tl.program_id(1)
     slot = tl.program_id(2)
@@ -153,22 +164,17 @@ def _decode_attention_kernel(
     heads = index_head * GQ + rows
     head_valid = rows < GQ
     dims = tl.arange(0, HEAD_DIM)
-    out_rows = (row * NUM_HEADS + heads) * SLOTS + slot
+    partial_rows = (row * NUM_HEADS + heads) * SLOTS  # slot 0 of each head's partials
     block = tl.load(IDS + b * stride_ids_b + index_head * stride_ids_h + token * stride_ids_t
                     + slot)
-    if block < 0:
-        tl.store(MAXES + out_rows, tl.full([ROWS], float("-inf"), tl.float32), mask=head_valid)
-        tl.store(SUMS + out_rows, tl.zeros([ROWS], tl.float32), mask=head_valid)
-        tl.store(ACCS + out_rows[:, None] * HEAD_DIM + dims[None, :],
-                 tl.zeros([ROWS, HEAD_DIM], tl.float32), mask=head_valid[:, None])
-        return
     length = tl.load(LENGTHS + b).to(tl.int64)
     position = length - NEW + token
     kv_head = index_head // KV_GROUP
     q = tl.load(Q + b * stride_q_b + token * stride_q_t + heads[:, None] * stride_q_h
                 + dims[None, :], mask=head_valid[:, None], other=0.0)
+    # An unused slot (block -1) reads nothing: every key is masked, the partial is (-inf, 0, 0).
     key_pos = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    visible = (key_pos <= position) & (key_pos < length)
+    visible = (block >= 0) & (key_pos <= position) & (key_pos < length)
     offsets = (b * stride_k_b + key_pos[:, None] * stride_k_t + kv_head * stride_k_h
                + dims[None, :])
     k = tl.load(KC + offsets, mask=visible[:, None], other=0.0)
@@ -179,9 +185,34 @@ def _decode_attention_kernel(
     safe_max = tl.where(block_max == float("-inf"), 0.0, block_max)
     probs = tl.exp2(scores - safe_max[:, None])
     acc = tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
-    tl.store(MAXES + out_rows, block_max, mask=head_valid)
-    tl.store(SUMS + out_rows, tl.sum(probs, axis=1), mask=head_valid)
-    tl.store(ACCS + out_rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_valid[:, None])
+    tl.store(MAXES + partial_rows + slot, block_max, mask=head_valid)
+    tl.store(SUMS + partial_rows + slot, tl.sum(probs, axis=1), mask=head_valid)
+    tl.store(ACCS + (partial_rows + slot)[:, None] * HEAD_DIM + dims[None, :], acc,
+             mask=head_valid[:, None])
+    if MERGE:
+        # Every thread's stores before the counter's release; the last arrival's reads after
+        # its acquire, past the SM's L1 (other SMs wrote the partials).
+        tl.debug_barrier()
+        counter = ARRIVALS + row * tl.num_programs(1) + index_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SLOTS - 1:
+            tl.debug_barrier()
+            row_max = tl.full([ROWS], float("-inf"), tl.float32)
+            for s in tl.static_range(SLOTS):
+                row_max = tl.maximum(row_max, tl.load(MAXES + partial_rows + s, mask=head_valid,
+                                                      other=0.0, cache_modifier=".cg"))
+            total = tl.zeros([ROWS], tl.float32)  # the own block is kept: row_max is finite
+            merged = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+            for s in tl.static_range(SLOTS):
+                weight = tl.exp2(tl.load(MAXES + partial_rows + s, mask=head_valid, other=0.0,
+                                         cache_modifier=".cg") - row_max)
+                total += weight * tl.load(SUMS + partial_rows + s, mask=head_valid, other=0.0,
+                                          cache_modifier=".cg")
+                merged += weight[:, None] * tl.load(
+                    ACCS + (partial_rows + s)[:, None] * HEAD_DIM + dims[None, :],
+                    mask=head_valid[:, None], other=0.0, cache_modifier=".cg")
+            out = merged / tl.where(head_valid, total, 1.0)[:, None]
+            tl.store(OUT + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + dims[None, :],
+                     out.to(OUT.dtype.element_ty), mask=head_valid[:, None])
 
 
 def _precision(tensor: torch.Tensor) -> str:
@@ -190,13 +221,13 @@ def _precision(tensor: torch.Tensor) -> str:
 
 def decode_block_scores(index_q, index_k_cache, lengths, block_size: int,
                         index_softmax_scale: float, index_precision: str = "input", *,
-                        blocks_per_program: int = BLOCKS_PER_PROGRAM,
+                        blocks_per_program: int | None = None,
                         launch: dict | None = None) -> torch.Tensor:
     """fp32 ``[B, Hi, Tq, blocks]``: each cached block's max-pooled, scaled index score for
     every new token (-inf where no key of the block is visible to it), from input-precision
     or fp8 index scores. ``blocks_per_program`` and ``launch`` (``num_warps``,
-    ``num_stages``) tune the kernel; the defaults are the measured launch
-    (benchmarks/bench_decode_scores.py sweeps them)."""
+    ``num_stages``) override ``score_launch``'s measured launch
+    (benchmarks/bench_decode_kernels.py sweeps them)."""
     batch, new, num_index_heads, head_dim = index_q.shape
     capacity, num_key_heads = index_k_cache.shape[1], index_k_cache.shape[2]
     group = num_index_heads // num_key_heads
@@ -207,51 +238,67 @@ def decode_block_scores(index_q, index_k_cache, lengths, block_size: int,
     index_k_cache = index_k_cache if index_k_cache.stride(-1) == 1 else index_k_cache.contiguous()
     rows = max(16, triton.next_power_of_2(new * group))
     fp8 = index_precision == "fp8"
-    grid = (batch, num_key_heads, triton.cdiv(num_blocks, blocks_per_program))
+    config = score_launch(rows, fp8)
+    per_program = config.pop("blocks_per_program")
+    if blocks_per_program is not None:
+        per_program = blocks_per_program
+    if launch is not None:
+        config = launch
+    grid = (batch, num_key_heads, triton.cdiv(num_blocks, per_program))
     _decode_block_scores_kernel[grid](
         index_q, index_k_cache, lengths, scores, index_q.stride(0), index_q.stride(1),
         index_q.stride(2), index_k_cache.stride(0), index_k_cache.stride(1),
         index_k_cache.stride(2), scores.stride(0), scores.stride(1), scores.stride(2),
         index_softmax_scale, num_blocks, NEW=new, G=group, ROWS=rows, BLOCK=block_size,
-        HEAD_DIM=head_dim, BLOCKS_PER_PROGRAM=blocks_per_program,
+        HEAD_DIM=head_dim, BLOCKS_PER_PROGRAM=per_program,
         NEGATIVE_SCALE=index_softmax_scale < 0, FP8=fp8, PRECISION=_precision(index_q),
-        **(score_launch(rows, fp8) if launch is None else launch))
+        **config)
     return scores
 
 
 def decode_select(index_q, index_k_cache, lengths, *, top_k: int, block_size: int,
                   index_softmax_scale: float, num_local_blocks: int, num_sink_blocks: int,
-                  index_precision: str = "input", local_block_dilation: int = 1) -> torch.Tensor:
+                  index_precision: str = "input", local_block_dilation: int = 1,
+                  arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """Kept block ids int32 ``[B, Hi, Tq, top_k]`` of the new tokens (SPEC section 3 steps 1-4
-    at positions ``lengths[b] - Tq ...``)."""
+    at positions ``lengths[b] - Tq ...``); ``arrivals``: see ``decode_top_blocks``."""
     scores = decode_block_scores(index_q, index_k_cache, lengths, block_size,
                                  index_softmax_scale, index_precision)
     return decode_top_blocks(scores, lengths, top_k=top_k, block_size=block_size,
                              num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
-                             local_block_dilation=local_block_dilation)
+                             local_block_dilation=local_block_dilation, arrivals=arrivals)
 
 
 def decode_top_blocks(scores, lengths, *, top_k: int, block_size: int, num_local_blocks: int,
-                      num_sink_blocks: int, local_block_dilation: int = 1) -> torch.Tensor:
+                      num_sink_blocks: int, local_block_dilation: int = 1,
+                      arrivals: torch.Tensor | None = None,
+                      num_warps: int | None = None) -> torch.Tensor:
     """Steps 3-4 on block scores ``[B, Hi, Tq, blocks]`` of the new tokens (the last ``Tq`` of
-    each sequence's ``lengths[b]``): int32 ids ``[B, Hi, Tq, top_k]``, one program per row."""
+    each sequence's ``lengths[b]``): int32 ids ``[B, Hi, Tq, top_k]``, one program per row.
+    ``arrivals``: int32 ``[B * Tq, Hi]`` that the kernel also zeroes, for ``decode_attention``
+    (saves it a memset launch)."""
     batch, num_index_heads, new, num_blocks = scores.shape
     ids = torch.empty(batch, num_index_heads, new, top_k, dtype=torch.int32,
                       device=scores.device)
     pow2 = triton.next_power_of_2(num_blocks)
     _decode_top_blocks_kernel[(batch, num_index_heads, new)](
-        scores, lengths, ids, scores.stride(0), scores.stride(1), scores.stride(2),
-        ids.stride(0), ids.stride(1), ids.stride(2), num_blocks, NEW=new, BLOCK=block_size,
-        TOP_K=top_k, NUM_LOCAL=num_local_blocks, LOCAL_DILATION=local_block_dilation,
-        NUM_SINK=num_sink_blocks, BLOCKS_POW2=pow2,
-        num_warps=max(4, min(16, pow2 // 256)))
+        scores, lengths, ids, ids if arrivals is None else arrivals, scores.stride(0),
+        scores.stride(1), scores.stride(2), ids.stride(0), ids.stride(1), ids.stride(2),
+        num_blocks, NEW=new, BLOCK=block_size, TOP_K=top_k, NUM_LOCAL=num_local_blocks,
+        LOCAL_DILATION=local_block_dilation, NUM_SINK=num_sink_blocks, BLOCKS_POW2=pow2,
+        ZERO_ARRIVALS=arrivals is not None,
+        num_warps=top_blocks_warps(pow2) if num_warps is None else num_warps)
     return ids
 
 
 def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
-                     softmax_scale: float) -> torch.Tensor:
+                     softmax_scale: float, arrivals: torch.Tensor | None = None,
+                     merge: str = "in_kernel") -> torch.Tensor:
     """``out [B, Tq, H, D]`` (q's dtype) of the new tokens over their kept blocks
-    (``block_ids [B, Hi, Tq, k]``): partials per slot, merged by their log-sum-exps."""
+    (``block_ids [B, Hi, Tq, k]``): partials per slot, merged by their log-sum-exps.
+    ``arrivals``: zeroed int32 ``[B * Tq, Hi]`` counters (``decode_top_blocks`` zeroes them;
+    None: zeroed here). ``merge``: "in_kernel" (the last slot program of a row merges) or
+    "separate" (a merge launch; kept to time against)."""
     batch, new, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_index_heads, slots = block_ids.shape[1], block_ids.shape[3]
@@ -264,13 +311,20 @@ def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
     sums = torch.empty_like(maxes)
     accs = torch.empty(batch * new, num_heads, slots, head_dim, dtype=torch.float32,
                        device=q.device)
+    out = torch.empty(batch, new, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    in_kernel = merge == "in_kernel"
+    if in_kernel and arrivals is None:
+        arrivals = torch.zeros(batch * new, num_index_heads, dtype=torch.int32, device=q.device)
     _decode_attention_kernel[(batch * new, num_index_heads, slots)](
-        q, k_cache, v_cache, block_ids, lengths, maxes, sums, accs, q.stride(0), q.stride(1),
+        q, k_cache, v_cache, block_ids, lengths, maxes, sums, accs,
+        arrivals if in_kernel else maxes, out, q.stride(0), q.stride(1),
         q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_ids.stride(0), block_ids.stride(1), block_ids.stride(2),
         softmax_scale * LOG2_E, NEW=new, GQ=gq, ROWS=max(16, triton.next_power_of_2(gq)),
         KV_GROUP=num_index_heads // num_kv_heads, NUM_HEADS=num_heads, SLOTS=slots,
-        BLOCK=block_size, HEAD_DIM=head_dim, PRECISION=_precision(q))
+        BLOCK=block_size, HEAD_DIM=head_dim, PRECISION=_precision(q), MERGE=in_kernel)
+    if in_kernel:
+        return out
     merged = merge_partials(maxes.view(-1, slots), sums.view(-1, slots),
                             accs.view(-1, slots, head_dim), q.dtype)
     return merged.view(batch, new, num_heads, head_dim)

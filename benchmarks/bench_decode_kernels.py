@@ -1,0 +1,153 @@
+"""The decode kernels timed alone and in a step (GPU only), as CUDA graph replays, at each
+context and batch (one new token per sequence, H64/Hkv4/Hi4/Hik1, D=Di=128, top 16 of 128, bf16):
+
+- part ``scores``: a sweep of the block-score kernel's launch (cached blocks a program walks,
+  warps, pipeline stages) against the bandwidth floor of the cached index keys it reads; the
+  first row of each shape is the shipped launch (``decode_kernels.score_launch``).
+- part ``step``: the step's kernels one prefix at a time (scores; + top-k; + attention with the
+  merge in its last slot program; the same with a separate merge launch), the top-k's warps,
+  and dense SDPA decoding over the whole cache in the same run.
+
+A better launch goes into ``decode_kernels``; then ``openmsa bench --decode`` measures the step
+against dense on every selection kind.
+
+    python benchmarks/bench_decode_kernels.py --out DIR [--parts scores,step]
+        [--seqlens 131072,524288] [--batches 1,8,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from openmsa.bench.decode import HBM_BYTES_PER_S
+from openmsa.bench.selection import index_inputs
+from openmsa.bench.timing import graphed, median_ms
+from openmsa.ops.decode_kernels import (decode_attention, decode_block_scores,
+                                        decode_top_blocks, top_blocks_warps)
+
+LAUNCHES = [(None, None, None)] + [  # the shipped launch first
+    (blocks, warps, stages) for blocks, warps, stages in itertools.product((4, 8, 16), (4, 8),
+                                                                           (1, 2, 3))]
+TOP_K_WARPS = (1, 2, 4, 8)
+HEADS, KV_HEADS, TOP_K, BLOCK = 64, 4, 16, 128
+
+
+def sweep_scores(index_q, index_k, lengths, scale, row):
+    """The block-score kernel at each of LAUNCHES (checked to score as the shipped one)."""
+    rows = []
+    floor_ms = index_k.numel() * index_k.element_size() / HBM_BYTES_PER_S * 1e3
+    expected = decode_block_scores(index_q, index_k, lengths, BLOCK, scale)
+    for blocks, warps, stages in LAUNCHES:
+        launch = None if warps is None else dict(num_warps=warps, num_stages=stages)
+
+        def scores():
+            return decode_block_scores(index_q, index_k, lengths, BLOCK, scale,
+                                       blocks_per_program=blocks, launch=launch)
+
+        assert torch.equal(scores(), expected), (blocks, warps, stages)
+        ms = median_ms(graphed(scores))
+        rows.append(dict(row, part="scores", blocks_per_program=blocks, num_warps=warps,
+                         num_stages=stages, ms=ms, floor_ms=floor_ms, x_floor=ms / floor_ms,
+                         shipped=launch is None))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def time_step(q, k, v, index_q, index_k, lengths, scale, row):
+    """The step's kernels one prefix at a time, each merge, each top-k warp count, and dense."""
+    batch, num_index_heads = q.shape[0], index_q.shape[2]
+    pow2 = triton.next_power_of_2(-(-k.shape[1] // BLOCK))
+    arrivals = torch.empty(batch, num_index_heads, dtype=torch.int32, device=q.device)
+    top = dict(top_k=TOP_K, block_size=BLOCK, num_local_blocks=1, num_sink_blocks=0)
+
+    def scores():
+        return decode_block_scores(index_q, index_k, lengths, BLOCK, scale)
+
+    def selection(warps=None):
+        return decode_top_blocks(scores(), lengths, arrivals=arrivals, num_warps=warps, **top)
+
+    def step(merge="in_kernel", warps=None):
+        return decode_attention(q, k, v, selection(warps), lengths, BLOCK, q.shape[-1] ** -0.5,
+                                arrivals, merge=merge)
+
+    assert torch.allclose(step("in_kernel").float(), step("separate").float(), atol=1e-3)
+    heads = [t.transpose(1, 2) for t in (q, k, v)]
+    timings = {"dense": lambda: F.scaled_dot_product_attention(*heads, enable_gqa=True),
+               "scores": scores, "scores+top-k": selection,
+               "step (merge in the attention)": step,
+               "step (separate merge launch)": lambda: step("separate")}
+    shipped_warps = top_blocks_warps(pow2)
+    for warps in TOP_K_WARPS:
+        if warps != shipped_warps:
+            timings[f"step, top-k on {warps} warps"] = lambda warps=warps: step(warps=warps)
+    rows = []
+    for name, fn in timings.items():
+        rows.append(dict(row, part="step", stage=name, ms=median_ms(graphed(fn)),
+                         top_k_warps_shipped=shipped_warps))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--parts", default="scores,step")
+    parser.add_argument("--seqlens", default="131072,524288")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--index-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=128)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    parts = args.parts.split(",")
+    scale = args.head_dim ** -0.5
+    rows = []
+    for context, batch in itertools.product(map(int, args.seqlens.split(",")),
+                                            map(int, args.batches.split(","))):
+        generator = torch.Generator(device="cuda").manual_seed(context + batch)
+        index_q, index_k = index_inputs("coherent", context, args.index_heads, args.head_dim,
+                                        generator, "cuda")
+        index_q = index_q[None, -1:].expand(batch, 1, -1, -1).contiguous()
+        index_k = index_k[None].expand(batch, -1, -1, -1).contiguous()
+        lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        row = dict(context=context, batch=batch)
+        if "scores" in parts:
+            rows += sweep_scores(index_q, index_k, lengths, scale, row)
+        if "step" in parts:
+            q = torch.randn(batch, 1, HEADS, args.head_dim, device="cuda",
+                            generator=generator).bfloat16()
+            k, v = (torch.randn(batch, context, KV_HEADS, args.head_dim, device="cuda",
+                                generator=generator).bfloat16() for _ in range(2))
+            rows += time_step(q, k, v, index_q, index_k, lengths, scale, row)
+            del q, k, v
+    with open(os.path.join(args.out, "bench_decode_kernels.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                       triton=triton.__version__, date=time.strftime("%Y-%m-%d"),
+                       args=vars(args), rows=rows), f, indent=2)
+    shapes = lambda part: itertools.groupby([r for r in rows if r["part"] == part],
+                                            lambda r: (r["context"], r["batch"]))
+    if "scores" in parts:
+        print(f"\n{'context':>8} {'batch':>5} {'shipped ms':>10} {'best ms':>8} "
+              f"{'best launch':>22} {'floor ms':>8}")
+        for (context, batch), group in shapes("scores"):
+            group = list(group)
+            best = min(group, key=lambda r: r["ms"])
+            launch = (best["blocks_per_program"], best["num_warps"], best["num_stages"])
+            print(f"{context:>8} {batch:>5} {group[0]['ms']:>10.4f} {best['ms']:>8.4f} "
+                  f"{str(launch):>22} {group[0]['floor_ms']:>8.4f}")
+    if "step" in parts:
+        for (context, batch), group in shapes("step"):
+            cells = ", ".join(f"{r['stage']} {1e3 * r['ms']:.1f}" for r in group)
+            print(f"{context} batch {batch} (us): {cells}")
+
+
+if __name__ == "__main__":
+    main()
