@@ -156,25 +156,25 @@ def test_decode_block_scores_do_not_depend_on_the_launch():
 
 
 @interpreted
-def test_the_attentions_in_kernel_merge_equals_a_merge_launch():
-    """The decode attention's merge by the last slot program of a row (arrival counters that
-    the top-k kernel zeroes, whatever they held) against the separate merge launch, with unused
-    (-1) slots; counters zeroed by decode_attention itself when none are given."""
+def test_decode_attention_does_not_depend_on_the_slots_a_program_walks():
+    """The decode attention's knob (kept slots per program: partials over runs of slots, the
+    last run short, runs of unused (-1) slots only) leaves its result as with one slot a
+    program, and the result is the reference's."""
     from openmsa.ops.decode_kernels import decode_attention, decode_select
 
     q, k, v, index_q, index_k = _caches(torch.float32)
     lengths = torch.tensor(LENGTHS, dtype=torch.int32)
     new = 2
-    arrivals = torch.full((len(LENGTHS) * new, 2), 5, dtype=torch.int32)
-    ids = decode_select(_new_tokens(index_q, new), index_k, lengths, top_k=8, block_size=64,
-                        index_softmax_scale=0.125, num_local_blocks=1, num_sink_blocks=0,
-                        arrivals=arrivals)
-    assert (ids[2] == -1).any() and (ids >= 0).any()  # 130 cached tokens: 3 blocks of 8 slots
-    assert torch.equal(arrivals, torch.zeros_like(arrivals))
+    ids = decode_select(_new_tokens(index_q, new), index_k, lengths, top_k=7, block_size=64,
+                        index_softmax_scale=0.125, num_local_blocks=1, num_sink_blocks=0)
+    assert (ids[2, :, :, 3:] == -1).all() and (ids >= 0).any()  # 130 tokens: 3 blocks kept
     args = (_new_tokens(q, new), k, v, ids, lengths, 64, 0.125)
-    separate = decode_attention(*args, merge="separate")
-    assert rel_rms_error(decode_attention(*args, arrivals), separate) < 1e-6
-    assert rel_rms_error(decode_attention(*args), separate) < 1e-6
+    one = decode_attention(*args, slots_per_program=1)
+    for per_program in (2, 3, 4, 7):
+        assert rel_rms_error(decode_attention(*args, slots_per_program=per_program), one) < 1e-6
+    reference = openmsa.msa_decode(args[0], k, v, None, None, lengths, block_size=64,
+                                   block_indices=ids, backend="reference")
+    assert rel_rms_error(one, reference) < 1e-5
 
 
 @interpreted

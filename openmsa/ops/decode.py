@@ -176,8 +176,6 @@ def _decode_on_kernels(q, k_cache, v_cache, index_q, index_k_cache, cache_seqlen
             max_seqlen=None, deterministic=False, return_indices=False,
             query_start=first_length - q.shape[1], kl_num_queries=None, kl_value=False,
             **options)
-        arrivals = torch.empty(q.shape[0] * q.shape[1], index_q.shape[2], dtype=torch.int32,
-                               device=q.device)
         with torch.no_grad():
             block_indices = decode_kernels.decode_select(
                 index_q, index_k_cache[:, :longest], cache_seqlens, top_k=problem.top_k,
@@ -185,14 +183,13 @@ def _decode_on_kernels(q, k_cache, v_cache, index_q, index_k_cache, cache_seqlen
                 num_local_blocks=problem.num_local_blocks,
                 local_block_dilation=problem.local_block_dilation,
                 num_sink_blocks=problem.num_sink_blocks,
-                index_precision=options["index_precision"], arrivals=arrivals)
+                index_precision=options["index_precision"])
         scale = problem.softmax_scale
     else:
-        arrivals = None
         scale = options["softmax_scale"]
         scale = q.shape[-1] ** -0.5 if scale is None else scale
     with torch.no_grad():
         out = decode_kernels.decode_attention(q, k_cache[:, :longest], v_cache[:, :longest],
                                               block_indices, cache_seqlens,
-                                              options["block_size"], scale, arrivals)
+                                              options["block_size"], scale)
     return (out, block_indices) if return_indices else out

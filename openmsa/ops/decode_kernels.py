@@ -8,13 +8,14 @@ long caches, split over the cache so that batch 1 fills the GPU.
 - ``decode_top_blocks``: one program per (sequence, index head, new token) keeps the forced
   blocks and the best others in ``naive.select_blocks_from_scores``'s order, by one max per slot
   over int64 keys that order as (score, lower block).
-- ``decode_attention``: one program per (new token, index head, kept slot) attends the index
-  head's main heads over that one block (flash-decoding's split over keys, here over kept
-  blocks) and writes a partial (max, sum, accumulator); the last of a row's slot programs to
-  finish (an arrival counter per row, which the top-k kernel zeroes) combines the slots by their
-  log-sum-exps and writes the output dtype.
+- ``decode_attention``: one program per (new token, index head, run of SLOTS_PER_PROGRAM kept
+  slots) attends the index head's main heads over those blocks (flash-decoding's split over
+  keys, here over kept blocks) and writes a partial (max, sum, accumulator);
+  ``merge_partials`` combines a row's partials by their log-sum-exps and writes the output
+  dtype.
 
-A decode step is three kernels (a CUDA graph replays them without the host's costs).
+Each is one launch, so a decode step is four kernels (a CUDA graph replays them without the
+host's costs).
 """
 
 from __future__ import annotations
@@ -104,21 +105,17 @@ def _decode_block_scores_kernel(
 
 @triton.jit
 def _decode_top_blocks_kernel(
-    SCORES, LENGTHS, IDS, ARRIVALS, stride_s_b, stride_s_h, stride_s_t, stride_ids_b,
-    stride_ids_h, stride_ids_t, num_blocks, NEW: tl.constexpr, BLOCK: tl.constexpr,
-    TOP_K: tl.constexpr, NUM_LOCAL: tl.constexpr, LOCAL_DILATION: tl.constexpr,
-    NUM_SINK: tl.constexpr, BLOCKS_POW2: tl.constexpr, ZERO_ARRIVALS: tl.constexpr,
+    SCORES, LENGTHS, IDS, stride_s_b, stride_s_h, stride_s_t, stride_ids_b, stride_ids_h,
+    stride_ids_t, num_blocks, NEW: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+    NUM_LOCAL: tl.constexpr, LOCAL_DILATION: tl.constexpr, NUM_SINK: tl.constexpr,
+    BLOCKS_POW2: tl.constexpr,
 ):
     """IDS [B, Hi, NEW, TOP_K] of one (sequence, index head, new token) row: steps 3-4 of the
     selection in ``naive.select_blocks_from_scores``'s order (forced blocks in block order,
-    then descending scores, ties to the lower block, -1 where no visible block is left).
-    ZERO_ARRIVALS: also zeroes the row's arrival counter ARRIVALS [B * NEW, Hi] of
-    ``_decode_attention_kernel``, which runs next."""
+    then descending scores, ties to the lower block, -1 where no visible block is left)."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     token = tl.program_id(2)
-    if ZERO_ARRIVALS:
-        tl.store(ARRIVALS + (b * NEW + token) * tl.num_programs(1) + head, 0)
     position = tl.load(LENGTHS + b).to(tl.int32) - NEW + token
     blocks = tl.arange(0, BLOCKS_POW2)
     scores = tl.load(SCORES + b * stride_s_b + head * stride_s_h + token * stride_s_t + blocks,
@@ -144,75 +141,58 @@ def _decode_top_blocks_kernel(
 
 @triton.jit
 def _decode_attention_kernel(
-    Q, KC, VC, IDS, LENGTHS, MAXES, SUMS, ACCS, ARRIVALS, OUT, stride_q_b, stride_q_t,
-    stride_q_h, stride_k_b, stride_k_t, stride_k_h, stride_ids_b, stride_ids_h, stride_ids_t,
-    scale_log2, NEW: tl.constexpr, GQ: tl.constexpr, ROWS: tl.constexpr,
-    KV_GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr,
+    Q, KC, VC, IDS, LENGTHS, MAXES, SUMS, ACCS, stride_q_b, stride_q_t, stride_q_h, stride_k_b,
+    stride_k_t, stride_k_h, stride_ids_b, stride_ids_h, stride_ids_t, scale_log2,
+    NEW: tl.constexpr, GQ: tl.constexpr, ROWS: tl.constexpr, KV_GROUP: tl.constexpr,
+    NUM_HEADS: tl.constexpr, SLOTS: tl.constexpr, SLOTS_PER_PROGRAM: tl.constexpr,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Partials of one (new token, index head, kept slot): its main heads' max (base 2), sum of
-    exponentials and accumulator over the slot's block, into MAXES, SUMS [B * NEW, H, SLOTS]
-    and ACCS [B * NEW, H, SLOTS, D] (max -inf and zeros for an unused slot). MERGE: the last
-    slot program of the (token, index head) to arrive (ARRIVALS [B * NEW, Hi], zero before the
-    launch, counts them) merges the row's partials into OUT [B * NEW, H, D]."""
+    """Partial of one (new token, index head, run of SLOTS_PER_PROGRAM kept slots): its main
+    heads' max (base 2), sum of exponentials and accumulator over the run's blocks, into MAXES,
+    SUMS [B * NEW, H, PARTS] and ACCS [B * NEW, H, PARTS, D] (PARTS = the runs of a row; max
+    -inf and zeros where every slot of the run is unused)."""
     row = tl.program_id(0).to(tl.int64)  # b * NEW + token
     index_head = tl.program_id(1)
-    slot = tl.program_id(2)
+    part = tl.program_id(2)
+    parts = tl.num_programs(2)
     b = row // NEW
     token = row % NEW
     rows = tl.arange(0, ROWS)
     heads = index_head * GQ + rows
     head_valid = rows < GQ
     dims = tl.arange(0, HEAD_DIM)
-    partial_rows = (row * NUM_HEADS + heads) * SLOTS  # slot 0 of each head's partials
-    block = tl.load(IDS + b * stride_ids_b + index_head * stride_ids_h + token * stride_ids_t
-                    + slot)
     length = tl.load(LENGTHS + b).to(tl.int64)
     position = length - NEW + token
     kv_head = index_head // KV_GROUP
     q = tl.load(Q + b * stride_q_b + token * stride_q_t + heads[:, None] * stride_q_h
                 + dims[None, :], mask=head_valid[:, None], other=0.0)
-    # An unused slot (block -1) reads nothing: every key is masked, the partial is (-inf, 0, 0).
-    key_pos = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    visible = (block >= 0) & (key_pos <= position) & (key_pos < length)
-    offsets = (b * stride_k_b + key_pos[:, None] * stride_k_t + kv_head * stride_k_h
-               + dims[None, :])
-    k = tl.load(KC + offsets, mask=visible[:, None], other=0.0)
-    v = tl.load(VC + offsets, mask=visible[:, None], other=0.0)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-    scores = tl.where(visible[None, :], scores, float("-inf"))
-    block_max = tl.max(scores, axis=1)
-    safe_max = tl.where(block_max == float("-inf"), 0.0, block_max)
-    probs = tl.exp2(scores - safe_max[:, None])
-    acc = tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
-    tl.store(MAXES + partial_rows + slot, block_max, mask=head_valid)
-    tl.store(SUMS + partial_rows + slot, tl.sum(probs, axis=1), mask=head_valid)
-    tl.store(ACCS + (partial_rows + slot)[:, None] * HEAD_DIM + dims[None, :], acc,
-             mask=head_valid[:, None])
-    if MERGE:
-        # Every thread's stores before the counter's release; the last arrival's reads after
-        # its acquire, past the SM's L1 (other SMs wrote the partials).
-        tl.debug_barrier()
-        counter = ARRIVALS + row * tl.num_programs(1) + index_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SLOTS - 1:
-            tl.debug_barrier()
-            row_max = tl.full([ROWS], float("-inf"), tl.float32)
-            for s in tl.static_range(SLOTS):
-                row_max = tl.maximum(row_max, tl.load(MAXES + partial_rows + s, mask=head_valid,
-                                                      other=0.0, cache_modifier=".cg"))
-            total = tl.zeros([ROWS], tl.float32)  # the own block is kept: row_max is finite
-            merged = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-            for s in tl.static_range(SLOTS):
-                weight = tl.exp2(tl.load(MAXES + partial_rows + s, mask=head_valid, other=0.0,
-                                         cache_modifier=".cg") - row_max)
-                total += weight * tl.load(SUMS + partial_rows + s, mask=head_valid, other=0.0,
-                                          cache_modifier=".cg")
-                merged += weight[:, None] * tl.load(
-                    ACCS + (partial_rows + s)[:, None] * HEAD_DIM + dims[None, :],
-                    mask=head_valid[:, None], other=0.0, cache_modifier=".cg")
-            out = merged / tl.where(head_valid, total, 1.0)[:, None]
-            tl.store(OUT + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + dims[None, :],
-                     out.to(OUT.dtype.element_ty), mask=head_valid[:, None])
+    ids = IDS + b * stride_ids_b + index_head * stride_ids_h + token * stride_ids_t
+    row_max = tl.full([ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for step in range(SLOTS_PER_PROGRAM):
+        slot = part * SLOTS_PER_PROGRAM + step
+        block = tl.load(ids + slot, mask=slot < SLOTS, other=-1)
+        # An unused slot (block -1) reads nothing: every key of it is masked.
+        key_pos = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        visible = (block >= 0) & (key_pos <= position) & (key_pos < length)
+        offsets = (b * stride_k_b + key_pos[:, None] * stride_k_t + kv_head * stride_k_h
+                   + dims[None, :])
+        k = tl.load(KC + offsets, mask=visible[:, None], other=0.0)
+        v = tl.load(VC + offsets, mask=visible[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp2(row_max - safe_max)  # 0 while nothing was seen (-inf)
+        probs = tl.exp2(scores - safe_max[:, None])
+        total = total * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        row_max = new_max
+    out_rows = (row * NUM_HEADS + heads) * parts + part
+    tl.store(MAXES + out_rows, row_max, mask=head_valid)
+    tl.store(SUMS + out_rows, total, mask=head_valid)
+    tl.store(ACCS + out_rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_valid[:, None])
 
 
 def _precision(tensor: torch.Tensor) -> str:
@@ -258,47 +238,73 @@ def decode_block_scores(index_q, index_k_cache, lengths, block_size: int,
 
 def decode_select(index_q, index_k_cache, lengths, *, top_k: int, block_size: int,
                   index_softmax_scale: float, num_local_blocks: int, num_sink_blocks: int,
-                  index_precision: str = "input", local_block_dilation: int = 1,
-                  arrivals: torch.Tensor | None = None) -> torch.Tensor:
+                  index_precision: str = "input", local_block_dilation: int = 1) -> torch.Tensor:
     """Kept block ids int32 ``[B, Hi, Tq, top_k]`` of the new tokens (SPEC section 3 steps 1-4
-    at positions ``lengths[b] - Tq ...``); ``arrivals``: see ``decode_top_blocks``."""
+    at positions ``lengths[b] - Tq ...``)."""
     scores = decode_block_scores(index_q, index_k_cache, lengths, block_size,
                                  index_softmax_scale, index_precision)
     return decode_top_blocks(scores, lengths, top_k=top_k, block_size=block_size,
                              num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
-                             local_block_dilation=local_block_dilation, arrivals=arrivals)
+                             local_block_dilation=local_block_dilation)
 
 
 def decode_top_blocks(scores, lengths, *, top_k: int, block_size: int, num_local_blocks: int,
                       num_sink_blocks: int, local_block_dilation: int = 1,
-                      arrivals: torch.Tensor | None = None,
                       num_warps: int | None = None) -> torch.Tensor:
     """Steps 3-4 on block scores ``[B, Hi, Tq, blocks]`` of the new tokens (the last ``Tq`` of
-    each sequence's ``lengths[b]``): int32 ids ``[B, Hi, Tq, top_k]``, one program per row.
-    ``arrivals``: int32 ``[B * Tq, Hi]`` that the kernel also zeroes, for ``decode_attention``
-    (saves it a memset launch)."""
+    each sequence's ``lengths[b]``): int32 ids ``[B, Hi, Tq, top_k]``, one program per row."""
     batch, num_index_heads, new, num_blocks = scores.shape
     ids = torch.empty(batch, num_index_heads, new, top_k, dtype=torch.int32,
                       device=scores.device)
     pow2 = triton.next_power_of_2(num_blocks)
     _decode_top_blocks_kernel[(batch, num_index_heads, new)](
-        scores, lengths, ids, ids if arrivals is None else arrivals, scores.stride(0),
-        scores.stride(1), scores.stride(2), ids.stride(0), ids.stride(1), ids.stride(2),
-        num_blocks, NEW=new, BLOCK=block_size, TOP_K=top_k, NUM_LOCAL=num_local_blocks,
-        LOCAL_DILATION=local_block_dilation, NUM_SINK=num_sink_blocks, BLOCKS_POW2=pow2,
-        ZERO_ARRIVALS=arrivals is not None,
+        scores, lengths, ids, scores.stride(0), scores.stride(1), scores.stride(2),
+        ids.stride(0), ids.stride(1), ids.stride(2), num_blocks, NEW=new, BLOCK=block_size,
+        TOP_K=top_k, NUM_LOCAL=num_local_blocks, LOCAL_DILATION=local_block_dilation,
+        NUM_SINK=num_sink_blocks, BLOCKS_POW2=pow2,
         num_warps=top_blocks_warps(pow2) if num_warps is None else num_warps)
     return ids
 
 
+# Attention programs of a decode step per SM beyond which a program walks more kept slots: the
+# bf16 program of 16 heads x one block of 128 keys fits 3 to an H200 SM (154 registers a
+# thread), so a step at about this many fills the GPU in one wave.
+ATTENTION_PROGRAMS_PER_SM = 3
+# No pipelined loads across a program's slots: buffering the next block of K and V (64 KB in
+# bf16) would leave room for one program per SM (ptxas, sm_90a).
+ATTENTION_LAUNCH = dict(num_warps=4, num_stages=1)
+
+
+def attention_slots_per_program(rows: int, num_index_heads: int, slots: int,
+                                device: torch.device) -> int:
+    """Kept slots an attention program walks: one while ``rows x index heads x slots``
+    programs fit in one wave, else the fewest (a power of two) that do."""
+    if device.type != "cuda":
+        return 1
+    wave = ATTENTION_PROGRAMS_PER_SM * _multiprocessors(device)
+    per_program = 1
+    while per_program < slots and rows * num_index_heads * -(-slots // per_program) > wave:
+        per_program *= 2
+    return per_program
+
+
+_SM_COUNTS: dict = {}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
 def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
-                     softmax_scale: float, arrivals: torch.Tensor | None = None,
-                     merge: str = "in_kernel") -> torch.Tensor:
+                     softmax_scale: float, slots_per_program: int | None = None,
+                     launch: dict | None = None) -> torch.Tensor:
     """``out [B, Tq, H, D]`` (q's dtype) of the new tokens over their kept blocks
-    (``block_ids [B, Hi, Tq, k]``): partials per slot, merged by their log-sum-exps.
-    ``arrivals``: zeroed int32 ``[B * Tq, Hi]`` counters (``decode_top_blocks`` zeroes them;
-    None: zeroed here). ``merge``: "in_kernel" (the last slot program of a row merges) or
-    "separate" (a merge launch; kept to time against)."""
+    (``block_ids [B, Hi, Tq, k]``): partials per run of kept slots, merged by their
+    log-sum-exps. ``slots_per_program`` and ``launch`` (``num_warps``, ``num_stages``)
+    override ``attention_slots_per_program`` and ``ATTENTION_LAUNCH``."""
     batch, new, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_index_heads, slots = block_ids.shape[1], block_ids.shape[3]
@@ -307,26 +313,23 @@ def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
     if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():  # one set of strides
         k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     block_ids = block_ids.contiguous()
-    maxes = torch.empty(batch * new, num_heads, slots, dtype=torch.float32, device=q.device)
+    per_program = (attention_slots_per_program(batch * new, num_index_heads, slots, q.device)
+                   if slots_per_program is None else slots_per_program)
+    parts = -(-slots // per_program)
+    maxes = torch.empty(batch * new, num_heads, parts, dtype=torch.float32, device=q.device)
     sums = torch.empty_like(maxes)
-    accs = torch.empty(batch * new, num_heads, slots, head_dim, dtype=torch.float32,
+    accs = torch.empty(batch * new, num_heads, parts, head_dim, dtype=torch.float32,
                        device=q.device)
-    out = torch.empty(batch, new, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    in_kernel = merge == "in_kernel"
-    if in_kernel and arrivals is None:
-        arrivals = torch.zeros(batch * new, num_index_heads, dtype=torch.int32, device=q.device)
-    _decode_attention_kernel[(batch * new, num_index_heads, slots)](
-        q, k_cache, v_cache, block_ids, lengths, maxes, sums, accs,
-        arrivals if in_kernel else maxes, out, q.stride(0), q.stride(1),
+    _decode_attention_kernel[(batch * new, num_index_heads, parts)](
+        q, k_cache, v_cache, block_ids, lengths, maxes, sums, accs, q.stride(0), q.stride(1),
         q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_ids.stride(0), block_ids.stride(1), block_ids.stride(2),
         softmax_scale * LOG2_E, NEW=new, GQ=gq, ROWS=max(16, triton.next_power_of_2(gq)),
         KV_GROUP=num_index_heads // num_kv_heads, NUM_HEADS=num_heads, SLOTS=slots,
-        BLOCK=block_size, HEAD_DIM=head_dim, PRECISION=_precision(q), MERGE=in_kernel)
-    if in_kernel:
-        return out
-    merged = merge_partials(maxes.view(-1, slots), sums.view(-1, slots),
-                            accs.view(-1, slots, head_dim), q.dtype)
+        SLOTS_PER_PROGRAM=per_program, BLOCK=block_size, HEAD_DIM=head_dim,
+        PRECISION=_precision(q), **(ATTENTION_LAUNCH if launch is None else launch))
+    merged = merge_partials(maxes.view(-1, parts), sums.view(-1, parts),
+                            accs.view(-1, parts, head_dim), q.dtype)
     return merged.view(batch, new, num_heads, head_dim)
 
 
@@ -334,7 +337,7 @@ def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
 def _merge_partials_kernel(MAXES, SUMS, ACCS, OUT, SLOTS: tl.constexpr,
                            SLOTS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
     """OUT row (new token, head) = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the
-    row's slots (the own block is always kept, so M is finite)."""
+    row's SLOTS partials (the own block is always kept, so M is finite)."""
     row = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, SLOTS_POW2)
     dims = tl.arange(0, HEAD_DIM)
