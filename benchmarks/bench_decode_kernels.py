@@ -5,8 +5,7 @@ context and batch (one new token per sequence, H64/Hkv4/Hi4/Hik1, D=Di=128, top 
   warps, pipeline stages) against the bandwidth floor of the cached index keys it reads; the
   first row of each shape is the shipped launch (``decode_kernels.score_launch``).
 - part ``step``: the step's kernels one prefix at a time (scores; + top-k; + attention and
-  merge), the attention's kept slots per program, the top-k's warps, and dense SDPA decoding
-  over the whole cache in the same run.
+  merge), the top-k's warps, and dense SDPA decoding over the whole cache in the same run.
 
 A better launch goes into ``decode_kernels``; then ``openmsa bench --decode`` measures the step
 against dense on every selection kind.
@@ -30,15 +29,13 @@ import triton
 from openmsa.bench.decode import HBM_BYTES_PER_S
 from openmsa.bench.selection import index_inputs
 from openmsa.bench.timing import graphed, median_ms
-from openmsa.ops.decode_kernels import (ATTENTION_LAUNCH, attention_slots_per_program,
-                                        decode_attention, decode_block_scores,
+from openmsa.ops.decode_kernels import (decode_attention, decode_block_scores,
                                         decode_top_blocks, top_blocks_warps)
 
 LAUNCHES = [(None, None, None)] + [  # the shipped launch first
     (blocks, warps, stages) for blocks, warps, stages in itertools.product((4, 8, 16), (4, 8),
                                                                            (1, 2, 3))]
 TOP_K_WARPS = (2, 4, 8)
-SLOTS_PER_PROGRAM = (1, 2, 4, 8)
 HEADS, KV_HEADS, TOP_K, BLOCK = 64, 4, 16, 128
 
 
@@ -64,9 +61,7 @@ def sweep_scores(index_q, index_k, lengths, scale, row):
 
 
 def time_step(q, k, v, index_q, index_k, lengths, scale, row):
-    """The step's kernels one prefix at a time, the attention's kept slots per program, the
-    top-k's warps, and dense."""
-    batch, num_index_heads = q.shape[0], index_q.shape[2]
+    """The step's kernels one prefix at a time, the top-k's warps, and dense."""
     pow2 = triton.next_power_of_2(-(-k.shape[1] // BLOCK))
     top = dict(top_k=TOP_K, block_size=BLOCK, num_local_blocks=1, num_sink_blocks=0)
 
@@ -76,30 +71,19 @@ def time_step(q, k, v, index_q, index_k, lengths, scale, row):
     def selection(warps=None):
         return decode_top_blocks(scores(), lengths, num_warps=warps, **top)
 
-    def step(per_program=None, warps=None, stages=None):
-        launch = None if stages is None else dict(num_warps=4, num_stages=stages)
-        return decode_attention(q, k, v, selection(warps), lengths, BLOCK, q.shape[-1] ** -0.5,
-                                slots_per_program=per_program, launch=launch)
+    def step(warps=None):
+        return decode_attention(q, k, v, selection(warps), lengths, BLOCK, q.shape[-1] ** -0.5)
 
-    shipped_slots = attention_slots_per_program(batch, num_index_heads, TOP_K, q.device)
     shipped_warps = top_blocks_warps(pow2)
     heads = [t.transpose(1, 2) for t in (q, k, v)]
     timings = {"dense": lambda: F.scaled_dot_product_attention(*heads, enable_gqa=True),
                "scores": scores, "scores+top-k": selection, "step": step}
-    for per_program, stages in itertools.product(SLOTS_PER_PROGRAM, (1, 2)):
-        if (per_program, stages) != (shipped_slots, ATTENTION_LAUNCH["num_stages"]) and (
-                per_program > 1 or stages == 1):
-            assert torch.allclose(step(per_program, stages=stages).float(), step().float(),
-                                  atol=1e-2)
-            timings[f"step, {per_program} slots a program, {stages} stages"] = (
-                lambda per_program=per_program, stages=stages: step(per_program, stages=stages))
     for warps in TOP_K_WARPS:
         if warps != shipped_warps:
-            timings[f"step, top-k on {warps} warps"] = lambda warps=warps: step(warps=warps)
+            timings[f"step, top-k on {warps} warps"] = lambda warps=warps: step(warps)
     rows = []
     for name, fn in timings.items():
         rows.append(dict(row, part="step", stage=name, ms=median_ms(graphed(fn)),
-                         slots_per_program_shipped=shipped_slots,
                          top_k_warps_shipped=shipped_warps))
         print(json.dumps(rows[-1]), flush=True)
     return rows

@@ -156,28 +156,6 @@ def test_decode_block_scores_do_not_depend_on_the_launch():
 
 
 @interpreted
-def test_decode_attention_does_not_depend_on_the_slots_a_program_walks():
-    """The decode attention's knob (kept slots per program: partials over runs of slots, the
-    last run short, runs of unused (-1) slots only) leaves its result as with one slot a
-    program, and the result is the reference's."""
-    from openmsa.ops.decode_kernels import decode_attention, decode_select
-
-    q, k, v, index_q, index_k = _caches(torch.float32)
-    lengths = torch.tensor(LENGTHS, dtype=torch.int32)
-    new = 2
-    ids = decode_select(_new_tokens(index_q, new), index_k, lengths, top_k=7, block_size=64,
-                        index_softmax_scale=0.125, num_local_blocks=1, num_sink_blocks=0)
-    assert (ids[2, :, :, 3:] == -1).all() and (ids >= 0).any()  # 130 tokens: 3 blocks kept
-    args = (_new_tokens(q, new), k, v, ids, lengths, 64, 0.125)
-    one = decode_attention(*args, slots_per_program=1)
-    for per_program in (2, 3, 4, 7):
-        assert rel_rms_error(decode_attention(*args, slots_per_program=per_program), one) < 1e-6
-    reference = openmsa.msa_decode(args[0], k, v, None, None, lengths, block_size=64,
-                                   block_indices=ids, backend="reference")
-    assert rel_rms_error(one, reference) < 1e-5
-
-
-@interpreted
 def test_decode_kernels_need_no_host_lengths(monkeypatch):
     """As under CUDA graph capture (the host's view of cache_seqlens unreadable): the decode
     kernels score every cached block and mask by the device's lengths, with the same result;

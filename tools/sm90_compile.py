@@ -125,12 +125,11 @@ def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
                             heads_per_index_head: int = 16):
     """The decode kernels (``ops.decode_kernels``), bf16, D = 128, blocks of 128, as
     ``msa_decode`` launches them for ``new_tokens`` new tokens a sequence, compiled for sm_90a
-    (the block-score kernel in both index precisions, the attention walking 1 and 4 kept slots a
-    program). Returns (block scores, fp8 block scores, top blocks, attention on 1 slot,
-    attention on 4, merge)."""
+    (the block-score kernel in both index precisions). Returns (block scores, fp8 block scores,
+    top blocks, attention, merge)."""
     from triton.compiler import ASTSource
 
-    from openmsa.ops.decode_kernels import (ATTENTION_LAUNCH, _decode_attention_kernel,
+    from openmsa.ops.decode_kernels import (_decode_attention_kernel,
                                             _decode_block_scores_kernel,
                                             _decode_top_blocks_kernel, _merge_partials_kernel,
                                             score_launch)
@@ -159,19 +158,17 @@ def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
                                                        IDS="*i32"),
                        dict(NEW=new_tokens, BLOCK=128, TOP_K=16, NUM_LOCAL=1, LOCAL_DILATION=1,
                             NUM_SINK=0, BLOCKS_POW2=8192), num_warps=16)
-    attention = [build(_decode_attention_kernel,
-                       dict(Q="*bf16", KC="*bf16", VC="*bf16", IDS="*i32", LENGTHS="*i32",
-                            MAXES="*fp32", SUMS="*fp32", ACCS="*fp32", scale_log2="fp32"),
-                       dict(NEW=new_tokens, GQ=heads_per_index_head,
-                            ROWS=max(16, triton.next_power_of_2(heads_per_index_head)),
-                            KV_GROUP=1, NUM_HEADS=4 * heads_per_index_head, SLOTS=16,
-                            SLOTS_PER_PROGRAM=per_program, BLOCK=128, HEAD_DIM=128,
-                            PRECISION="tf32"), **ATTENTION_LAUNCH)
-                 for per_program in (1, 4)]
+    attention = build(_decode_attention_kernel,
+                      dict(Q="*bf16", KC="*bf16", VC="*bf16", IDS="*i32", LENGTHS="*i32",
+                           MAXES="*fp32", SUMS="*fp32", ACCS="*fp32", scale_log2="fp32"),
+                      dict(NEW=new_tokens, GQ=heads_per_index_head,
+                           ROWS=max(16, triton.next_power_of_2(heads_per_index_head)),
+                           KV_GROUP=1, NUM_HEADS=4 * heads_per_index_head, SLOTS=16, BLOCK=128,
+                           HEAD_DIM=128, PRECISION="tf32"))
     merge = build(_merge_partials_kernel, dict(MAXES="*fp32", SUMS="*fp32", ACCS="*fp32",
                                                OUT="*bf16"),
                   dict(SLOTS=16, SLOTS_POW2=16, HEAD_DIM=128))
-    return (*scores, top_blocks, *attention, merge)
+    return (*scores, top_blocks, attention, merge)
 
 
 def ptxas_report(ptx: str) -> dict:

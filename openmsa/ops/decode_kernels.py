@@ -8,11 +8,10 @@ long caches, split over the cache so that batch 1 fills the GPU.
 - ``decode_top_blocks``: one program per (sequence, index head, new token) keeps the forced
   blocks and the best others in ``naive.select_blocks_from_scores``'s order, by one max per slot
   over int64 keys that order as (score, lower block).
-- ``decode_attention``: one program per (new token, index head, run of SLOTS_PER_PROGRAM kept
-  slots) attends the index head's main heads over those blocks (flash-decoding's split over
-  keys, here over kept blocks) and writes a partial (max, sum, accumulator);
-  ``merge_partials`` combines a row's partials by their log-sum-exps and writes the output
-  dtype.
+- ``decode_attention``: one program per (new token, index head, kept slot) attends the index
+  head's main heads over that one block (flash-decoding's split over keys, here over kept
+  blocks) and writes a partial (max, sum, accumulator); ``merge_partials`` combines the slots by
+  their log-sum-exps and writes the output dtype.
 
 Each is one launch, so a decode step is four kernels (a CUDA graph replays them without the
 host's costs).
@@ -144,54 +143,49 @@ def _decode_attention_kernel(
     Q, KC, VC, IDS, LENGTHS, MAXES, SUMS, ACCS, stride_q_b, stride_q_t, stride_q_h, stride_k_b,
     stride_k_t, stride_k_h, stride_ids_b, stride_ids_h, stride_ids_t, scale_log2,
     NEW: tl.constexpr, GQ: tl.constexpr, ROWS: tl.constexpr, KV_GROUP: tl.constexpr,
-    NUM_HEADS: tl.constexpr, SLOTS: tl.constexpr, SLOTS_PER_PROGRAM: tl.constexpr,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_HEADS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Partial of one (new token, index head, run of SLOTS_PER_PROGRAM kept slots): its main
-    heads' max (base 2), sum of exponentials and accumulator over the run's blocks, into MAXES,
-    SUMS [B * NEW, H, PARTS] and ACCS [B * NEW, H, PARTS, D] (PARTS = the runs of a row; max
-    -inf and zeros where every slot of the run is unused)."""
+    """Partials of one (new token, index head, kept slot): its main heads' max (base 2), sum of
+    exponentials and accumulator over the slot's block, into MAXES, SUMS [B * NEW, H, SLOTS]
+    and ACCS [B * NEW, H, SLOTS, D] (max -inf and zeros for an unused slot)."""
     row = tl.program_id(0).to(tl.int64)  # b * NEW + token
     index_head = tl.program_id(1)
-    part = tl.program_id(2)
-    parts = tl.num_programs(2)
+    slot = tl.program_id(2)
     b = row // NEW
     token = row % NEW
     rows = tl.arange(0, ROWS)
     heads = index_head * GQ + rows
     head_valid = rows < GQ
     dims = tl.arange(0, HEAD_DIM)
+    out_rows = (row * NUM_HEADS + heads) * SLOTS + slot
+    block = tl.load(IDS + b * stride_ids_b + index_head * stride_ids_h + token * stride_ids_t
+                    + slot)
+    if block < 0:
+        tl.store(MAXES + out_rows, tl.full([ROWS], float("-inf"), tl.float32), mask=head_valid)
+        tl.store(SUMS + out_rows, tl.zeros([ROWS], tl.float32), mask=head_valid)
+        tl.store(ACCS + out_rows[:, None] * HEAD_DIM + dims[None, :],
+                 tl.zeros([ROWS, HEAD_DIM], tl.float32), mask=head_valid[:, None])
+        return
     length = tl.load(LENGTHS + b).to(tl.int64)
     position = length - NEW + token
     kv_head = index_head // KV_GROUP
     q = tl.load(Q + b * stride_q_b + token * stride_q_t + heads[:, None] * stride_q_h
                 + dims[None, :], mask=head_valid[:, None], other=0.0)
-    ids = IDS + b * stride_ids_b + index_head * stride_ids_h + token * stride_ids_t
-    row_max = tl.full([ROWS], float("-inf"), tl.float32)
-    total = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    for step in range(SLOTS_PER_PROGRAM):
-        slot = part * SLOTS_PER_PROGRAM + step
-        block = tl.load(ids + slot, mask=slot < SLOTS, other=-1)
-        # An unused slot (block -1) reads nothing: every key of it is masked.
-        key_pos = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        visible = (block >= 0) & (key_pos <= position) & (key_pos < length)
-        offsets = (b * stride_k_b + key_pos[:, None] * stride_k_t + kv_head * stride_k_h
-                   + dims[None, :])
-        k = tl.load(KC + offsets, mask=visible[:, None], other=0.0)
-        v = tl.load(VC + offsets, mask=visible[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        scores = tl.where(visible[None, :], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp2(row_max - safe_max)  # 0 while nothing was seen (-inf)
-        probs = tl.exp2(scores - safe_max[:, None])
-        total = total * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
-        row_max = new_max
-    out_rows = (row * NUM_HEADS + heads) * parts + part
-    tl.store(MAXES + out_rows, row_max, mask=head_valid)
-    tl.store(SUMS + out_rows, total, mask=head_valid)
+    key_pos = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    visible = (key_pos <= position) & (key_pos < length)
+    offsets = (b * stride_k_b + key_pos[:, None] * stride_k_t + kv_head * stride_k_h
+               + dims[None, :])
+    k = tl.load(KC + offsets, mask=visible[:, None], other=0.0)
+    v = tl.load(VC + offsets, mask=visible[:, None], other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    scores = tl.where(visible[None, :], scores, float("-inf"))
+    block_max = tl.max(scores, axis=1)
+    safe_max = tl.where(block_max == float("-inf"), 0.0, block_max)
+    probs = tl.exp2(scores - safe_max[:, None])
+    acc = tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+    tl.store(MAXES + out_rows, block_max, mask=head_valid)
+    tl.store(SUMS + out_rows, tl.sum(probs, axis=1), mask=head_valid)
     tl.store(ACCS + out_rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_valid[:, None])
 
 
@@ -266,45 +260,10 @@ def decode_top_blocks(scores, lengths, *, top_k: int, block_size: int, num_local
     return ids
 
 
-# Attention programs of a decode step per SM beyond which a program walks more kept slots: the
-# bf16 program of 16 heads x one block of 128 keys fits 3 to an H200 SM (154 registers a
-# thread), so a step at about this many fills the GPU in one wave.
-ATTENTION_PROGRAMS_PER_SM = 3
-# No pipelined loads across a program's slots: buffering the next block of K and V (64 KB in
-# bf16) would leave room for one program per SM (ptxas, sm_90a).
-ATTENTION_LAUNCH = dict(num_warps=4, num_stages=1)
-
-
-def attention_slots_per_program(rows: int, num_index_heads: int, slots: int,
-                                device: torch.device) -> int:
-    """Kept slots an attention program walks: one while ``rows x index heads x slots``
-    programs fit in one wave, else the fewest (a power of two) that do."""
-    if device.type != "cuda":
-        return 1
-    wave = ATTENTION_PROGRAMS_PER_SM * _multiprocessors(device)
-    per_program = 1
-    while per_program < slots and rows * num_index_heads * -(-slots // per_program) > wave:
-        per_program *= 2
-    return per_program
-
-
-_SM_COUNTS: dict = {}
-
-
-def _multiprocessors(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
-
-
 def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
-                     softmax_scale: float, slots_per_program: int | None = None,
-                     launch: dict | None = None) -> torch.Tensor:
+                     softmax_scale: float) -> torch.Tensor:
     """``out [B, Tq, H, D]`` (q's dtype) of the new tokens over their kept blocks
-    (``block_ids [B, Hi, Tq, k]``): partials per run of kept slots, merged by their
-    log-sum-exps. ``slots_per_program`` and ``launch`` (``num_warps``, ``num_stages``)
-    override ``attention_slots_per_program`` and ``ATTENTION_LAUNCH``."""
+    (``block_ids [B, Hi, Tq, k]``): partials per slot, merged by their log-sum-exps."""
     batch, new, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_index_heads, slots = block_ids.shape[1], block_ids.shape[3]
@@ -313,23 +272,19 @@ def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
     if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():  # one set of strides
         k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     block_ids = block_ids.contiguous()
-    per_program = (attention_slots_per_program(batch * new, num_index_heads, slots, q.device)
-                   if slots_per_program is None else slots_per_program)
-    parts = -(-slots // per_program)
-    maxes = torch.empty(batch * new, num_heads, parts, dtype=torch.float32, device=q.device)
+    maxes = torch.empty(batch * new, num_heads, slots, dtype=torch.float32, device=q.device)
     sums = torch.empty_like(maxes)
-    accs = torch.empty(batch * new, num_heads, parts, head_dim, dtype=torch.float32,
+    accs = torch.empty(batch * new, num_heads, slots, head_dim, dtype=torch.float32,
                        device=q.device)
-    _decode_attention_kernel[(batch * new, num_index_heads, parts)](
+    _decode_attention_kernel[(batch * new, num_index_heads, slots)](
         q, k_cache, v_cache, block_ids, lengths, maxes, sums, accs, q.stride(0), q.stride(1),
         q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_ids.stride(0), block_ids.stride(1), block_ids.stride(2),
         softmax_scale * LOG2_E, NEW=new, GQ=gq, ROWS=max(16, triton.next_power_of_2(gq)),
         KV_GROUP=num_index_heads // num_kv_heads, NUM_HEADS=num_heads, SLOTS=slots,
-        SLOTS_PER_PROGRAM=per_program, BLOCK=block_size, HEAD_DIM=head_dim,
-        PRECISION=_precision(q), **(ATTENTION_LAUNCH if launch is None else launch))
-    merged = merge_partials(maxes.view(-1, parts), sums.view(-1, parts),
-                            accs.view(-1, parts, head_dim), q.dtype)
+        BLOCK=block_size, HEAD_DIM=head_dim, PRECISION=_precision(q))
+    merged = merge_partials(maxes.view(-1, slots), sums.view(-1, slots),
+                            accs.view(-1, slots, head_dim), q.dtype)
     return merged.view(batch, new, num_heads, head_dim)
 
 
@@ -337,7 +292,7 @@ def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
 def _merge_partials_kernel(MAXES, SUMS, ACCS, OUT, SLOTS: tl.constexpr,
                            SLOTS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
     """OUT row (new token, head) = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the
-    row's SLOTS partials (the own block is always kept, so M is finite)."""
+    row's slots (the own block is always kept, so M is finite)."""
     row = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, SLOTS_POW2)
     dims = tl.arange(0, HEAD_DIM)
