@@ -48,6 +48,8 @@ EXAMPLES = """examples:
   openmsa train --preset gpu          the same at 16k tokens on the Triton kernels (GPU)
   openmsa check                       the kernels against the reference (interpreted on a CPU)
   openmsa bench --seqlens 32k,128k    one layer's step against dense attention (GPU)
+  openmsa eval --smoke                long-context tasks, dense against MSA (CPU smoke setting)
+  openmsa eval --model DIR            the same tasks on a local Hugging Face Llama / Qwen3
 
 Run "openmsa COMMAND --help" for a command's options.
 """
@@ -164,9 +166,32 @@ def _bench(args) -> int:
     return run(args)
 
 
+def _eval(args) -> int:
+    from .eval.command import run
+
+    return run(args)
+
+
 def _train(args) -> int:
     from .train.run import run
 
+    if args.adapt_index and not args.preset.startswith("ruler"):
+        raise SystemExit("openmsa train: --adapt-index needs a ruler-* preset (its tasks, "
+                         f"length and MSA options), received --preset {args.preset}")
+    if args.preset.startswith("ruler"):
+        from .train.lm import adapt_index_branch, run_lm
+
+        options = dict(index_precision=args.index_precision,
+                       share_index_every=args.share_index_every,
+                       num_local_blocks=args.num_local_blocks,
+                       local_block_dilation=args.local_block_dilation)
+        if args.adapt_index:
+            adapt_index_branch(args.adapt_index, args.out, args.preset, args.steps or 100,
+                               device=args.device, seed=args.seed, msa_options=options)
+        else:
+            run_lm(args.preset, args.out, device=args.device, seed=args.seed,
+                   msa_options=options, layers=args.layers, steps=args.steps)
+        return 0
     run(args.preset, args.out, device=args.device, seed=args.seed, steps=args.steps,
         index_precision=args.index_precision, layers=args.layers,
         share_index_every=args.share_index_every, num_local_blocks=args.num_local_blocks,
@@ -183,9 +208,11 @@ def main(argv=None) -> int:
         help="train an MSA model and a dense one on a long-context retrieval task",
         description="Train an MSA model and a dense one side by side on a synthetic retrieval "
         "task; write metrics.json, metrics.csv and curves.png to --out.")
-    train.add_argument("--preset", default="cpu", choices=("cpu", "gpu", "tiny"),
+    train.add_argument("--preset", default="cpu",
+                       choices=("cpu", "gpu", "tiny", "ruler-cpu", "ruler-gpu", "ruler-tiny"),
                        help="cpu: a few minutes on 2 cores; gpu: 16k tokens with the Triton "
-                       "kernels; tiny: a smoke test")
+                       "kernels; tiny: a smoke test; ruler-*: 4-layer causal LMs on openmsa "
+                       "eval's tasks, written as checkpoints openmsa eval --model reads")
     train.add_argument("--out", default="runs/train", help="folder for metrics and the plot")
     train.add_argument("--device", type=parse_device,
                        help="cpu or cuda (default: cuda if available)")
@@ -201,6 +228,10 @@ def main(argv=None) -> int:
     train.add_argument("--share-index-every", type=positive_int, default=1, metavar="N",
                        help="MSA layers 0, N, 2N, ... select blocks, the others reuse the "
                        "selection of the one before them (default 1: every layer selects)")
+    train.add_argument("--adapt-index", metavar="DIR",
+                       help="ruler-* presets: convert the dense checkpoint DIR, freeze its "
+                       "weights and train only the index branch by the KL (--steps, default "
+                       "100), into OUT/adapted")
     add_local_block_arguments(train)
     train.set_defaults(handler=_train)
     bench = commands.add_parser(
@@ -213,6 +244,17 @@ def main(argv=None) -> int:
     add_arguments(bench)
     add_local_block_arguments(bench)
     bench.set_defaults(handler=_bench)
+    evaluation = commands.add_parser(
+        "eval", formatter_class=HelpFormatter,
+        help="RULER-style long-context tasks on a model in dense and in MSA attention",
+        description="Generate RULER-style tasks (needle retrieval with one and several keys, "
+        "values and queries; variable tracking; common-word aggregation) at chosen lengths and "
+        "score a causal LM on them in dense and in MSA attention with the same weights "
+        "(answers generated through the cache path); write eval.json and accuracy.png.")
+    from .eval.command import add_arguments as add_eval_arguments
+
+    add_eval_arguments(evaluation)
+    evaluation.set_defaults(handler=_eval)
     check = commands.add_parser(
         "check", formatter_class=HelpFormatter,
         help="compare msa_attention's kernels with the reference on random inputs",

@@ -70,6 +70,9 @@ class HFMSAAttention(nn.Module):
                             index_precision=index_precision)
         self.warmup = False
         self.last_kl = None
+        # An empty dict here asks the next forward to record its last query token's selection
+        # (``record_selection``); the forward fills it once.
+        self.selection_record = None
         # The kept ids of the latest forward, for the layers sharing this one's selection; the
         # layer whose selection this one reads (a tuple: not a registered submodule).
         self.last_indices = None
@@ -138,6 +141,15 @@ class HFMSAAttention(nn.Module):
                 self.last_indices = indices[0] if indices else None
         return self.o_proj(out.reshape(batch, seqlen, -1)), None
 
+    def _record(self, q, keys, ids):
+        """Fills an empty ``selection_record`` with the last query token's kept ids
+        ``[B, Hi, k]``, its queries ``[B, H, D]`` (after RoPE), every key ``[B, L, Hkv, D]``
+        and the softmax scale (what ``openmsa.eval`` reads for block and mass recall)."""
+        if self.selection_record == {} and ids is not None:
+            self.selection_record.update(ids=ids[:, :, -1].detach(), query=q[:, -1].detach(),
+                                         keys=keys.detach(), scale=self.scaling,
+                                         block_size=self.options["block_size"])
+
     def _cached_attention(self, q, k, v, index_q, index_k, cache, kwargs):
         """Inference with the model's cache (``use_cache=True``, ``generate()``): k and v go
         through ``cache.update`` as in the original module, the index keys beside them (a dict
@@ -159,8 +171,10 @@ class HFMSAAttention(nn.Module):
         if self.warmup:
             return msa_decode(q, k_all, v_all, None, None, lengths, warmup=True, **options)
         if not self.has_index_branch:
-            return msa_decode(q, k_all, v_all, None, None, lengths,
-                              block_indices=self._source_indices(), **options)
+            ids = self._source_indices()
+            self._record(q, k_all, ids)
+            return msa_decode(q, k_all, v_all, None, None, lengths, block_indices=ids,
+                              **options)
         out, ids = msa_decode(q, k_all, v_all, index_q, index_k_all, lengths,
                               top_k=self.options["top_k"],
                               num_local_blocks=self.options["num_local_blocks"],
@@ -170,6 +184,7 @@ class HFMSAAttention(nn.Module):
                               return_indices=True, **options)
         if self._hands_on_indices:
             self.last_indices = ids
+        self._record(q, k_all, ids)
         return out
 
     def _source_indices(self):
@@ -225,6 +240,17 @@ def convert_to_msa(model: nn.Module, *, top_k: int = 16, block_size: int = 128,
             share_index_from=source, local_block_dilation=local_block_dilation))
         setattr(parent, child, converted[-1])
     return len(targets)
+
+
+def record_selection(model: nn.Module) -> list[dict]:
+    """Asks every converted layer of ``model`` to record, during its next forward with the
+    cache (``use_cache=True``: the prefill of ``generate()``), the last query token's kept
+    block ids, queries, keys and softmax scale; returns the layers' records in order (filled
+    by that forward; layers in warmup record nothing)."""
+    layers = [module for module in model.modules() if isinstance(module, HFMSAAttention)]
+    for layer in layers:
+        layer.selection_record = {}
+    return [layer.selection_record for layer in layers]
 
 
 def msa_kl(model: nn.Module) -> torch.Tensor:

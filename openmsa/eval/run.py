@@ -1,0 +1,216 @@
+"""``openmsa eval``: RULER-style tasks (``tasks``) on one model in dense and in MSA attention,
+with the same weights, at chosen lengths.
+
+The model is a Hugging Face causal LM converted with ``convert_to_msa`` (a local checkpoint
+folder, or the smoke setting's tiny random Llama). "dense" runs every converted layer in
+warmup (dense causal attention), "msa" sparse. Answers are generated greedily through the
+cache path (``generate(use_cache=True)``: the prompt's prefill, then ``msa_decode`` steps), and
+a sample scores the share of its expected answers found in the continuation. In MSA attention
+the prefill also records, per layer, the last prompt token's kept blocks:
+
+- *block recall*: the share of (needle, layer, index head) whose kept blocks hold a token of
+  the needle (tasks with needles);
+- *mass recall*: the share of the dense attention mass of that token (its queries against
+  every prompt key, averaged over each index head's main heads) that the kept blocks hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..integrations.transformers import convert_to_msa, record_selection
+from ..layers.msa_attention import set_msa_warmup
+from .tasks import TASKS, Sample, answer_recall, make_sample, synthetic_tokenizer
+
+MODES = ("dense", "msa")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    tasks: tuple[str, ...] = TASKS
+    lengths: tuple[int, ...] = (4096, 8192, 16384)
+    samples: int = 8
+    seed: int = 0
+    modes: tuple[str, ...] = MODES
+
+
+def smoke_model(msa_options: dict | None = None, seed: int = 0):
+    """A tiny random Llama (2 layers, 4 heads of 64, 2 KV heads) on ``synthetic_tokenizer()``,
+    converted to MSA with ``msa_options`` (default: top 2 blocks of 64): the CPU smoke setting
+    (its answers are noise; the pipeline is real)."""
+    import transformers
+
+    tokenizer = synthetic_tokenizer()
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=len(tokenizer),
+        max_position_embeddings=65536, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = transformers.LlamaForCausalLM(config).eval()
+    convert_to_msa(model, **(msa_options or dict(top_k=2, block_size=64)))
+    return model, tokenizer
+
+
+def checkpoint_msa_options(path: str) -> dict:
+    """The MSA options an ``openmsa train`` checkpoint was trained with ({} for a dense or a
+    foreign checkpoint)."""
+    described = os.path.join(path, "openmsa.json")
+    if not os.path.exists(described):
+        return {}
+    with open(described) as handle:
+        return json.load(handle).get("msa_options") or {}
+
+
+def load_model(path: str, device, dtype, msa_options: dict):
+    """A local Hugging Face causal LM folder and its tokenizer, converted with
+    ``msa_options`` (``convert_to_msa``'s keyword arguments). An ``openmsa train`` MSA
+    checkpoint's index projections are loaded after the conversion (the plain model drops
+    them when it loads)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    convert_to_msa(model, **msa_options)
+    if checkpoint_msa_options(path):
+        state = {}
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".safetensors"):
+                state.update(load_file(os.path.join(path, name)))
+        index_state = {key: value for key, value in state.items() if ".index_" in key}
+        missing = [key for key in model.state_dict() if ".index_" in key
+                   and key not in index_state]
+        if missing:
+            raise ValueError(f"model: the checkpoint {path} lacks the index weights {missing[:3]}"
+                             f" (its MSA options differ from the conversion's?)")
+        unexpected = model.load_state_dict(index_state, strict=False).unexpected_keys
+        if unexpected:
+            raise ValueError(f"model: the checkpoint {path} has index weights the conversion "
+                             f"does not make: {unexpected[:3]}")
+    return model.to(device=device, dtype=dtype), tokenizer
+
+
+def selection_recalls(records: list[dict], needle_tokens: list[range]) -> dict:
+    """Block and mass recall of the last prompt token from the layers' ``record_selection``
+    records (batch 1); block recall is None without needles."""
+    hits, masses = [], []
+    for record in records:
+        if not record:
+            continue
+        ids = record["ids"][0].long()  # [Hi, k]
+        block = record["block_size"]
+        for tokens in needle_tokens:
+            needle_blocks = torch.tensor(sorted({t // block for t in tokens}))
+            hits.append((ids[:, :, None] == needle_blocks.to(ids.device)).any(-1).any(-1))
+        query, keys = record["query"][0].float(), record["keys"][0].float()  # [H, D], [L, Hkv, D]
+        heads, kv_heads = query.shape[0], keys.shape[1]
+        index_heads = ids.shape[0]
+        kv_of_head = torch.arange(heads, device=query.device) // (heads // kv_heads)
+        probs = torch.softmax(torch.einsum("hd,lhd->hl", query, keys[:, kv_of_head])
+                              * record["scale"], dim=-1)  # [H, L]
+        blocks = -(-keys.shape[0] // block)
+        per_block = torch.nn.functional.pad(probs, (0, blocks * block - keys.shape[0]))
+        per_block = per_block.view(heads, blocks, block).sum(-1)  # [H, blocks]
+        kept = torch.zeros(index_heads, blocks, dtype=torch.bool, device=ids.device)
+        valid = ids >= 0
+        kept[torch.arange(index_heads, device=ids.device)[:, None].expand_as(ids)[valid],
+             ids[valid]] = True
+        index_of_head = torch.arange(heads, device=query.device) // (heads // index_heads)
+        masses.append((per_block * kept[index_of_head]).sum(-1).mean())
+    return {"block_recall": torch.cat(hits).float().mean().item() if hits else None,
+            "mass_recall": torch.stack(masses).mean().item() if masses else None}
+
+
+def _needle_tokens(tokenizer, sample: Sample, offsets) -> list[range]:
+    """Token positions of each needle (from the prompt's character offsets)."""
+    spans = []
+    for start, end in sample.needle_spans:
+        inside = [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
+        spans.append(range(inside[0], inside[-1] + 1))
+    return spans
+
+
+@torch.no_grad()
+def evaluate_sample(model, tokenizer, sample: Sample, mode: str, device) -> dict:
+    """Generates ``sample``'s answer in ``mode`` ("dense" or "msa"); returns its score, the
+    continuation and (msa) the recalls."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, received {mode!r}")
+    # Needles are located by character offsets, which only fast tokenizers give.
+    encoded = tokenizer(sample.prompt, add_special_tokens=False,
+                        return_offsets_mapping=tokenizer.is_fast)
+    ids = encoded["input_ids"]
+    offset = 0
+    if tokenizer.bos_token_id is not None:
+        ids = [tokenizer.bos_token_id] + ids
+        offset = 1
+    input_ids = torch.tensor([ids], device=device)
+    set_msa_warmup(model, mode == "dense")
+    records = record_selection(model)
+    start = time.perf_counter()
+    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                            max_new_tokens=sample.max_new_tokens, do_sample=False,
+                            use_cache=True, pad_token_id=tokenizer.pad_token_id)
+    seconds = time.perf_counter() - start
+    continuation = tokenizer.decode(output[0, len(ids):], skip_special_tokens=True)
+    result = {"task": sample.task, "mode": mode, "prompt_tokens": len(ids),
+              "score": answer_recall(continuation, sample.answers), "answers": sample.answers,
+              "continuation": continuation, "seconds": seconds}
+    if mode == "msa":
+        needles = [] if not tokenizer.is_fast else [
+            range(r.start + offset, r.stop + offset)
+            for r in _needle_tokens(tokenizer, sample, encoded["offset_mapping"])]
+        result.update(selection_recalls(records, needles))
+    for record in records:
+        record.clear()
+    return result
+
+
+def evaluate(model, tokenizer, settings: EvalSettings, device, progress=None) -> list[dict]:
+    """Every (task, length, sample, mode) of ``settings``; ``progress(done, total, record)``
+    after each."""
+    for task in settings.tasks:
+        if task not in TASKS:
+            raise ValueError(f"tasks: expected names from {TASKS}, received {task!r}")
+    jobs = [(task, length, index) for length in settings.lengths for task in settings.tasks
+            for index in range(settings.samples)]
+    total = len(jobs) * len(settings.modes)
+    results = []
+    for task, length, index in jobs:
+        sample = make_sample(task, tokenizer, length, settings.seed * 100_003 + index)
+        for mode in settings.modes:
+            result = dict(evaluate_sample(model, tokenizer, sample, mode, device),
+                          length=length, sample=index)
+            results.append(result)
+            if progress:
+                progress(len(results), total, result)
+    return results
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Mean score (and recalls) per (task, length, mode), then per (length, mode) over tasks
+    (task "average")."""
+    groups: dict = {}
+    for result in results:
+        groups.setdefault((result["task"], result["length"], result["mode"]), []).append(result)
+    rows = []
+    for (task, length, mode), members in groups.items():
+        row = {"task": task, "length": length, "mode": mode, "samples": len(members),
+               "accuracy": sum(m["score"] for m in members) / len(members)}
+        for key in ("block_recall", "mass_recall"):
+            values = [m[key] for m in members if m.get(key) is not None]
+            row[key] = sum(values) / len(values) if values else None
+        rows.append(row)
+    for length, mode in sorted({(r["length"], r["mode"]) for r in rows}):
+        members = [r for r in rows if (r["length"], r["mode"]) == (length, mode)]
+        rows.append({"task": "average", "length": length, "mode": mode,
+                     "samples": sum(r["samples"] for r in members),
+                     "accuracy": sum(r["accuracy"] for r in members) / len(members),
+                     "block_recall": None, "mass_recall": None})
+    return rows

@@ -1,0 +1,257 @@
+"""``openmsa train --preset ruler-*``: small GQA causal LMs (Hugging Face Llama) trained on a mix
+of ``openmsa.eval`` tasks, written as checkpoints that ``openmsa eval --model`` reads.
+
+Two models from the same seed: "dense" (plain attention) and "msa" (``convert_to_msa``: dense
+warmup, then sparse, its index branch trained by the KL). ``adapt_index_branch`` takes the
+other path to MSA: a dense checkpoint converted, its weights frozen, the index branch trained
+by the KL alone ("adapted"). Each step draws a batch of one task
+(the tasks in turn) at the current curriculum length; the loss is the next-token loss on the
+answer tokens only (the prompt is context), plus ``kl_weight`` times the KL for MSA. A
+checkpoint is a Hugging Face folder (``save_pretrained``, the tasks' word-level tokenizer) with
+``openmsa.json``: the model kind and its MSA options (an MSA checkpoint's weights include the
+index projections, which ``openmsa.eval.run.load_model`` restores after converting).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from ..eval.tasks import TASKS, make_sample, synthetic_tokenizer
+from ..integrations.transformers import convert_to_msa, msa_kl
+from ..layers.msa_attention import MSAWarmupSchedule, set_msa_warmup
+
+
+@dataclass(frozen=True)
+class LMPreset:
+    seqlen: int
+    block_size: int
+    top_k: int
+    steps: int
+    warmup_steps: int
+    batch: int
+    layers: int = 4
+    hidden_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    lr: float = 1e-3
+    kl_weight: float = 1.0
+    rope_theta: float = 1e6
+    tasks: tuple[str, ...] = TASKS
+    # Phases of (steps, tokens, batch) before training at seqlen tokens.
+    curriculum: tuple[tuple[int, int, int], ...] = ()
+
+
+LM_PRESETS = {
+    # CI smoke test: the whole pipeline in seconds.
+    "ruler-tiny": LMPreset(seqlen=320, block_size=64, top_k=2, steps=4, warmup_steps=2, batch=2,
+                           layers=2, tasks=("niah_single", "variable_tracking"),
+                           curriculum=((2, 256, 2),)),
+    # 2-core CPU, the eager reference, minutes: 4 layers at 512 tokens, 2 of 8 blocks kept.
+    "ruler-cpu": LMPreset(seqlen=512, block_size=64, top_k=2, steps=300, warmup_steps=150,
+                          batch=8),
+    # GPU, Triton kernels, bf16 autocast: 4 layers, GQA 8/2 heads, 16k tokens after a curriculum;
+    # 8 of 128 blocks kept.
+    "ruler-gpu": LMPreset(seqlen=16384, block_size=128, top_k=8, steps=3000, warmup_steps=2000,
+                          batch=4, hidden_size=512, num_heads=8, num_kv_heads=2, lr=5e-4,
+                          curriculum=((800, 1024, 32), (700, 4096, 8))),
+}
+
+
+def _batch(tokenizer, task: str, length: int, size: int, seed: int, device):
+    """input_ids and labels ``[size, L]``: prompt, answer, [EOS], right-padded; labels only on
+    the answer and [EOS] (-100 elsewhere)."""
+    rows, labels = [], []
+    for index in range(size):
+        sample = make_sample(task, tokenizer, length, seed + index)
+        prompt = [tokenizer.bos_token_id] + tokenizer(sample.prompt, add_special_tokens=False)[
+            "input_ids"]
+        answer = tokenizer(" " + ", ".join(sample.answers) + ".", add_special_tokens=False)[
+            "input_ids"] + [tokenizer.eos_token_id]
+        rows.append(prompt + answer)
+        labels.append([-100] * len(prompt) + answer)
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id
+    # Right padding needs no mask: causal attention never lets a real token see a pad.
+    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
+    label_ids = torch.tensor([r + [-100] * (width - len(r)) for r in labels], device=device)
+    return input_ids, label_ids
+
+
+def build_model(preset: LMPreset, tokenizer, kind: str, seed: int, msa_options: dict):
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=preset.hidden_size, intermediate_size=4 * preset.hidden_size,
+        num_hidden_layers=preset.layers, num_attention_heads=preset.num_heads,
+        num_key_value_heads=preset.num_kv_heads, head_dim=preset.head_dim,
+        vocab_size=len(tokenizer), max_position_embeddings=1 << 20,
+        rope_theta=preset.rope_theta, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = transformers.LlamaForCausalLM(config)
+    if kind == "msa":
+        convert_to_msa(model, **msa_options)
+    return model
+
+
+def train_lm_model(kind: str, preset: LMPreset, device, seed: int, msa_options: dict,
+                   out_dir: str, progress=print) -> list[dict]:
+    """Trains one model (``kind`` "dense" or "msa") and writes its checkpoint to
+    ``out_dir/kind``; returns the loss history."""
+    tokenizer = synthetic_tokenizer()
+    model = build_model(preset, tokenizer, kind, seed, msa_options).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
+    schedule = MSAWarmupSchedule(preset.warmup_steps if kind == "msa" else 0)
+    phases, last = [], 0
+    for steps, tokens, batch in preset.curriculum:
+        last += steps
+        phases.append((last, tokens, batch))
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
+    history, start = [], time.perf_counter()
+    for step in range(1, preset.steps + 1):
+        warmup = schedule.apply(model, step - 1) if kind == "msa" else False
+        length, batch = next(((t, b) for end, t, b in phases if step <= end),
+                             (preset.seqlen, preset.batch))
+        task = preset.tasks[(step - 1) % len(preset.tasks)]
+        input_ids, labels = _batch(tokenizer, task, length, batch,
+                                   seed * 1_000_003 + step * batch, device)
+        with autocast:
+            loss = model(input_ids, labels=labels, use_cache=False).loss
+            # In warmup too: the index branch learns from the KL while every block is visible.
+            kl = msa_kl(model) if kind == "msa" else loss.new_zeros(())
+        total = loss.float() + preset.kl_weight * kl.float()
+        optimizer.zero_grad(set_to_none=True)
+        total.backward()
+        optimizer.step()
+        history.append({"model": kind, "step": step, "task": task, "tokens": length,
+                        "phase": "warmup" if warmup else "sparse", "loss": loss.item(),
+                        "kl": kl.item(), "seconds": time.perf_counter() - start})
+        progress(kind, step, preset.steps, history[-1])
+    folder = os.path.join(out_dir, kind)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with open(os.path.join(folder, "openmsa.json"), "w") as handle:
+        json.dump({"kind": kind, "msa_options": msa_options if kind == "msa" else None,
+                   "preset": asdict(preset), "seed": seed}, handle, indent=1)
+    return history
+
+
+def run_lm(preset_name: str, out_dir: str, device=None, seed: int = 0,
+           msa_options: dict | None = None, layers: int | None = None,
+           steps: int | None = None) -> dict:
+    """Trains the dense and the MSA model of an LM preset (``LM_PRESETS``) and writes their
+    checkpoints and ``history.json`` to ``out_dir``; ``msa_options`` override the preset's
+    (``convert_to_msa``'s keyword arguments); ``layers`` and ``steps`` the preset's (its
+    warmup and curriculum scale with ``steps``)."""
+    if preset_name not in LM_PRESETS:
+        raise ValueError(f"preset_name: expected one of {sorted(LM_PRESETS)}, received "
+                         f"{preset_name!r}")
+    preset = LM_PRESETS[preset_name]
+    if layers is not None:
+        preset = replace(preset, layers=layers)
+    if steps is not None:
+        factor = steps / preset.steps
+        preset = replace(preset, steps=steps,
+                         warmup_steps=min(round(preset.warmup_steps * factor), steps - 1),
+                         curriculum=tuple((max(1, round(n * factor)), tokens, batch)
+                                          for n, tokens, batch in preset.curriculum))
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    options = dict(top_k=preset.top_k, block_size=preset.block_size,
+                   backend="reference" if device.type == "cpu" else "auto")
+    options.update(msa_options or {})
+    os.makedirs(out_dir, exist_ok=True)
+    print(f"openmsa train: preset {preset_name} on {device}: {preset.layers}-layer Llama "
+          f"(H{preset.num_heads}/Hkv{preset.num_kv_heads}, hidden {preset.hidden_size}) on "
+          f"{', '.join(preset.tasks)} at {preset.seqlen} tokens, dense and MSA {options}",
+          flush=True)
+    progress = _progress_printer(len(preset.tasks))
+    histories = {kind: train_lm_model(kind, preset, device, seed, options, out_dir, progress)
+                 for kind in ("dense", "msa")}
+    with open(os.path.join(out_dir, "history.json"), "w") as handle:
+        json.dump({"preset": preset_name, "settings": asdict(preset), "seed": seed,
+                   "msa_options": options, "history": histories}, handle, indent=1)
+    for kind, history in histories.items():
+        tail = history[-len(preset.tasks):]
+        print(f"{kind}: final loss {sum(h['loss'] for h in tail) / len(tail):.3f} (mean of the "
+              f"last {len(tail)} steps); checkpoint {os.path.join(out_dir, kind)}")
+    print(f"evaluate: openmsa eval --model {os.path.join(out_dir, 'msa')} --lengths "
+          f"{max(256, preset.seqlen // 2)},{preset.seqlen},{2 * preset.seqlen}")
+    return histories
+
+
+def _progress_printer(tasks: int):
+    """One line every tenth of the run (and at its end), with the mean loss and KL of the last
+    ``tasks`` steps (one of each task): logs stay readable."""
+    recent: dict = {}
+
+    def show(kind, step, total, record):
+        window = recent.setdefault(kind, [])
+        window[:] = (window + [record])[-tasks:]
+        if step == total or step % max(1, total // 10) == 0:
+            loss = sum(r["loss"] or 0.0 for r in window) / len(window)
+            kl = sum(r["kl"] for r in window) / len(window)
+            print(f"{kind:>7} step {step}/{total} {record['seconds']:.0f}s {record['phase']} at "
+                  f"{record['tokens']} tokens:"
+                  + (f" loss {loss:.3f}" if kind != "adapted" else "")
+                  + (f" kl {kl:.4f}" if kind != "dense" else ""), flush=True)
+    return show
+
+
+def adapt_index_branch(dense_dir: str, out_dir: str, preset_name: str, steps: int,
+                       device=None, seed: int = 0, msa_options: dict | None = None) -> list:
+    """The conversion path of a dense-trained model: loads the dense checkpoint ``dense_dir``,
+    converts it (the preset's MSA options, ``msa_options`` over them), freezes every weight
+    but the index branch's and trains that by the KL alone for ``steps`` steps, every block
+    visible (warmup: the KL's teacher is the dense attention); writes ``out_dir/adapted``."""
+    import transformers
+
+    preset = LM_PRESETS[preset_name]
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    options = dict(top_k=preset.top_k, block_size=preset.block_size,
+                   backend="reference" if device.type == "cpu" else "auto")
+    options.update(msa_options or {})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(dense_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(dense_dir)
+    convert_to_msa(model, **options)
+    model.to(device)
+    trained = []
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(".index_" in name)
+        if parameter.requires_grad:
+            trained.append(parameter)
+    optimizer = torch.optim.AdamW(trained, lr=preset.lr)
+    set_msa_warmup(model, True)
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
+    progress = _progress_printer(len(preset.tasks))
+    print(f"openmsa train: the index branch of {dense_dir} by the KL alone, {steps} steps at "
+          f"{preset.seqlen} tokens, {options}", flush=True)
+    history, start = [], time.perf_counter()
+    for step in range(1, steps + 1):
+        task = preset.tasks[(step - 1) % len(preset.tasks)]
+        input_ids, _ = _batch(tokenizer, task, preset.seqlen, preset.batch,
+                              seed * 1_000_003 + step * preset.batch, device)
+        with autocast:
+            model(input_ids, use_cache=False)
+            kl = msa_kl(model).float()
+        optimizer.zero_grad(set_to_none=True)
+        kl.backward()
+        optimizer.step()
+        history.append({"model": "adapted", "step": step, "task": task,
+                        "tokens": preset.seqlen, "phase": "index only", "loss": None,
+                        "kl": kl.item(), "seconds": time.perf_counter() - start})
+        progress("adapted", step, steps, history[-1])
+    set_msa_warmup(model, False)
+    folder = os.path.join(out_dir, "adapted")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with open(os.path.join(folder, "openmsa.json"), "w") as handle:
+        json.dump({"kind": "adapted", "from": dense_dir, "msa_options": options,
+                   "preset": asdict(preset), "seed": seed, "steps": steps,
+                   "history": history}, handle, indent=1)
+    return history

@@ -1,0 +1,214 @@
+"""openmsa eval: the tasks, the scoring, the recalls and the command (CPU, reference)."""
+
+import json
+import re
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from openmsa.eval.run import (EvalSettings, evaluate, evaluate_sample, selection_recalls,  # noqa: E402
+                              smoke_model, summarize)
+from openmsa.eval.tasks import (TASKS, answer_recall, make_sample,  # noqa: E402
+                                synthetic_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return synthetic_tokenizer()
+
+
+def _tokens(tokenizer, text):
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("length", [256, 1000, 8192])
+def test_samples_fit_their_length_and_hold_their_answers(tokenizer, task, length):
+    """At most ``length`` tokens and near it, no unknown words; the answers are in the prompt
+    (inside the needles where there are needles); variable tracking's chain in order; the
+    common words are the ten most frequent."""
+    sample = make_sample(task, tokenizer, length, seed=3)
+    ids = tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+    assert 0.9 * length <= len(ids) <= length
+    assert tokenizer.unk_token_id not in ids
+    needles = [sample.prompt[a:b] for a, b in sample.needle_spans]
+    if task == "common_words":
+        assert not needles and len(sample.answers) == 10
+        counts = {}
+        for word in re.findall(r"\d+\. (\w+)", sample.prompt):
+            counts[word] = counts.get(word, 0) + 1
+        assert set(sorted(counts, key=counts.get)[-10:]) == set(sample.answers)
+    elif task == "variable_tracking":
+        assert needles[0].startswith(f"VAR {sample.answers[0].upper()} = ")
+        for before, after, needle in zip(sample.answers, sample.answers[1:], needles[1:]):
+            assert needle == f"VAR {after.upper()} = VAR {before.upper()}."
+    else:
+        assert len(needles) == (1 if task == "niah_single" else 4)
+        for answer in sample.answers:
+            assert any(needle.endswith(f"is: {answer}.") for needle in needles)
+        expected = {"niah_single": 1, "niah_multikey": 1, "niah_multivalue": 4,
+                    "niah_multiquery": 2}[task]
+        assert len(sample.answers) == expected
+    assert make_sample(task, tokenizer, length, seed=3) == sample
+    assert make_sample(task, tokenizer, length, seed=4).prompt != sample.prompt
+
+
+def test_bad_task_and_length_are_refused(tokenizer):
+    with pytest.raises(ValueError, match="^task: expected one of"):
+        make_sample("niah", tokenizer, 1000, 0)
+    with pytest.raises(ValueError, match="^length: expected an int >= 256"):
+        make_sample("niah_single", tokenizer, 100, 0)
+
+
+def test_answer_recall_counts_whole_words_with_spaced_digits_joined():
+    assert answer_recall("the numbers are : 1 2 3 4 5 6 7 and 7654321", ("1234567", "7654321",
+                                                                          "111")) == 2 / 3
+    assert answer_recall("concatenate", ("cat",)) == 0.0
+    assert answer_recall("Apple, RIVER.", ("apple", "river")) == 1.0
+
+
+def test_selection_recalls_of_a_known_selection():
+    """256 tokens (4 blocks of 64); main heads 0-1 (index head 0, KV head 0) attend only to
+    block 1, heads 2-3 (index head 1) uniformly. Index head 0 keeps blocks 1 and 3, index
+    head 1 block 0 and an unused slot: mass recall (1 + 1 + 1/4 + 1/4) / 4; block recall counts
+    (needle, layer, index head) hits."""
+    keys = torch.zeros(1, 256, 2, 8)
+    keys[0, 64:128, :, 0] = 10.0
+    query = torch.zeros(1, 4, 8)  # [B, H, D]
+    query[0, :2, 0] = 10.0  # scores 30 on block 1 for heads 0-1 (scale 0.3), 0 elsewhere
+    record = dict(ids=torch.tensor([[[1, 3], [0, -1]]]), query=query, keys=keys, scale=0.3,
+                  block_size=64)
+    needles = [range(70, 80), range(250, 256)]  # blocks 1 and 3
+    recalls = selection_recalls([record, {}], needles)
+    assert recalls["block_recall"] == pytest.approx(0.5)  # head 0 holds both, head 1 neither
+    assert recalls["mass_recall"] == pytest.approx((1 + 1 + 0.25 + 0.25) / 4, abs=1e-6)
+    assert selection_recalls([record], [])["block_recall"] is None
+
+
+def test_msa_keeping_every_block_answers_as_dense_attention(tokenizer):
+    """With top_k covering every block, MSA's generated continuation is dense attention's (same
+    weights), its block and mass recall are 1; with 2 of 8 blocks it reads less mass."""
+    model, tokenizer = smoke_model(dict(top_k=16, block_size=64, backend="reference"))
+    sample = make_sample("niah_multivalue", tokenizer, 512, seed=0)
+    dense = evaluate_sample(model, tokenizer, sample, "dense", "cpu")
+    msa = evaluate_sample(model, tokenizer, sample, "msa", "cpu")
+    assert msa["continuation"] == dense["continuation"] and msa["score"] == dense["score"]
+    assert msa["block_recall"] == 1.0 and msa["mass_recall"] == pytest.approx(1.0)
+    assert "block_recall" not in dense
+    sparse_model, _ = smoke_model(dict(top_k=2, block_size=64, backend="reference"))
+    sparse = evaluate_sample(sparse_model, tokenizer, sample, "msa", "cpu")
+    assert sparse["mass_recall"] < 0.9
+
+
+def test_evaluate_and_summarize_cover_every_task_length_and_mode(tokenizer):
+    model, tokenizer = smoke_model(dict(top_k=2, block_size=64, backend="reference",
+                                        share_index_every=2))
+    settings = EvalSettings(tasks=("niah_single", "common_words"), lengths=(300, 600),
+                            samples=2)
+    seen = []
+    results = evaluate(model, tokenizer, settings, "cpu", lambda *a: seen.append(a[:2]))
+    assert len(results) == 2 * 2 * 2 * 2 and seen[-1] == (16, 16)
+    rows = summarize(results)
+    keys = {(r["task"], r["length"], r["mode"]) for r in rows}
+    assert keys == {(t, n, m) for t in ("niah_single", "common_words", "average")
+                    for n in (300, 600) for m in ("dense", "msa")}
+    for row in rows:
+        if row["task"] == "niah_single" and row["mode"] == "msa":
+            assert 0.0 <= row["block_recall"] <= 1.0 and 0.0 < row["mass_recall"] <= 1.0
+        if row["task"] == "common_words" or row["mode"] == "dense":
+            assert row["block_recall"] is None
+    average = [r for r in rows if r["task"] == "average"][0]
+    members = [r["accuracy"] for r in rows if r["task"] != "average"
+               and (r["length"], r["mode"]) == (average["length"], average["mode"])]
+    assert average["accuracy"] == pytest.approx(sum(members) / len(members))
+
+
+def test_eval_command_smoke_writes_json_and_plot(tmp_path, capsys):
+    from openmsa.cli import main
+
+    assert main(["eval", "--smoke", "--tasks", "niah_single,variable_tracking", "--lengths",
+                 "300,512", "--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "eval.json").read_text())
+    assert written["settings"]["lengths"] == [300, 512]
+    assert written["settings"]["msa_options"]["top_k"] == 2
+    assert len(written["samples"]) == 2 * 2 * 2
+    assert (tmp_path / "accuracy.png").stat().st_size > 0
+    assert "variable_tracking" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["eval", "--smoke", "--tasks", "needle"])
+    with pytest.raises(SystemExit, match="--model: expected a local Hugging Face model folder"):
+        main(["eval", "--model", str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="^samples: expected an int >= 1"):
+        main(["eval", "--smoke", "--samples", "0"])
+
+
+def test_lm_batches_label_only_the_answer_and_eos():
+    from openmsa.train.lm import _batch
+
+    tokenizer = synthetic_tokenizer()
+    input_ids, labels = _batch(tokenizer, "niah_multiquery", 300, 2, seed=5, device="cpu")
+    for row in range(2):
+        sample = make_sample("niah_multiquery", tokenizer, 300, 5 + row)
+        answer = labels[row][labels[row] != -100]
+        assert answer[-1] == tokenizer.eos_token_id
+        assert answer_recall(tokenizer.decode(answer), sample.answers) == 1.0
+        labelled = (labels[row] != -100).nonzero()[:, 0]
+        assert torch.equal(input_ids[row, labelled], answer)  # labels sit on their own tokens
+        assert input_ids[row, 0] == tokenizer.bos_token_id
+    assert (input_ids[labels == -100] != -100).all()
+
+
+def test_ruler_preset_checkpoints_load_into_eval_with_their_index_weights(tmp_path):
+    """openmsa train --preset ruler-tiny writes a dense and an MSA checkpoint; eval's loader
+    converts the MSA one with its own options and restores its trained index projections
+    (not the averages a fresh conversion starts from); mismatched options are refused."""
+    from safetensors.torch import load_file
+
+    from openmsa.cli import main
+    from openmsa.eval.run import checkpoint_msa_options, load_model
+
+    assert main(["train", "--preset", "ruler-tiny", "--out", str(tmp_path)]) == 0
+    options = checkpoint_msa_options(str(tmp_path / "msa"))
+    assert options["top_k"] == 2 and options["block_size"] == 64
+    assert checkpoint_msa_options(str(tmp_path / "dense")) == {}
+    model, tokenizer = load_model(str(tmp_path / "msa"), "cpu", torch.float32, options)
+    saved = load_file(str(tmp_path / "msa" / "model.safetensors"))
+    loaded = model.state_dict()
+    index_keys = [key for key in saved if ".index_" in key]
+    assert index_keys and all(torch.equal(loaded[key], saved[key]) for key in index_keys)
+    assert all(torch.equal(loaded[key], saved[key]) for key in saved)
+    with pytest.raises(ValueError, match="^model: the checkpoint .* has index weights"):
+        load_model(str(tmp_path / "msa"), "cpu", torch.float32,
+                   dict(options, share_index_every=2))
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert [h["phase"] for h in history["history"]["msa"]] == ["warmup"] * 2 + ["sparse"] * 2
+    assert [h["tokens"] for h in history["history"]["msa"]] == [256, 256, 320, 320]
+
+
+def test_adapting_a_dense_checkpoint_trains_only_its_index_branch(tmp_path):
+    """--adapt-index: the dense checkpoint's weights stay as they were, the index projections
+    move away from a fresh conversion's averages, and eval loads the result with them."""
+    from safetensors.torch import load_file
+
+    from openmsa.cli import main
+    from openmsa.eval.run import checkpoint_msa_options, load_model
+
+    assert main(["train", "--preset", "ruler-tiny", "--out", str(tmp_path)]) == 0
+    assert main(["train", "--preset", "ruler-tiny", "--adapt-index", str(tmp_path / "dense"),
+                 "--steps", "3", "--out", str(tmp_path)]) == 0
+    dense = load_file(str(tmp_path / "dense" / "model.safetensors"))
+    adapted = load_file(str(tmp_path / "adapted" / "model.safetensors"))
+    assert all(torch.equal(adapted[key], value) for key, value in dense.items())
+    fresh, _ = load_model(str(tmp_path / "dense"), "cpu", torch.float32,
+                          dict(top_k=2, block_size=64, backend="reference"))
+    fresh_state = fresh.state_dict()
+    index_keys = [key for key in adapted if ".index_" in key and key.endswith("proj.weight")]
+    assert index_keys and all(not torch.equal(adapted[key], fresh_state[key])
+                              for key in index_keys)
+    model, _ = load_model(str(tmp_path / "adapted"), "cpu", torch.float32,
+                          checkpoint_msa_options(str(tmp_path / "adapted")))
+    assert all(torch.equal(model.state_dict()[key], adapted[key]) for key in index_keys)
+    with pytest.raises(SystemExit, match="--adapt-index needs a ruler"):
+        main(["train", "--preset", "tiny", "--adapt-index", str(tmp_path / "dense")])
