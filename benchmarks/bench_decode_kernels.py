@@ -5,7 +5,8 @@ context and batch (one new token per sequence, H64/Hkv4/Hi4/Hik1, D=Di=128, top 
   warps, pipeline stages) against the bandwidth floor of the cached index keys it reads; the
   first row of each shape is the shipped launch (``decode_kernels.score_launch``).
 - part ``step``: the step's kernels one prefix at a time (scores; + top-k; + attention and
-  merge), the top-k's warps, and dense SDPA decoding over the whole cache in the same run.
+  merge), the top-k's warps, programmatic dependent launch (``decode_kernels.DECODE_PDL``) in
+  the other mode than shipped, and dense SDPA decoding over the whole cache in the same run.
 
 A better launch goes into ``decode_kernels``; then ``openmsa bench --decode`` measures the step
 against dense on every selection kind.
@@ -29,7 +30,7 @@ import triton
 from openmsa.bench.decode import HBM_BYTES_PER_S
 from openmsa.bench.selection import index_inputs
 from openmsa.bench.timing import graphed, median_ms
-from openmsa.ops.decode_kernels import (decode_attention, decode_block_scores,
+from openmsa.ops.decode_kernels import (DECODE_PDL, decode_attention, decode_block_scores,
                                         decode_top_blocks, top_blocks_warps)
 
 LAUNCHES = [(None, None, None)] + [  # the shipped launch first
@@ -71,8 +72,11 @@ def time_step(q, k, v, index_q, index_k, lengths, scale, row):
     def selection(warps=None):
         return decode_top_blocks(scores(), lengths, num_warps=warps, **top)
 
-    def step(warps=None):
-        return decode_attention(q, k, v, selection(warps), lengths, BLOCK, q.shape[-1] ** -0.5)
+    def step(warps=None, pdl=None):
+        ids = decode_top_blocks(decode_block_scores(index_q, index_k, lengths, BLOCK, scale,
+                                                    pdl=pdl),
+                                lengths, num_warps=warps, pdl=pdl, **top)
+        return decode_attention(q, k, v, ids, lengths, BLOCK, q.shape[-1] ** -0.5, pdl=pdl)
 
     shipped_warps = top_blocks_warps(pow2)
     heads = [t.transpose(1, 2) for t in (q, k, v)]
@@ -81,6 +85,10 @@ def time_step(q, k, v, index_q, index_k, lengths, scale, row):
     for warps in TOP_K_WARPS:
         if warps != shipped_warps:
             timings[f"step, top-k on {warps} warps"] = lambda warps=warps: step(warps)
+    pdl = not DECODE_PDL  # the other launch mode than the shipped one
+    assert torch.equal(step(pdl=pdl), step())
+    timings[f"step, programmatic dependent launch {'on' if pdl else 'off'}"] = (
+        lambda: step(pdl=pdl))
     rows = []
     for name, fn in timings.items():
         rows.append(dict(row, part="step", stage=name, ms=median_ms(graphed(fn)),

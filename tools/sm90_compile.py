@@ -122,11 +122,11 @@ def compile_select_for_sm90(index_precision: str, **config):
 
 
 def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
-                            heads_per_index_head: int = 16):
+                            heads_per_index_head: int = 16, pdl: bool = False):
     """The decode kernels (``ops.decode_kernels``), bf16, D = 128, blocks of 128, as
     ``msa_decode`` launches them for ``new_tokens`` new tokens a sequence, compiled for sm_90a
-    (the block-score kernel in both index precisions). Returns (block scores, fp8 block scores,
-    top blocks, attention, merge)."""
+    (the block-score kernel in both index precisions; ``pdl``: with programmatic dependent
+    launch). Returns (block scores, fp8 block scores, top blocks, attention, merge)."""
     from triton.compiler import ASTSource
 
     from openmsa.ops.decode_kernels import (_decode_attention_kernel,
@@ -139,10 +139,13 @@ def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
                      **{name: "constexpr" for name in constants})
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                    if types[name].startswith("*") or name.startswith("stride")}
+        constants = dict(constants, PDL=pdl)
+        types["PDL"] = "constexpr"
         source = ASTSource(fn=fn, signature={name: types[name] for name in fn.arg_names},
                            constexprs=constants, attrs=aligned)
         return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+                              options=dict(num_warps=num_warps, num_stages=num_stages,
+                                           launch_pdl=pdl))
 
     rows = max(16, triton.next_power_of_2(new_tokens * heads_per_key_head))
     scores = []

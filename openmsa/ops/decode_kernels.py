@@ -19,10 +19,14 @@ host's costs).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .interpreter import INTERPRETING
 from .problem import LOG2_E
 from .quantize import quantize_tile_e4m3
 
@@ -41,6 +45,27 @@ def top_blocks_warps(num_blocks_pow2: int) -> int:
     return max(4, min(16, num_blocks_pow2 // 256))
 
 
+# Programmatic dependent launch (Hopper on): each decode kernel lets the next one launch while
+# it runs and waits (griddepcontrol) before reading what came before, so the launches'
+# latency overlaps the previous kernel. Off by default until timed on the GPU
+# (benchmarks/bench_decode_kernels.py times both); ``pdl=True`` turns it on per call.
+DECODE_PDL = False
+
+
+def _pdl_launch(pdl: bool | None, device: torch.device) -> tuple[bool, dict]:
+    """(the kernels' PDL constexpr, the launch option) for a decode launch on ``device``: off
+    on a CPU, under the interpreter and below sm_90 (no griddepcontrol)."""
+    on = (DECODE_PDL if pdl is None else pdl) and device.type == "cuda" and not INTERPRETING
+    on = on and _capability(device.index if device.index is not None
+                            else torch.cuda.current_device()) >= 9
+    return on, (dict(launch_pdl=True) if on else {})
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 ORDERED_NEG_INF = tl.constexpr(-2139095041)  # -inf's bits as the top-k's monotone int32
 REMOVED = tl.constexpr(-(2**63))  # the key of a block already kept
 
@@ -51,7 +76,7 @@ def _decode_block_scores_kernel(
     stride_ik_h, stride_s_b, stride_s_h, stride_s_t, scale, num_blocks,
     NEW: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
-    FP8: tl.constexpr, PRECISION: tl.constexpr,
+    FP8: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """SCORES [B, Hi, NEW, blocks]: each block's max-pooled, scaled index score for every new
     token (row r: token r // G, index head key_head * G + r % G); -inf for blocks past the
@@ -60,6 +85,9 @@ def _decode_block_scores_kernel(
     exact and summed in fp32)."""
     b = tl.program_id(0).to(tl.int64)
     key_head = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     length = tl.load(LENGTHS + b).to(tl.int64)
     first = tl.program_id(2) * BLOCKS_PER_PROGRAM
     last = tl.minimum(first + BLOCKS_PER_PROGRAM, (length + BLOCK - 1) // BLOCK)
@@ -107,7 +135,7 @@ def _decode_top_blocks_kernel(
     SCORES, LENGTHS, IDS, stride_s_b, stride_s_h, stride_s_t, stride_ids_b, stride_ids_h,
     stride_ids_t, num_blocks, NEW: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
     NUM_LOCAL: tl.constexpr, LOCAL_DILATION: tl.constexpr, NUM_SINK: tl.constexpr,
-    BLOCKS_POW2: tl.constexpr,
+    BLOCKS_POW2: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """IDS [B, Hi, NEW, TOP_K] of one (sequence, index head, new token) row: steps 3-4 of the
     selection in ``naive.select_blocks_from_scores``'s order (forced blocks in block order,
@@ -115,6 +143,9 @@ def _decode_top_blocks_kernel(
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     token = tl.program_id(2)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     position = tl.load(LENGTHS + b).to(tl.int32) - NEW + token
     blocks = tl.arange(0, BLOCKS_POW2)
     scores = tl.load(SCORES + b * stride_s_b + head * stride_s_h + token * stride_s_t + blocks,
@@ -144,7 +175,7 @@ def _decode_attention_kernel(
     stride_k_t, stride_k_h, stride_ids_b, stride_ids_h, stride_ids_t, scale_log2,
     NEW: tl.constexpr, GQ: tl.constexpr, ROWS: tl.constexpr, KV_GROUP: tl.constexpr,
     NUM_HEADS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Partials of one (new token, index head, kept slot): its main heads' max (base 2), sum of
     exponentials and accumulator over the slot's block, into MAXES, SUMS [B * NEW, H, SLOTS]
@@ -159,6 +190,9 @@ def _decode_attention_kernel(
     head_valid = rows < GQ
     dims = tl.arange(0, HEAD_DIM)
     out_rows = (row * NUM_HEADS + heads) * SLOTS + slot
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     block = tl.load(IDS + b * stride_ids_b + index_head * stride_ids_h + token * stride_ids_t
                     + slot)
     if block < 0:
@@ -196,12 +230,13 @@ def _precision(tensor: torch.Tensor) -> str:
 def decode_block_scores(index_q, index_k_cache, lengths, block_size: int,
                         index_softmax_scale: float, index_precision: str = "input", *,
                         blocks_per_program: int | None = None,
-                        launch: dict | None = None) -> torch.Tensor:
+                        launch: dict | None = None, pdl: bool | None = None) -> torch.Tensor:
     """fp32 ``[B, Hi, Tq, blocks]``: each cached block's max-pooled, scaled index score for
     every new token (-inf where no key of the block is visible to it), from input-precision
     or fp8 index scores. ``blocks_per_program`` and ``launch`` (``num_warps``,
     ``num_stages``) override ``score_launch``'s measured launch
-    (benchmarks/bench_decode_kernels.py sweeps them)."""
+    (benchmarks/bench_decode_kernels.py sweeps them); ``pdl``: programmatic dependent launch
+    (None: ``DECODE_PDL``)."""
     batch, new, num_index_heads, head_dim = index_q.shape
     capacity, num_key_heads = index_k_cache.shape[1], index_k_cache.shape[2]
     group = num_index_heads // num_key_heads
@@ -219,6 +254,7 @@ def decode_block_scores(index_q, index_k_cache, lengths, block_size: int,
     if launch is not None:
         config = launch
     grid = (batch, num_key_heads, triton.cdiv(num_blocks, per_program))
+    pdl, pdl_launch = _pdl_launch(pdl, index_q.device)
     _decode_block_scores_kernel[grid](
         index_q, index_k_cache, lengths, scores, index_q.stride(0), index_q.stride(1),
         index_q.stride(2), index_k_cache.stride(0), index_k_cache.stride(1),
@@ -226,42 +262,44 @@ def decode_block_scores(index_q, index_k_cache, lengths, block_size: int,
         index_softmax_scale, num_blocks, NEW=new, G=group, ROWS=rows, BLOCK=block_size,
         HEAD_DIM=head_dim, BLOCKS_PER_PROGRAM=per_program,
         NEGATIVE_SCALE=index_softmax_scale < 0, FP8=fp8, PRECISION=_precision(index_q),
-        **config)
+        PDL=pdl, **config, **pdl_launch)
     return scores
 
 
 def decode_select(index_q, index_k_cache, lengths, *, top_k: int, block_size: int,
                   index_softmax_scale: float, num_local_blocks: int, num_sink_blocks: int,
-                  index_precision: str = "input", local_block_dilation: int = 1) -> torch.Tensor:
+                  index_precision: str = "input", local_block_dilation: int = 1,
+                  pdl: bool | None = None) -> torch.Tensor:
     """Kept block ids int32 ``[B, Hi, Tq, top_k]`` of the new tokens (SPEC section 3 steps 1-4
     at positions ``lengths[b] - Tq ...``)."""
     scores = decode_block_scores(index_q, index_k_cache, lengths, block_size,
-                                 index_softmax_scale, index_precision)
+                                 index_softmax_scale, index_precision, pdl=pdl)
     return decode_top_blocks(scores, lengths, top_k=top_k, block_size=block_size,
                              num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
-                             local_block_dilation=local_block_dilation)
+                             local_block_dilation=local_block_dilation, pdl=pdl)
 
 
 def decode_top_blocks(scores, lengths, *, top_k: int, block_size: int, num_local_blocks: int,
                       num_sink_blocks: int, local_block_dilation: int = 1,
-                      num_warps: int | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, pdl: bool | None = None) -> torch.Tensor:
     """Steps 3-4 on block scores ``[B, Hi, Tq, blocks]`` of the new tokens (the last ``Tq`` of
     each sequence's ``lengths[b]``): int32 ids ``[B, Hi, Tq, top_k]``, one program per row."""
     batch, num_index_heads, new, num_blocks = scores.shape
     ids = torch.empty(batch, num_index_heads, new, top_k, dtype=torch.int32,
                       device=scores.device)
     pow2 = triton.next_power_of_2(num_blocks)
+    pdl, pdl_launch = _pdl_launch(pdl, scores.device)
     _decode_top_blocks_kernel[(batch, num_index_heads, new)](
         scores, lengths, ids, scores.stride(0), scores.stride(1), scores.stride(2),
         ids.stride(0), ids.stride(1), ids.stride(2), num_blocks, NEW=new, BLOCK=block_size,
         TOP_K=top_k, NUM_LOCAL=num_local_blocks, LOCAL_DILATION=local_block_dilation,
-        NUM_SINK=num_sink_blocks, BLOCKS_POW2=pow2,
-        num_warps=top_blocks_warps(pow2) if num_warps is None else num_warps)
+        NUM_SINK=num_sink_blocks, BLOCKS_POW2=pow2, PDL=pdl,
+        num_warps=top_blocks_warps(pow2) if num_warps is None else num_warps, **pdl_launch)
     return ids
 
 
 def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
-                     softmax_scale: float) -> torch.Tensor:
+                     softmax_scale: float, pdl: bool | None = None) -> torch.Tensor:
     """``out [B, Tq, H, D]`` (q's dtype) of the new tokens over their kept blocks
     (``block_ids [B, Hi, Tq, k]``): partials per slot, merged by their log-sum-exps."""
     batch, new, num_heads, head_dim = q.shape
@@ -276,27 +314,32 @@ def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
     sums = torch.empty_like(maxes)
     accs = torch.empty(batch * new, num_heads, slots, head_dim, dtype=torch.float32,
                        device=q.device)
+    pdl, pdl_launch = _pdl_launch(pdl, q.device)
     _decode_attention_kernel[(batch * new, num_index_heads, slots)](
         q, k_cache, v_cache, block_ids, lengths, maxes, sums, accs, q.stride(0), q.stride(1),
         q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_ids.stride(0), block_ids.stride(1), block_ids.stride(2),
         softmax_scale * LOG2_E, NEW=new, GQ=gq, ROWS=max(16, triton.next_power_of_2(gq)),
         KV_GROUP=num_index_heads // num_kv_heads, NUM_HEADS=num_heads, SLOTS=slots,
-        BLOCK=block_size, HEAD_DIM=head_dim, PRECISION=_precision(q))
+        BLOCK=block_size, HEAD_DIM=head_dim, PRECISION=_precision(q), PDL=pdl, **pdl_launch)
     merged = merge_partials(maxes.view(-1, slots), sums.view(-1, slots),
-                            accs.view(-1, slots, head_dim), q.dtype)
+                            accs.view(-1, slots, head_dim), q.dtype, pdl)
     return merged.view(batch, new, num_heads, head_dim)
 
 
 @triton.jit
 def _merge_partials_kernel(MAXES, SUMS, ACCS, OUT, SLOTS: tl.constexpr,
-                           SLOTS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
+                           SLOTS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """OUT row (new token, head) = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the
     row's slots (the own block is always kept, so M is finite)."""
     row = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, SLOTS_POW2)
     dims = tl.arange(0, HEAD_DIM)
     valid = slots < SLOTS
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     maxes = tl.load(MAXES + row * SLOTS + slots, mask=valid, other=float("-inf"))
     sums = tl.load(SUMS + row * SLOTS + slots, mask=valid, other=0.0)
     accs = tl.load(ACCS + (row * SLOTS + slots[:, None]) * HEAD_DIM + dims[None, :],
@@ -306,12 +349,13 @@ def _merge_partials_kernel(MAXES, SUMS, ACCS, OUT, SLOTS: tl.constexpr,
     tl.store(OUT + row * HEAD_DIM + dims, out.to(OUT.dtype.element_ty))
 
 
-def merge_partials(maxes, sums, accs, dtype) -> torch.Tensor:
+def merge_partials(maxes, sums, accs, dtype, pdl: bool | None = None) -> torch.Tensor:
     """The slots' partials ``[R, SLOTS]``, ``[R, SLOTS]``, ``[R, SLOTS, D]`` merged by their
     log-sum-exps into ``[R, D]`` of ``dtype``."""
     rows, slots, head_dim = accs.shape
     out = torch.empty(rows, head_dim, dtype=dtype, device=accs.device)
+    pdl, pdl_launch = _pdl_launch(pdl, accs.device)
     _merge_partials_kernel[(rows,)](maxes, sums, accs, out, SLOTS=slots,
                                     SLOTS_POW2=max(16, triton.next_power_of_2(slots)),
-                                    HEAD_DIM=head_dim)
+                                    HEAD_DIM=head_dim, PDL=pdl, **pdl_launch)
     return out

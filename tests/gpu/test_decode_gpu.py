@@ -12,10 +12,21 @@ from openmsa.testing import rel_rms_error, same_block_sets
 BF16_ERROR = 1e-2  # rel. RMS of bf16 kernels against the fp32 reference
 
 
+@pytest.fixture(params=[False, True], ids=["launches", "pdl"])
+def dependent_launch(request, monkeypatch):
+    """The decode kernels launched one after the other, and with programmatic dependent launch
+    (each waits for the one before it in the kernel)."""
+    from openmsa.ops import decode_kernels
+
+    monkeypatch.setattr(decode_kernels, "DECODE_PDL", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("local", [(1, 1), (3, 2)], ids=["own_block", "dilated_window"])
 @pytest.mark.parametrize("index_precision", ["input", "fp8"])
 @pytest.mark.parametrize("new", [1, 4, 40])  # 40: past DECODE_MAX_NEW_TOKENS (query ranges)
-def test_decode_matches_the_fp32_reference_in_bf16(new, index_precision, local):
+def test_decode_matches_the_fp32_reference_in_bf16(new, index_precision, local,
+                                                   dependent_launch):
     lengths = torch.tensor([3000, 1777, 129], dtype=torch.int32, device="cuda")
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, index_q, index_k = (
@@ -61,9 +72,10 @@ def test_cached_generation_steps_match_a_full_recompute_in_bf16():
 
 
 @pytest.mark.parametrize("index_precision", ["input", "fp8"])
-def test_decode_step_replays_under_a_cuda_graph(index_precision):
+def test_decode_step_replays_under_a_cuda_graph(index_precision, dependent_launch):
     """One decode step of the decode kernels captured once, replayed after the caches and
-    lengths changed in place: equal to an eager step."""
+    lengths changed in place: equal to an eager step (with programmatic dependent launch
+    too: the graph keeps its edges)."""
     generator = torch.Generator(device="cuda").manual_seed(2)
     q, k, v, index_q, index_k = (
         torch.randn(2, 4096, heads, 128, device="cuda", generator=generator).bfloat16()

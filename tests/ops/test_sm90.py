@@ -94,17 +94,22 @@ import json, sys
 from tools.sm90_compile import compile_decode_for_sm90, ptxas_report
 kernels = compile_decode_for_sm90(*json.loads(sys.argv[1]))
 print(json.dumps([ptxas_report(kernel.asm["ptx"])["spill_bytes"] for kernel in kernels]))
+print(json.dumps([kernel.asm["ptx"].count("griddepcontrol.wait") for kernel in kernels]))
 """
 
 
-@pytest.mark.parametrize("shape", [(1, 4, 16), (16, 4, 16), (16, 16, 4)],
-                         ids=["one_token", "16_tokens", "16_tokens_G16"])
+@pytest.mark.parametrize("shape", [(1, 4, 16, False), (16, 4, 16, False), (16, 16, 4, False),
+                                   (1, 4, 16, True)],
+                         ids=["one_token", "16_tokens", "16_tokens_G16", "one_token_pdl"])
 def test_decode_kernels_compile_for_sm90_without_spills(shape):
-    """The decode kernels (new tokens, index heads per key head, main heads per index head)
-    compile for sm_90a with nothing spilled: the interpreter checks their results, not what the
-    GPU compiler accepts."""
+    """The decode kernels (new tokens, index heads per key head, main heads per index head,
+    programmatic dependent launch) compile for sm_90a with nothing spilled: the interpreter
+    checks their results, not what the GPU compiler accepts."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     printed = subprocess.run([sys.executable, "-c", DECODE_COMPILE, json.dumps(list(shape))],
                              capture_output=True, text=True, cwd=ROOT, env=env)
     assert printed.returncode == 0, printed.stderr[-3000:]
-    assert json.loads(printed.stdout.split("\n")[-2]) == [0] * 5
+    lines = printed.stdout.split("\n")
+    assert json.loads(lines[-3]) == [0] * 5
+    # With PDL each kernel waits for the one before it ahead of its first read, once.
+    assert json.loads(lines[-2]) == [1 if shape[3] else 0] * 5
