@@ -66,17 +66,15 @@ def time_step(q, k, v, index_q, index_k, lengths, scale, row):
     pow2 = triton.next_power_of_2(-(-k.shape[1] // BLOCK))
     top = dict(top_k=TOP_K, block_size=BLOCK, num_local_blocks=1, num_sink_blocks=0)
 
-    def scores():
-        return decode_block_scores(index_q, index_k, lengths, BLOCK, scale)
+    def scores(pdl=None):
+        return decode_block_scores(index_q, index_k, lengths, BLOCK, scale, pdl=pdl)
 
-    def selection(warps=None):
-        return decode_top_blocks(scores(), lengths, num_warps=warps, **top)
+    def selection(warps=None, pdl=None):
+        return decode_top_blocks(scores(pdl), lengths, num_warps=warps, pdl=pdl, **top)
 
     def step(warps=None, pdl=None):
-        ids = decode_top_blocks(decode_block_scores(index_q, index_k, lengths, BLOCK, scale,
-                                                    pdl=pdl),
-                                lengths, num_warps=warps, pdl=pdl, **top)
-        return decode_attention(q, k, v, ids, lengths, BLOCK, q.shape[-1] ** -0.5, pdl=pdl)
+        return decode_attention(q, k, v, selection(warps, pdl), lengths, BLOCK,
+                                q.shape[-1] ** -0.5, pdl=pdl)
 
     shipped_warps = top_blocks_warps(pow2)
     heads = [t.transpose(1, 2) for t in (q, k, v)]

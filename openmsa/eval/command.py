@@ -11,6 +11,7 @@ from dataclasses import asdict
 import torch
 
 from ..bench.run import parse_length
+from ..cli import DTYPES, parse_device
 from .tasks import TASKS
 
 # Defaults; an openmsa train checkpoint's own MSA options come before them, and the CPU smoke
@@ -21,7 +22,6 @@ DEFAULTS = dict(lengths="4k,8k,16k", samples=8, top_k=16, block_size=128, num_lo
 SMOKE = dict(DEFAULTS, lengths="512,1024", samples=1, top_k=2, block_size=64)
 MSA_OPTIONS = ("top_k", "block_size", "num_local_blocks", "local_block_dilation",
                "num_sink_blocks", "index_precision", "share_index_every")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             f"own, else {DEFAULTS[name.replace('-', '_')]})")
     parser.add_argument("--index-precision", choices=("input", "fp8"),
                         help="selection scores (default: a checkpoint's own, else input)")
-    parser.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--device", type=parse_device,
+                        help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="the model's dtype (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--out", default="runs/eval", help="folder for eval.json and the plot")
@@ -99,7 +100,7 @@ def run(args) -> int:
     if args.model is not None and not os.path.isdir(args.model):
         raise SystemExit(f"openmsa eval: --model: expected a local Hugging Face model folder, "
                          f"received {args.model!r} (no such folder)")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     defaults = SMOKE if args.smoke else dict(DEFAULTS, **checkpoint_msa_options(args.model))

@@ -30,6 +30,7 @@ from .interpreter import INTERPRETING
 from .problem import LOG2_E
 from .quantize import quantize_tile_e4m3
 
+
 def score_launch(rows: int, fp8: bool) -> dict:
     """Cached blocks per program, warps and pipeline stages of a block-score launch, measured by
     benchmarks/bench_decode_kernels.py: 4 blocks, 4 warps, 2 stages for input-precision scores;

@@ -63,6 +63,23 @@ LM_PRESETS = {
 }
 
 
+def _preset_msa_options(preset: LMPreset, device: torch.device, overrides: dict | None) -> dict:
+    """``convert_to_msa``'s options for ``preset`` on ``device`` (the reference on a CPU),
+    ``overrides`` over them."""
+    options = dict(top_k=preset.top_k, block_size=preset.block_size,
+                   backend="reference" if device.type == "cpu" else "auto")
+    options.update(overrides or {})
+    return options
+
+
+def _save_checkpoint(model, tokenizer, folder: str, description: dict) -> None:
+    """A Hugging Face folder with the tokenizer and ``openmsa.json`` (``description``)."""
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with open(os.path.join(folder, "openmsa.json"), "w") as handle:
+        json.dump(description, handle, indent=1)
+
+
 def _batch(tokenizer, task: str, length: int, size: int, seed: int, device):
     """input_ids and labels ``[size, L]``: prompt, answer, [EOS], right-padded; labels only on
     the answer and [EOS] (-100 elsewhere)."""
@@ -133,12 +150,9 @@ def train_lm_model(kind: str, preset: LMPreset, device, seed: int, msa_options: 
                         "phase": "warmup" if warmup else "sparse", "loss": loss.item(),
                         "kl": kl.item(), "seconds": time.perf_counter() - start})
         progress(kind, step, preset.steps, history[-1])
-    folder = os.path.join(out_dir, kind)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    with open(os.path.join(folder, "openmsa.json"), "w") as handle:
-        json.dump({"kind": kind, "msa_options": msa_options if kind == "msa" else None,
-                   "preset": asdict(preset), "seed": seed}, handle, indent=1)
+    _save_checkpoint(model, tokenizer, os.path.join(out_dir, kind),
+                     {"kind": kind, "msa_options": msa_options if kind == "msa" else None,
+                      "preset": asdict(preset), "seed": seed})
     return history
 
 
@@ -162,9 +176,7 @@ def run_lm(preset_name: str, out_dir: str, device=None, seed: int = 0,
                          curriculum=tuple((max(1, round(n * factor)), tokens, batch)
                                           for n, tokens, batch in preset.curriculum))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    options = dict(top_k=preset.top_k, block_size=preset.block_size,
-                   backend="reference" if device.type == "cpu" else "auto")
-    options.update(msa_options or {})
+    options = _preset_msa_options(preset, device, msa_options)
     os.makedirs(out_dir, exist_ok=True)
     print(f"openmsa train: preset {preset_name} on {device}: {preset.layers}-layer Llama "
           f"(H{preset.num_heads}/Hkv{preset.num_kv_heads}, hidden {preset.hidden_size}) on "
@@ -209,17 +221,13 @@ def adapt_index_branch(dense_dir: str, out_dir: str, preset_name: str, steps: in
     converts it (the preset's MSA options, ``msa_options`` over them), freezes every weight
     but the index branch's and trains that by the KL alone for ``steps`` steps, every block
     visible (warmup: the KL's teacher is the dense attention); writes ``out_dir/adapted``."""
-    import transformers
+    from ..eval.run import load_model
 
     preset = LM_PRESETS[preset_name]
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    options = dict(top_k=preset.top_k, block_size=preset.block_size,
-                   backend="reference" if device.type == "cpu" else "auto")
-    options.update(msa_options or {})
-    tokenizer = transformers.AutoTokenizer.from_pretrained(dense_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(dense_dir)
-    convert_to_msa(model, **options)
-    model.to(device)
+    options = _preset_msa_options(preset, device, msa_options)
+    model, tokenizer = load_model(dense_dir, device, torch.float32, options)
+    model.train()
     trained = []
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(".index_" in name)
@@ -247,11 +255,8 @@ def adapt_index_branch(dense_dir: str, out_dir: str, preset_name: str, steps: in
                         "kl": kl.item(), "seconds": time.perf_counter() - start})
         progress("adapted", step, steps, history[-1])
     set_msa_warmup(model, False)
-    folder = os.path.join(out_dir, "adapted")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    with open(os.path.join(folder, "openmsa.json"), "w") as handle:
-        json.dump({"kind": "adapted", "from": dense_dir, "msa_options": options,
-                   "preset": asdict(preset), "seed": seed, "steps": steps,
-                   "history": history}, handle, indent=1)
+    _save_checkpoint(model, tokenizer, os.path.join(out_dir, "adapted"),
+                     {"kind": "adapted", "from": dense_dir, "msa_options": options,
+                      "preset": asdict(preset), "seed": seed, "steps": steps,
+                      "history": history})
     return history
