@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from .arguments import DTYPES, parse_device
 from .ops.interpreter import INTERPRETING
 from .ops.msa import msa_attention
 from .ops.quantize import INDEX_PRECISIONS
@@ -53,7 +54,6 @@ EXAMPLES = """examples:
 
 Run "openmsa COMMAND --help" for a command's options.
 """
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -65,24 +65,6 @@ class HelpFormatter(argparse.HelpFormatter):
         if shown and action.default != argparse.SUPPRESS and "default" not in text:
             text += " (default: %(default)s)"
         return text
-
-
-def parse_device(text: str) -> torch.device:
-    """``--device``: cpu or cuda (cuda:N), refused when this torch sees no such device."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")
-    if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: this torch ({torch.__version__}) sees no CUDA GPU")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
-    return device
 
 
 def positive_int(text: str) -> int:

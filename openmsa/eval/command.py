@@ -11,7 +11,7 @@ from dataclasses import asdict
 import torch
 
 from ..bench.run import parse_length
-from ..cli import DTYPES, parse_device
+from ..arguments import DTYPES, parse_device
 from .tasks import TASKS
 
 # Defaults; an openmsa train checkpoint's own MSA options come before them, and the CPU smoke
