@@ -4,7 +4,8 @@
 #   of select, attention, kl, msa (the benchmark scripts), fp8 (bench_fp8_index.py), sharing
 #   (bench_sharing.py), decode (openmsa bench --decode), train, sharing-train (the GPU preset with
 #   OPENMSA_TRAIN_LAYERS layers, default 2, every layer selecting against layer 0 selecting for
-#   all, side by side, for each seed of OPENMSA_TRAIN_SEEDS, default 0), decode-kernels
+#   all, without and with --share-index-kl, side by side, for each seed of OPENMSA_TRAIN_SEEDS,
+#   default 0), decode-kernels
 #   (bench_decode_kernels.py: the decode kernels' launches and the step's stages), bench
 #   (the user-facing commands `openmsa train --preset gpu` and `openmsa bench`), cli (= train,bench)
 # OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
@@ -67,10 +68,12 @@ if wants sharing-train; then
   layers=${OPENMSA_TRAIN_LAYERS:-2}
   pids=()
   for seed in ${OPENMSA_TRAIN_SEEDS:-0}; do
-    for every in 1 "$layers"; do  # small kernels: the runs share the GPU
-      name="train_layers${layers}_share${every}_seed$seed"
-      python3 -m openmsa.cli train --preset gpu --layers "$layers" --share-index-every "$every" \
-        --seed "$seed" --out "$out/$name" > "$out/$name.log" 2>&1 &
+    # small kernels: the runs share the GPU; "kl": the sharing layers teach the index too
+    for variant in 1 "$layers" "$layers kl"; do
+      set -- $variant
+      name="train_layers${layers}_share$1${2:+_$2}_seed$seed"
+      python3 -m openmsa.cli train --preset gpu --layers "$layers" --share-index-every "$1" \
+        ${2:+--share-index-kl} --seed "$seed" --out "$out/$name" > "$out/$name.log" 2>&1 &
       pids+=($!)
     done
   done

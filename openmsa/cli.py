@@ -160,11 +160,15 @@ def _train(args) -> int:
     if args.adapt_index and not args.preset.startswith("ruler"):
         raise SystemExit("openmsa train: --adapt-index needs a ruler-* preset (its tasks, "
                          f"length and MSA options), received --preset {args.preset}")
+    if args.share_index_kl and args.share_index_every == 1:
+        raise SystemExit("openmsa train: --share-index-kl needs --share-index-every N > 1 "
+                         "(with 1 every layer has its own index branch)")
     if args.preset.startswith("ruler"):
         from .train.lm import adapt_index_branch, run_lm
 
         options = dict(index_precision=args.index_precision,
                        share_index_every=args.share_index_every,
+                       share_index_kl=args.share_index_kl,
                        num_local_blocks=args.num_local_blocks,
                        local_block_dilation=args.local_block_dilation)
         if args.adapt_index:
@@ -176,8 +180,8 @@ def _train(args) -> int:
         return 0
     run(args.preset, args.out, device=args.device, seed=args.seed, steps=args.steps,
         index_precision=args.index_precision, layers=args.layers,
-        share_index_every=args.share_index_every, num_local_blocks=args.num_local_blocks,
-        local_block_dilation=args.local_block_dilation)
+        share_index_every=args.share_index_every, share_index_kl=args.share_index_kl,
+        num_local_blocks=args.num_local_blocks, local_block_dilation=args.local_block_dilation)
     return 0
 
 
@@ -210,6 +214,9 @@ def main(argv=None) -> int:
     train.add_argument("--share-index-every", type=positive_int, default=1, metavar="N",
                        help="MSA layers 0, N, 2N, ... select blocks, the others reuse the "
                        "selection of the one before them (default 1: every layer selects)")
+    train.add_argument("--share-index-kl", action="store_true",
+                       help="with --share-index-every N > 1: the sharing layers' attention "
+                       "also teaches the index branch they read (a KL over their kept tokens)")
     train.add_argument("--adapt-index", metavar="DIR",
                        help="ruler-* presets: convert the dense checkpoint DIR, freeze its "
                        "weights and train only the index branch by the KL (--steps, default "

@@ -138,7 +138,7 @@ def test_train_without_matplotlib_saves_the_metrics_and_says_the_plot_was_skippe
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
     assert cli.main(["train", "--preset", "tiny", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    assert "final (held-out" in printed and "matplotlib is not installed" in printed
+    assert "held-out samples" in printed and "matplotlib is not installed" in printed
     assert (tmp_path / "metrics.json").exists() and (tmp_path / "metrics.csv").exists()
     assert not (tmp_path / "curves.png").exists()
 
@@ -229,8 +229,39 @@ def test_train_shares_the_index_across_layers_when_asked(tmp_path, monkeypatch):
     assert len(msa) == 1 and len(msa[0].blocks) == 3
     assert [b.attention.has_index_branch for b in msa[0].blocks] == [True, False, True]
     assert summary["share_index_every"] == 2 and summary["settings"]["layers"] == 3
+    assert summary["share_index_kl"] is False
+    assert not msa[0].blocks[1].attention.share_index_kl
     with pytest.raises(SystemExit):
         cli.main(["train", "--preset", "tiny", "--share-index-every", "0"])
+
+
+def test_train_share_index_kl_makes_sharing_layers_teach(tmp_path, monkeypatch):
+    """--share-index-kl: the MSA model's sharing layer teaches layer 0's index branch, the
+    model's KL averages all its layers, the final evaluation covers the preset's samples; the
+    flag without sharing is refused."""
+    built, summary = _train_and_record_models(monkeypatch, tmp_path, "--layers", "2",
+                                              "--share-index-every", "2", "--share-index-kl")
+    msa = next(model for model in built if isinstance(model.blocks[0].attention, MSAAttention))
+    assert [b.attention.share_index_kl for b in msa.blocks] == [False, True]
+    assert summary["share_index_kl"] is True
+    assert {"final_accuracy", "final_block_recall", "final_mass_recall"} <= set(
+        summary["final"]["msa"])
+    final_accuracy = summary["final"]["dense"]["final_accuracy"]
+    assert final_accuracy * 128 == round(final_accuracy * 128)  # 128 samples: the tiny preset's
+    x = (torch.randint(16, (2, 192)), torch.randint(16, (2, 192)))
+    _, kl = msa(x)
+    assert [block.attention.last_index_inputs is not None for block in msa.blocks] == [True,
+                                                                                     False]
+    with torch.no_grad():
+        hidden = msa.key_embedding(x[0]) + msa.value_embedding(x[1])
+        layer_kls = []
+        for block in msa.blocks:
+            hidden, layer_kl, _ = block(hidden, False)
+            layer_kls.append(layer_kl)
+    torch.testing.assert_close(kl.detach(), torch.stack(layer_kls).mean())
+    assert layer_kls[1] > 0
+    with pytest.raises(SystemExit, match="--share-index-kl needs --share-index-every"):
+        cli.main(["train", "--preset", "tiny", "--share-index-kl"])
 
 
 def test_train_local_window_options_reach_every_msa_layer(tmp_path, monkeypatch):

@@ -15,15 +15,18 @@ interpreted = pytest.mark.skipif(not msa_module.INTERPRETING,
 OPTIONS = dict(top_k=2, block_size=64)
 
 
-def _stack(backend="reference", dtype=torch.float64, every=2, layers=3, **options):
-    """``layers`` layers, 0, every, 2 every, ... with an index branch, the others sharing."""
+def _stack(backend="reference", dtype=torch.float64, every=2, layers=3, share_index_kl=False,
+           **options):
+    """``layers`` layers, 0, every, 2 every, ... with an index branch, the others sharing
+    (with ``share_index_kl``, teaching the index branch they read)."""
     torch.manual_seed(0)
     stack = []
     for layer in range(layers):
         source = None if layer % every == 0 else stack[layer - layer % every]
         stack.append(MSAAttention(96, num_heads=4, num_kv_heads=2, head_dim=64,
-                                  num_index_heads=2, backend=backend,
-                                  share_index_from=source, **dict(OPTIONS, **options)))
+                                  num_index_heads=2, backend=backend, share_index_from=source,
+                                  share_index_kl=share_index_kl and source is not None,
+                                  **dict(OPTIONS, **options)))
     return [layer.to(dtype) for layer in stack]
 
 
@@ -112,6 +115,62 @@ def test_gradients_reach_exactly_the_parameters_they_should():
         assert (kl_grad is not None and kl_grad.abs().max() > 0) == is_index, name
         assert is_index == (out_grad is None or out_grad.abs().max() == 0), name
     assert all(name.startswith("0.") for name, _ in named if "index_" in name)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("warmup", [False, True])
+def test_share_index_kl_teaches_the_source_index_branch(packed, warmup):
+    """share_index_kl: the outputs stay those of plain sharing; a sharing layer's KL is
+    msa_attention's of the source's index inputs against its own q and k over the source's ids
+    (the whole prefix in warmup); it reaches the source's index projections and nothing else."""
+    call = {}
+    if packed:
+        x = torch.randn(330, 96, dtype=torch.float64)
+        call = dict(cu_seqlens=torch.tensor([0, 130, 131, 330], dtype=torch.int32))
+    else:
+        x = torch.randn(2, 200, 96, dtype=torch.float64)
+    teaching, plain = _stack(layers=3, every=3, share_index_kl=True), _stack(layers=3, every=3)
+    for layer in teaching + plain:
+        layer.warmup = warmup
+    hidden, kls, ids = _run(teaching, x, **call)
+    plain_hidden, plain_kls, _ = _run(plain, x, **call)
+    torch.testing.assert_close(hidden, plain_hidden, rtol=1e-12, atol=1e-12)
+    assert [layer.has_kl for layer in teaching] == [True] * 3
+    assert [layer.has_kl for layer in plain] == [True, False, False]
+    assert not [n for n, _ in teaching[1].named_parameters() if "index" in n]
+    positions = teaching[0]._default_positions(x.shape[:-1], call.get("cu_seqlens"), x.device)
+    _, _, _, index_q, index_k = teaching[0].projections(x, positions)
+    inputs = x
+    for layer, kl, layer_ids in zip(teaching, kls, ids):
+        q, k, v, *_ = layer.projections(inputs, positions)
+        _, expected_kl = openmsa.msa_attention(q, k, v, index_q, index_k, block_indices=layer_ids,
+                                               warmup=warmup, backend="reference", **OPTIONS,
+                                               **call)
+        torch.testing.assert_close(kl, expected_kl, rtol=1e-12, atol=1e-12)
+        inputs = layer(inputs, **call)[0]
+    assert kls[1] > 0 and not torch.allclose(kls[1], kls[0])
+    torch.testing.assert_close(kls[0], plain_kls[0])
+    named = [(f"{i}.{name}", p) for i, layer in enumerate(teaching)
+             for name, p in layer.named_parameters()]
+    grads = torch.autograd.grad(kls[2], [p for _, p in named], allow_unused=True)
+    for (name, _), grad in zip(named, grads):
+        assert (grad is not None and grad.abs().max() > 0) == name.startswith("0.index_"), name
+
+
+def test_share_index_kl_clear_errors():
+    with pytest.raises(ValueError, match="^share_index_kl: applies to a layer that shares"):
+        MSAAttention(96, 4, 2, 64, num_index_heads=2, share_index_kl=True, **OPTIONS)
+    indexer = _stack(layers=1)[0]
+    with pytest.raises(ValueError, match="^share_index_kl: expected a bool"):
+        MSAAttention(96, 4, 2, 64, num_index_heads=2, share_index_from=indexer,
+                     share_index_kl=1, **OPTIONS)
+    sharer = MSAAttention(96, 4, 2, 64, num_index_heads=2, share_index_from=indexer,
+                          share_index_kl=True, **OPTIONS).double()
+    x = torch.randn(1, 130, 96, dtype=torch.float64)
+    indexer.warmup = sharer.warmup = True  # no ids are needed, the index inputs are
+    with pytest.raises(ValueError, match="^share_index_kl: the layer this one shares ran no "
+                                         "forward"):
+        sharer(x)
 
 
 def test_warmup_runs_sharing_layers_dense_and_selects_after():

@@ -5,8 +5,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import openmsa  # noqa: E402
 from openmsa import set_msa_warmup  # noqa: E402
 from openmsa.integrations.transformers import HFMSAAttention, convert_to_msa, msa_kl  # noqa: E402
+from openmsa.integrations.transformers import _rope as _hf_rope  # noqa: E402
 
 
 def tiny_model(family, layers=2):
@@ -171,3 +173,46 @@ def test_converted_model_with_index_sharing_runs_forward_and_backward(family):
     model(tokens, use_cache=False).logits.sum().backward()
     with pytest.raises(ValueError, match="^share_index_every: expected an int >= 1"):
         convert_to_msa(tiny_model(family), share_index_every=0)
+    with pytest.raises(ValueError, match="^share_index_kl: expected a bool"):
+        convert_to_msa(tiny_model(family), share_index_every=2, share_index_kl="yes")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("warmup", [False, True])
+def test_share_index_kl_makes_sharing_layers_teach_the_index_branch(family, warmup):
+    """share_index_kl=True: the logits stay plain sharing's; layer 1's KL is msa_attention's of
+    layer 0's index inputs against layer 1's attention over layer 0's ids, msa_kl averages all
+    three layers, and layer 1's KL reaches only layer 0's index projections."""
+    tokens = torch.randint(101, (2, 200), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for teach in (False, True):
+        model = tiny_model(family, layers=3)
+        convert_to_msa(model, top_k=1, block_size=64, backend="reference", share_index_every=2,
+                       share_index_kl=teach)
+        set_msa_warmup(model, warmup)
+        attention = [layer.self_attn for layer in model.model.layers]
+        inputs = []
+        hook = model.model.layers[1].self_attn.register_forward_pre_hook(
+            lambda _, args, kwargs: inputs.append(kwargs["hidden_states"]), with_kwargs=True)
+        logits[teach] = model(tokens, use_cache=False).logits
+        hook.remove()
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-12, atol=1e-12)
+    assert attention[1].share_index_kl and attention[1].last_kl is not None
+    torch.testing.assert_close(msa_kl(model), sum(a.last_kl for a in attention) / 3)
+    sharer, source = attention[1], attention[0]
+    cos, sin = model.model.rotary_emb(inputs[0], torch.arange(200)[None].expand(2, 200))
+    heads = lambda layer, count, norm: _hf_rope(  # noqa: E731
+        norm(layer(inputs[0]).view(2, 200, count, sharer.head_dim)), cos, sin)
+    q = heads(sharer.q_proj, sharer.num_heads, sharer.q_norm)
+    k = heads(sharer.k_proj, sharer.num_kv_heads, sharer.k_norm)
+    v = sharer.v_proj(inputs[0]).view(2, 200, sharer.num_kv_heads, sharer.head_dim)
+    index_q, index_k = source.last_index_inputs
+    _, expected = openmsa.msa_attention(q, k, v, index_q, index_k, warmup=warmup,
+                                        block_indices=None if warmup else source.last_indices,
+                                        softmax_scale=sharer.scaling, top_k=1, block_size=64,
+                                        backend="reference")
+    torch.testing.assert_close(sharer.last_kl, expected, rtol=1e-10, atol=1e-12)
+    sharer.last_kl.backward()
+    for name, parameter in model.named_parameters():
+        touched = parameter.grad is not None and parameter.grad.abs().sum() > 0
+        assert touched == name.startswith("model.layers.0.self_attn.index_"), name

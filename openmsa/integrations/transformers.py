@@ -51,7 +51,7 @@ class HFMSAAttention(nn.Module):
     def __init__(self, original: nn.Module, *, top_k: int, block_size: int,
                  num_local_blocks: int, num_sink_blocks: int, backend: str,
                  index_precision: str = "input", share_index_from: "HFMSAAttention | None" = None,
-                 local_block_dilation: int = 1):
+                 local_block_dilation: int = 1, share_index_kl: bool = False):
         super().__init__()
         config = original.config
         self.config, self.layer_idx = config, original.layer_idx
@@ -78,6 +78,10 @@ class HFMSAAttention(nn.Module):
         self.last_indices = None
         self._hands_on_indices = False
         self._index_source = ()
+        # With share_index_kl the sharing layers also need the index inputs of their source.
+        self.share_index_kl = share_index_kl
+        self.last_index_inputs = None
+        self._hands_on_index_inputs = False
         if share_index_from is not None:
             if share_index_from._index_source:
                 share_index_from = share_index_from._index_source[0]
@@ -90,6 +94,7 @@ class HFMSAAttention(nn.Module):
                                  f"whose selection it would share has {theirs}")
             self._index_source = (share_index_from,)
             share_index_from._hands_on_indices = True
+            share_index_from._hands_on_index_inputs |= share_index_kl
             return
         self.index_q_norm = copy.deepcopy(self.q_norm)
         self.index_k_norm = copy.deepcopy(self.k_norm)
@@ -139,6 +144,8 @@ class HFMSAAttention(nn.Module):
             self.last_kl = kl
             if self._hands_on_indices:
                 self.last_indices = indices[0] if indices else None
+            if self._hands_on_index_inputs:
+                self.last_index_inputs = (index_q, index_k)
         return self.o_proj(out.reshape(batch, seqlen, -1)), None
 
     def _record(self, q, keys, ids):
@@ -199,24 +206,35 @@ class HFMSAAttention(nn.Module):
 
     def _shared_attention(self, q, k, v):
         """A layer without an index branch: the main attention over its source layer's latest
-        kept blocks (dense in warmup)."""
+        kept blocks (dense in warmup); with ``share_index_kl`` also the KL of the source's index
+        inputs against this layer's attention (into ``last_kl``)."""
         options = dict(block_size=self.options["block_size"], softmax_scale=self.scaling,
                        backend=self.options["backend"])
+        ids = None if self.warmup else self._source_indices()
+        if self.share_index_kl:
+            index_q, index_k = self._index_source[0].last_index_inputs
+            out, self.last_kl = msa_attention(q, k, v, index_q, index_k, warmup=self.warmup,
+                                              block_indices=ids, **dict(self.options,
+                                                                        **options))
+            return out
         if self.warmup:
             return sparse_attention(q, k, v, warmup=True, num_index_heads=self.num_kv_heads,
                                     **options)
-        return sparse_attention(q, k, v, self._source_indices(), **options)
+        return sparse_attention(q, k, v, ids, **options)
 
 
 def convert_to_msa(model: nn.Module, *, top_k: int = 16, block_size: int = 128,
                    num_local_blocks: int = 1, num_sink_blocks: int = 0,
                    backend: str = "auto", index_precision: str = "input",
-                   share_index_every: int = 1, local_block_dilation: int = 1) -> int:
+                   share_index_every: int = 1, local_block_dilation: int = 1,
+                   share_index_kl: bool = False) -> int:
     """Replaces every Llama / Qwen3 attention module of ``model`` in place; returns how many.
     The options are ``msa_attention``'s (``index_precision="fp8"``: selection on fp8 index
     scores). ``share_index_every=N``: the attention modules 0, N, 2N, ... (in the model's
     order) get an index branch, the others share the selection of the nearest one before them
-    (default 1: every layer selects)."""
+    (default 1: every layer selects). ``share_index_kl=True``: the sharing layers' attention
+    also teaches the index branch they read (their KL, over their kept tokens, reaches its
+    index projections and counts in ``msa_kl``)."""
     _require_transformers()
     check_index_precision(index_precision)
     check_local_block_dilation(local_block_dilation)
@@ -224,6 +242,8 @@ def convert_to_msa(model: nn.Module, *, top_k: int = 16, block_size: int = 128,
             or share_index_every < 1):
         raise ValueError(f"share_index_every: expected an int >= 1, received "
                          f"{share_index_every!r}")
+    if not isinstance(share_index_kl, bool):
+        raise ValueError(f"share_index_kl: expected a bool, received {share_index_kl!r}")
     targets = [(name, module) for name, module in model.named_modules()
                if type(module).__name__ in SUPPORTED]
     if not targets:
@@ -237,7 +257,8 @@ def convert_to_msa(model: nn.Module, *, top_k: int = 16, block_size: int = 128,
         converted.append(HFMSAAttention(
             module, top_k=top_k, block_size=block_size, num_local_blocks=num_local_blocks,
             num_sink_blocks=num_sink_blocks, backend=backend, index_precision=index_precision,
-            share_index_from=source, local_block_dilation=local_block_dilation))
+            share_index_from=source, local_block_dilation=local_block_dilation,
+            share_index_kl=share_index_kl and source is not None))
         setattr(parent, child, converted[-1])
     return len(targets)
 
@@ -254,7 +275,8 @@ def record_selection(model: nn.Module) -> list[dict]:
 
 
 def msa_kl(model: nn.Module) -> torch.Tensor:
-    """Mean KL over the converted layers with an index branch, from the last forward."""
+    """Mean KL over the converted layers with an index branch (and, with ``share_index_kl``,
+    the layers sharing one), from the last forward."""
     kls = [module.last_kl for module in model.modules()
            if isinstance(module, HFMSAAttention) and module.last_kl is not None]
     if not kls:

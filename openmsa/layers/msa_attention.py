@@ -50,7 +50,12 @@ class MSAAttention(nn.Module):
     latest forward, on the same tokens; its KL is 0 (no gradient), so a model's KL is the mean
     over its layers with an index branch (``has_index_branch``). In warmup it runs dense like
     its source. ``forward(..., block_indices=ids)`` gives the ids explicitly instead (those of
-    ``return_indices=True``).
+    ``return_indices=True``). ``share_index_kl=True`` (an option beyond SPEC section 9) makes a
+    sharing layer a teacher of the index branch it reads: its KL is that of its source's index
+    scores against its own main attention over its kept tokens (the whole prefix in warmup), and
+    its gradient reaches the source's index projections; the model's KL is then the mean over
+    every layer. It costs the sharing layer a KL pass over the kept pairs (no selection), and
+    lets one selection serve layers that attend differently.
     """
 
     is_msa_layer = True  # set_msa_warmup switches every module that says so
@@ -63,7 +68,8 @@ class MSAAttention(nn.Module):
                  bias: bool = False, backend: str = "auto", deterministic: bool = False,
                  index_precision: str = "input", context_parallel_group=None,
                  context_parallel_mode: str = "head",
-                 share_index_from: "MSAAttention | None" = None, local_block_dilation: int = 1):
+                 share_index_from: "MSAAttention | None" = None, local_block_dilation: int = 1,
+                 share_index_kl: bool = False):
         super().__init__()
         # With a process group, hidden_states is this rank's shard of the sequence and the
         # attention runs across the group (openmsa.context_parallel): head mode
@@ -90,13 +96,23 @@ class MSAAttention(nn.Module):
         # The kept ids of the latest forward, kept for the layers that share them.
         self.last_indices = None
         self._hands_on_indices = False
+        # The index branch's inputs of the latest forward, for the sharing layers that teach it.
+        self.last_index_inputs = None
+        self._hands_on_index_inputs = False
         # The layer whose selection this one reads (a tuple: not a registered submodule).
         self._index_source = ()
+        if not isinstance(share_index_kl, bool):
+            raise ValueError(f"share_index_kl: expected a bool, received {share_index_kl!r}")
+        if share_index_kl and share_index_from is None:
+            raise ValueError("share_index_kl: applies to a layer that shares another layer's "
+                             "selection (give share_index_from too)")
+        self.share_index_kl = share_index_kl
         if share_index_from is not None:
             source = _index_source_of(share_index_from)
             _check_shareable(self, source)
             self._index_source = (source,)
             source._hands_on_indices = True
+            source._hands_on_index_inputs |= share_index_kl
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
@@ -114,6 +130,12 @@ class MSAAttention(nn.Module):
     def has_index_branch(self) -> bool:
         """Whether the layer selects its own blocks (False: it shares another layer's)."""
         return len(self._index_source) == 0
+
+    @property
+    def has_kl(self) -> bool:
+        """Whether the layer's KL trains an index branch (its own, or with ``share_index_kl``
+        its source's): the layers a model's KL averages over."""
+        return self.has_index_branch or self.share_index_kl
 
     def projections(self, hidden_states: torch.Tensor, position_ids: torch.Tensor):
         """The inputs of ``msa_attention``: ``(q, k, v, index_q, index_k)`` of
@@ -165,10 +187,11 @@ class MSAAttention(nn.Module):
             indices = indices[0] if indices else None
             if self._hands_on_indices:
                 self.last_indices = indices
+            if self._hands_on_index_inputs:
+                self.last_index_inputs = (index_q, index_k)
         else:
-            out, indices = self._shared_attention(q, k, v, cu_seqlens, max_seqlen,
-                                                  block_indices)
-            kl = torch.zeros((), dtype=torch.float32, device=q.device)
+            out, kl, indices = self._shared_attention(q, k, v, cu_seqlens, max_seqlen,
+                                                      block_indices)
         hidden = self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
         if return_indices:  # warmup selects nothing: None
             return hidden, kl, indices
@@ -176,28 +199,45 @@ class MSAAttention(nn.Module):
 
     def _shared_attention(self, q, k, v, cu_seqlens, max_seqlen, block_indices):
         """A layer without an index branch: the main attention over ``block_indices`` or its
-        source's latest ids (dense in warmup). Returns ``(out, ids)``."""
+        source's latest ids (dense in warmup), with ``share_index_kl`` the KL of the source's
+        latest index inputs against this layer's attention. Returns ``(out, kl, ids)``."""
+        source = self._index_source[0]
+        ids = None
+        if not self.warmup:
+            ids = block_indices if block_indices is not None else source.last_indices
+            if ids is None:
+                raise ValueError("block_indices: expected the kept ids of the layer this one "
+                                 "shares (given, or from that layer's forward just before), "
+                                 "received none (the source ran in warmup, or no forward of it "
+                                 "ran yet)")
+        group = self.context_parallel_group
+        if self.share_index_kl:
+            if source.last_index_inputs is None:
+                raise ValueError("share_index_kl: the layer this one shares ran no forward "
+                                 "before it, so there are no index scores to teach")
+            index_q, index_k = source.last_index_inputs
+            options = dict(self.options, warmup=self.warmup, cu_seqlens=cu_seqlens,
+                           max_seqlen=max_seqlen, block_indices=ids)
+            if group is not None:
+                out, kl = context_parallel_msa_attention(
+                    q, k, v, index_q, index_k, group=group, mode=self.context_parallel_mode,
+                    **options)
+            else:
+                out, kl = msa_attention(q, k, v, index_q, index_k, **options)
+            return out, kl, ids
+        kl = torch.zeros((), dtype=torch.float32, device=q.device)
         options = dict(block_size=self.options["block_size"], cu_seqlens=cu_seqlens,
                        max_seqlen=max_seqlen, backend=self.options["backend"])
-        group = self.context_parallel_group
         if self.warmup:
             options.update(warmup=True, num_index_heads=self.num_index_heads,
                            deterministic=self.options["deterministic"])
-            if group is not None:
-                return context_parallel_sparse_attention(
-                    q, k, v, None, group=group, mode=self.context_parallel_mode,
-                    **options), None
-            return sparse_attention(q, k, v, **options), None
-        ids = block_indices if block_indices is not None else self._index_source[0].last_indices
-        if ids is None:
-            raise ValueError("block_indices: expected the kept ids of the layer this one shares "
-                             "(given, or from that layer's forward just before), received none "
-                             "(the source ran in warmup, or no forward of it ran yet)")
+            ids = None
         if group is not None:
-            return context_parallel_sparse_attention(q, k, v, ids, group=group,
-                                                     mode=self.context_parallel_mode,
-                                                     **options), ids
-        return sparse_attention(q, k, v, ids, **options), ids
+            out = context_parallel_sparse_attention(q, k, v, ids, group=group,
+                                                    mode=self.context_parallel_mode, **options)
+        else:
+            out = sparse_attention(q, k, v, ids, **options)
+        return out, kl, ids
 
     def _default_positions(self, lead, cu_seqlens, device) -> torch.Tensor:
         """Each token's position in its sequence; with context parallelism, those of this

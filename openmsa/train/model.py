@@ -66,7 +66,8 @@ class RetrievalModel(nn.Module):
                  layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 64,
                  top_k: int = 2, block_size: int = 64, rope_theta: float = 10000.0,
                  index_precision: str = "input", share_index_every: int = 1,
-                 num_local_blocks: int = 1, local_block_dilation: int = 1):
+                 num_local_blocks: int = 1, local_block_dilation: int = 1,
+                 share_index_kl: bool = False):
         super().__init__()
         if not isinstance(share_index_every, int) or share_index_every < 1:
             raise ValueError(f"share_index_every: expected an int >= 1, received "
@@ -85,21 +86,23 @@ class RetrievalModel(nn.Module):
                                     top_k=top_k, block_size=block_size, rope_theta=rope_theta,
                                     index_precision=index_precision, share_index_from=source,
                                     num_local_blocks=num_local_blocks,
-                                    local_block_dilation=local_block_dilation)
+                                    local_block_dilation=local_block_dilation,
+                                    share_index_kl=share_index_kl and source is not None)
             self.blocks.append(Block(made, hidden_size))
         self.norm = nn.RMSNorm(hidden_size, eps=1e-6)
         self.head = nn.Linear(hidden_size, task.num_values)
 
     def forward(self, tokens, return_indices=False):
-        """Returns answer logits ``[B, num_values]``, the mean KL over the layers with an index
-        branch (every layer for dense attention, whose KL is 0) and, with ``return_indices``,
-        each layer's kept block ids (None for dense or warmup layers)."""
+        """Returns answer logits ``[B, num_values]``, the mean KL over the layers whose KL
+        trains an index branch (``MSAAttention.has_kl``; every layer for dense attention, whose
+        KL is 0) and, with ``return_indices``, each layer's kept block ids (None for dense or
+        warmup layers)."""
         keys, values = tokens
         x = self.key_embedding(keys) + self.value_embedding(values)
         kls, indices = [], []
         for block in self.blocks:
             x, kl, layer_indices = block(x, return_indices)
-            if getattr(block.attention, "has_index_branch", True):
+            if getattr(block.attention, "has_kl", True):
                 kls.append(kl)
             indices.append(layer_indices)
         logits = self.head(self.norm(x[:, -1]))

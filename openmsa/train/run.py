@@ -47,6 +47,9 @@ class Preset:
     num_kv_heads: int = 2
     # A curriculum: phases of (steps, tokens, batch) before training on seqlen tokens.
     curriculum: tuple[tuple[int, int, int], ...] = ()
+    # Held-out samples of the final evaluation (in batches of 64): finer than the 64 of the
+    # evaluations along the way, for comparing runs within a point.
+    final_eval_samples: int = 512
 
 
 PRESETS = {
@@ -56,7 +59,8 @@ PRESETS = {
     # Smoke test for CI: the same pipeline (the GPU preset's curriculum too), a few steps.
     "tiny": Preset(seqlen=192, block_size=64, top_k=2, num_pairs=3, batch=4, steps=4,
                    warmup_steps=2, eval_every=2, rope_theta=1e6, curriculum=((1, 64, 2),
-                                                                            (1, 128, 2))),
+                                                                            (1, 128, 2)),
+                   final_eval_samples=128),
     # GPU, Triton kernels: 16k tokens, 128 blocks of 128, keep 4. Neither model learns from
     # scratch at 16k, so a curriculum of 256, then 2048, then 16k tokens (RoPE base 1e6); the
     # MSA model's warmup lasts 100 steps into the 16k phase. One KV head (so one index head for
@@ -133,7 +137,8 @@ def evaluate(model, tokens, answers, fact_positions, block_size):
 
 def train_model(kind: str, preset: Preset, device, seed: int, progress,
                 index_precision: str = "input", share_index_every: int = 1,
-                num_local_blocks: int = 1, local_block_dilation: int = 1) -> list[dict]:
+                num_local_blocks: int = 1, local_block_dilation: int = 1,
+                share_index_kl: bool = False) -> list[dict]:
     task = _task(preset)
     torch.manual_seed(seed)
     phases = []  # (last step, task, batch) of each curriculum phase
@@ -143,6 +148,7 @@ def train_model(kind: str, preset: Preset, device, seed: int, progress,
                            block_size=preset.block_size, rope_theta=preset.rope_theta,
                            num_kv_heads=preset.num_kv_heads, index_precision=index_precision,
                            share_index_every=share_index_every,
+                           share_index_kl=share_index_kl,
                            num_local_blocks=num_local_blocks,
                            local_block_dilation=local_block_dilation).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
@@ -175,7 +181,29 @@ def train_model(kind: str, preset: Preset, device, seed: int, progress,
                 model, eval_tokens, eval_answers, eval_positions, preset.block_size).items()})
             history.append(record)
         progress(kind, step, preset.steps, history[-1] if history else None)
+    history[-1].update(final_evaluation(model, task, preset, seed, device))
     return history
+
+
+FINAL_METRICS = ("accuracy", "block_recall", "mass_recall")
+
+
+def final_evaluation(model, task, preset: Preset, seed: int, device) -> dict:
+    """``final_accuracy`` (and for MSA ``final_block_recall``, ``final_mass_recall``) over
+    ``preset.final_eval_samples`` held-out samples, drawn apart from the training data and the
+    evaluation batch."""
+    generator = torch.Generator().manual_seed(seed + 3)
+    sums, batches = {}, 0
+    for start in range(0, preset.final_eval_samples, 64):
+        size = min(64, preset.final_eval_samples - start)
+        tokens, answers, positions = task.sample(size, generator)
+        result = evaluate(model, _to(tokens, device), answers.to(device), positions.to(device),
+                          preset.block_size)
+        for key in FINAL_METRICS:
+            if key in result:
+                sums[key] = sums.get(key, 0.0) + result[key] * size
+        batches += size
+    return {f"final_{key}": total / batches for key, total in sums.items()}
 
 
 def _clock(seconds: float) -> str:
@@ -281,13 +309,17 @@ def _write_plot(histories: dict, out_dir: str, preset_name: str) -> str:
 def run(preset_name: str, out_dir: str, device: str | torch.device | None = None, seed: int = 0,
         steps: int | None = None, index_precision: str = "input", layers: int | None = None,
         share_index_every: int = 1, num_local_blocks: int = 1,
-        local_block_dilation: int = 1) -> dict:
+        local_block_dilation: int = 1, share_index_kl: bool = False) -> dict:
     """Trains the dense and the MSA model of a preset; ``index_precision``,
     ``num_local_blocks`` and ``local_block_dilation`` are the MSA model's (``msa_attention``'s
     options). ``layers``: attention blocks instead of the preset's; ``share_index_every``: MSA
     layers 0, N, 2N, ... select, the others share the selection of the one before them (SPEC
-    section 9)."""
+    section 9); ``share_index_kl``: the sharing layers' attention also teaches the index branch
+    they read (``MSAAttention``'s option)."""
     check_index_precision(index_precision)
+    if share_index_kl and share_index_every == 1:
+        raise ValueError("share_index_kl: applies with share_index_every > 1 (with 1 every "
+                         "layer has its own index branch)")
     for name, value in (("layers", layers), ("share_index_every", share_index_every),
                         ("num_local_blocks", num_local_blocks),
                         ("local_block_dilation", local_block_dilation)):
@@ -311,18 +343,21 @@ def run(preset_name: str, out_dir: str, device: str | torch.device | None = None
         raise ValueError(f"device: expected a device this torch can use, received {device} "
                          f"(torch {torch.__version__} sees no CUDA GPU)")
     print(f"openmsa train: preset {preset_name} on {device}, index precision "
-          f"{index_precision}, index shared every {share_index_every} layers: {asdict(preset)}")
+          f"{index_precision}, index shared every {share_index_every} layers"
+          f"{' (sharing layers teach it)' if share_index_kl else ''}: {asdict(preset)}")
     progress = _progress_printer()
     if num_local_blocks > preset.top_k:
         raise ValueError(f"num_local_blocks: expected an int <= the preset's top_k="
                          f"{preset.top_k}, received {num_local_blocks}")
     histories = {kind: train_model(kind, preset, device, seed, progress, index_precision,
-                                   share_index_every, num_local_blocks, local_block_dilation)
+                                   share_index_every, num_local_blocks, local_block_dilation,
+                                   share_index_kl)
                  for kind in ("dense", "msa")}
     final = {kind: history[-1] for kind, history in histories.items()}
     summary = {"preset": preset_name, "settings": asdict(preset), "device": str(device),
                "seed": seed, "index_precision": index_precision,
-               "share_index_every": share_index_every, "num_local_blocks": num_local_blocks,
+               "share_index_every": share_index_every, "share_index_kl": share_index_kl,
+               "num_local_blocks": num_local_blocks,
                "local_block_dilation": local_block_dilation, "final": final}
     os.makedirs(out_dir, exist_ok=True)  # only now: a run that fails early leaves no folder
     with open(os.path.join(out_dir, "metrics.json"), "w") as f:
@@ -334,11 +369,10 @@ def run(preset_name: str, out_dir: str, device: str | torch.device | None = None
         writer.writerows(rows)
     skipped_plot = _write_plot(histories, out_dir, preset_name)
     dense, msa = final["dense"], final["msa"]
-    print(f"\nfinal (held-out, {preset.steps} steps): dense accuracy {dense['eval_accuracy']:.3f}"
-          f" | MSA accuracy {msa['eval_accuracy']:.3f}, KL {msa['train_kl']:.4f}, block recall "
-          f"{msa['eval_block_recall']:.3f} (any index head: "
-          f"{msa['eval_block_recall_any_index_head']:.3f}), mass recall "
-          f"{msa['eval_mass_recall']:.3f}; chance accuracy {1 / 16:.3f}")
+    print(f"\nfinal ({preset.final_eval_samples} held-out samples, {preset.steps} steps): dense "
+          f"accuracy {dense['final_accuracy']:.3f} | MSA accuracy {msa['final_accuracy']:.3f}, "
+          f"KL {msa['train_kl']:.4f}, block recall {msa['final_block_recall']:.3f}, mass recall "
+          f"{msa['final_mass_recall']:.3f}; chance accuracy {1 / 16:.3f}")
     if skipped_plot:
         print(skipped_plot)
         print(f"wrote {out_dir}/metrics.json, metrics.csv")

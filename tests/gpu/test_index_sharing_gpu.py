@@ -47,14 +47,37 @@ def test_sparse_attention_matches_the_fp32_reference_in_bf16(packed, warmup):
         assert rel_rms_error(got.float(), expected) < BF16_ERROR, name
 
 
-def _stack(deterministic=False):
+def _stack(deterministic=False, share_index_kl=False, backend="auto"):
     torch.manual_seed(0)
     first = MSAAttention(512, num_heads=8, num_kv_heads=2, head_dim=128, num_index_heads=4,
-                         top_k=4, block_size=128, deterministic=deterministic)
+                         top_k=4, block_size=128, deterministic=deterministic, backend=backend)
     second = MSAAttention(512, num_heads=8, num_kv_heads=2, head_dim=128, num_index_heads=4,
                           top_k=4, block_size=128, deterministic=deterministic,
-                          share_index_from=first)
+                          share_index_from=first, share_index_kl=share_index_kl,
+                          backend=backend)
     return torch.nn.ModuleList([first, second]).cuda().bfloat16()
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_share_index_kl_matches_the_fp32_reference_in_bf16(warmup):
+    """share_index_kl: the sharing layer's KL and its gradient on layer 0's index projections,
+    kernels in bf16 against the reference in fp32 on the same weights and the same ids."""
+    x = torch.randn(2, 2048, 512, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for backend, dtype in (("auto", torch.bfloat16), ("reference", torch.float32)):
+        stack = _stack(share_index_kl=True, backend=backend).to(dtype)
+        for layer in stack:
+            layer.warmup = warmup
+        given = results["auto"][2] if backend == "reference" and not warmup else None
+        hidden, _, ids = stack[0](x.to(dtype), return_indices=True, block_indices=given)
+        _, kl = stack[1](hidden)
+        grads = torch.autograd.grad(kl, [stack[0].index_q_proj.weight,
+                                         stack[0].index_k_proj.weight])
+        results[backend] = (kl, grads, ids)
+    (kl, grads, _), (expected_kl, expected_grads, _) = results["auto"], results["reference"]
+    assert abs(kl.float() - expected_kl) <= BF16_ERROR * expected_kl
+    for got, expected in zip(grads, expected_grads):
+        assert rel_rms_error(got.float(), expected) < 3 * BF16_ERROR
 
 
 def _loss(stack, x):
@@ -63,8 +86,9 @@ def _loss(stack, x):
     return hidden.float().square().mean() + kl + second_kl
 
 
-def test_shared_stack_compiles_with_fullgraph_on_inductor():
-    stack = _stack()
+@pytest.mark.parametrize("share_index_kl", [False, True])
+def test_shared_stack_compiles_with_fullgraph_on_inductor(share_index_kl):
+    stack = _stack(share_index_kl=share_index_kl)
     x = torch.randn(2, 1024, 512, device="cuda", dtype=torch.bfloat16)
     parameters = list(stack.parameters())
     eager = _loss(stack, x)
@@ -77,9 +101,10 @@ def test_shared_stack_compiles_with_fullgraph_on_inductor():
         assert (got.float() - expected.float()).norm() <= 2e-2 * expected.float().norm() + 1e-6
 
 
-def test_shared_stack_replays_under_a_cuda_graph_bitwise():
+@pytest.mark.parametrize("share_index_kl", [False, True])
+def test_shared_stack_replays_under_a_cuda_graph_bitwise(share_index_kl):
     """deterministic=True: captured once, replayed on new inputs, bitwise equal to eager."""
-    stack = _stack(deterministic=True)
+    stack = _stack(deterministic=True, share_index_kl=share_index_kl)
     parameters = list(stack.parameters())
     static = torch.randn(1, 2048, 512, device="cuda", dtype=torch.bfloat16)
 
