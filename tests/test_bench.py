@@ -43,7 +43,13 @@ def test_bench_arguments_are_parsed_and_validated(capsys):
     assert "H32/Hkv8/Hi8" in capsys.readouterr().out
     assert cli.main(["bench", "--dry-run", "--selection", "mid", "--index-precision",
                      "fp8"]) == 0
-    assert "selection=mid index_precision=fp8" in capsys.readouterr().out
+    assert "selections=mid index_precision=fp8" in capsys.readouterr().out
+    assert cli.main(["bench", "--dry-run"]) == 0  # every kind unless asked otherwise
+    assert "selections=coherent,mid,random" in capsys.readouterr().out
+    assert cli.main(["bench", "--dry-run", "--selections", "random,coherent"]) == 0
+    assert "selections=random,coherent" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--dry-run", "--selection", "mid,sparse"])
     with pytest.raises(SystemExit):
         cli.main(["bench", "--index-precision", "fp4"])
     with pytest.raises(SystemExit):
@@ -122,9 +128,10 @@ def test_plots_are_written_when_no_baseline_ran(tmp_path):
     pytest.importorskip("matplotlib")
     from openmsa.bench.run import plot
 
-    rows = [dict(status="ok", seqlen=seqlen, msa_fwd_bwd_ms=ms,
+    rows = [dict(status="ok", seqlen=seqlen, msa_fwd_bwd_ms=ms, selection=kind,
                  dense_status="skipped: S > --baseline-max-seqlen")
-            for seqlen, ms in ((524288, 880.0), (1048576, 2290.0))]
+            for seqlen, ms in ((524288, 880.0), (1048576, 2290.0))
+            for kind in ("coherent", "random")]
     plot(rows, str(tmp_path))
     assert (tmp_path / "bench.png").stat().st_size > 0
 
@@ -174,3 +181,73 @@ def test_bench_decode_dry_run_prints_each_steps_bandwidth_floor(capsys):
         cli.main(["bench", "--decode", "--batches", "0"])
     with pytest.raises(SystemExit):
         cli.main(["bench", "--decode", "--batches", "a"])
+
+
+def test_bench_times_every_selection_kind_and_dense_once_per_length(monkeypatch, tmp_path,
+                                                                     capsys):
+    """run(): each length on each kind of --selection, in order; the dense figures a length's
+    first kind measures are the ones its other kinds report (the same dict)."""
+    from openmsa.bench import run as bench_run
+
+    calls = []
+
+    def fake_measure(row, args, selection, dense):
+        if not dense:
+            dense.update(dense_fwd_bwd_ms=float(row["seqlen"]))
+        calls.append((row["seqlen"], selection, id(dense)))
+        return dict(row, selection=selection, status="ok", msa_fwd_bwd_ms=1.0,
+                    jaccard=0.5, union_8=30.0, **dense)
+
+    monkeypatch.setattr(bench_run, "measure", fake_measure)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake GPU")
+    assert cli.main(["bench", "--seqlens", "4k,8k", "--selection", "random,mid", "--out",
+                     str(tmp_path)]) == 0
+    assert [(s, kind) for s, kind, _ in calls] == [(4096, "random"), (4096, "mid"),
+                                                    (8192, "random"), (8192, "mid")]
+    assert calls[0][2] == calls[1][2] != calls[2][2] == calls[3][2]
+    table = capsys.readouterr().out
+    assert "selection" in table and "Jaccard" in table and "union8" in table
+    assert table.count(" random ") >= 2 and table.count(" mid ") >= 2
+
+
+def test_fla_baseline_passes_msa_ids_in_fla_layout_and_refuses_other_heads(monkeypatch):
+    """The fla baseline gives ParallelNSAFunction ids [1, S, Hkv, k] (int64, -1 unused) read
+    as fla documents them; a stand-in for fla that computes that reading with openmsa's
+    reference must agree with sparse_attention. Head layouts fla cannot run are skipped."""
+    import sys
+    import types
+
+    import openmsa
+    from openmsa.bench.run import fla_baseline
+
+    seen = {}
+
+    class StandIn:
+        @staticmethod
+        def apply(q, k, v, ids, top_k, block_size, scale, cu_seqlens):
+            seen.update(shape=tuple(ids.shape), dtype=ids.dtype, top_k=top_k, scale=scale)
+            return openmsa.sparse_attention(q, k, v, ids[0].permute(1, 0, 2)[None].int(),
+                                            block_size=block_size, softmax_scale=scale,
+                                            backend="reference")
+
+    module = types.ModuleType("fla.ops.nsa.parallel")
+    module.ParallelNSAFunction = StandIn
+    for name in ("fla", "fla.ops", "fla.ops.nsa"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.nsa.parallel", module)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 200, heads, 64, generator=generator).requires_grad_()
+               for heads in (16, 1, 1))  # as the bench's inputs
+    index_q, index_k = (torch.randn(1, 200, 1, 64, generator=generator) for _ in range(2))
+    ids = openmsa.select_blocks(index_q, index_k, top_k=2, block_size=64, backend="reference")
+    dout = torch.randn_like(q)
+    result = fla_baseline(q, k, v, dout, ids, 64, lambda fn: (fn(), 1.0)[1], None)
+    assert seen == dict(shape=(1, 200, 1, 2), dtype=torch.int64, top_k=2, scale=64 ** -0.5)
+    assert result["fla_vs_msa_out_rel_rms"] < 1e-6 and result["fla_fwd_bwd_ms"] == 1.0
+    q8 = torch.randn(1, 200, 8, 64)
+    assert "H / Hkv a power of 2 >= 16" in fla_baseline(q8, k, v, dout, ids, 64, None,
+                                                         None)["fla_status"]
+    monkeypatch.setitem(sys.modules, "fla.ops.nsa.parallel", None)
+    assert "fla-core is not installed" in fla_baseline(q, k, v, dout, ids, 64, None,
+                                                       None)["fla_status"]

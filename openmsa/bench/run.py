@@ -1,9 +1,13 @@
 """``openmsa bench``: MSA against dense attention, in the same run, on a CUDA GPU.
 
-For each sequence length: MSA forward, backward and forward+backward (``msa_attention`` with
-the KL, through autograd), its parts (selection, main attention, KL = the rest), dense PyTorch
-SDPA and FlexAttention with a block mask of the same budget (each 128-query tile keeps top_k
-blocks). Before any timing, MSA is checked against the reference on random inputs of the same
+For each sequence length and each selection kind (coherent, mid, random by default: speed
+depends on how much neighbouring tokens' kept blocks overlap, so every row reports the measured
+neighbours' Jaccard and 8-token union): MSA forward, backward and forward+backward
+(``msa_attention`` with the KL, through autograd), its parts (selection, main attention, KL =
+the rest), dense PyTorch SDPA (once per length: it does not depend on the selection),
+FlexAttention with a block mask of the same budget (each 128-query tile keeps top_k blocks) and
+flash-linear-attention's NSA selection kernels (``ParallelNSAFunction``, optional ``fla-core``)
+on the same block ids when ``Hi = Hkv``. Before any timing, MSA is checked against the reference on random inputs of the same
 head configuration (2048 tokens; bf16 errors at most 2x the reference's own); a shape that fails
 is reported, not timed.
 Baselines that fail (out of memory, no FlexAttention) are reported as skipped.
@@ -86,12 +90,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="blocks kept per query token and index head")
     parser.add_argument("--block-size", type=int, choices=SUPPORTED_BLOCK_SIZES, default=128,
                         help="tokens per key block")
-    parser.add_argument("--selection", choices=SELECTION_KINDS, default="coherent",
-                        help="index inputs: coherent (like a trained index branch), mid "
-                        "(neighbours' Jaccard about 0.5) or random")
+    parser.add_argument("--selection", "--selections", dest="selections",
+                        type=parse_selections, default="coherent,mid,random",
+                        help="comma-separated kinds of index inputs, each timed: coherent (like "
+                        "a trained index branch), mid (neighbours' Jaccard about 0.5), random")
     parser.add_argument("--index-precision", choices=INDEX_PRECISIONS, default="input",
                         help="selection's index scores: input (bf16) or fp8")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    parser.add_argument("--no-fla", action="store_true",
+                        help="skip flash-linear-attention's NSA kernels (pip install fla-core)")
     parser.add_argument("--baseline-max-seqlen", type=parse_length, default="128k",
                         help="time dense SDPA and FlexAttention up to this length (a dense "
                              "step at 1M takes minutes)")
@@ -104,8 +111,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "next to the memory-bandwidth floor, instead of training steps")
     parser.add_argument("--batches", type=parse_batches, default="1,8,32",
                         help="batch sizes of --decode")
-    parser.add_argument("--selections", type=parse_selections, default="coherent,mid,random",
-                        help="selection kinds --decode times (comma-separated)")
     parser.add_argument("--prefill-seqlens", type=parse_optional_lengths, default="128k",
                         help="--decode: prompt lengths whose prefill through msa_decode is timed "
                         "against the training forward ('' for none)")
@@ -192,8 +197,8 @@ def run(args) -> int:
         return run_decode(args)
     rows = plan(args)
     print(f"openmsa bench: top_k={args.top_k} block_size={args.block_size} "
-          f"selection={args.selection} index_precision={args.index_precision}; FLOPs (TFLOP, "
-          "forward): dense / MSA main / index")
+          f"selections={','.join(args.selections)} index_precision={args.index_precision}; "
+          "FLOPs (TFLOP, forward, at most top_k blocks a token): dense / MSA main / index")
     for row in rows:
         print(f"  {row['shape']} S={row['seqlen']}: {row['dense_fwd_tflop']:.2f} / "
               f"{row['msa_main_fwd_tflop']:.2f} / {row['index_tflop']:.2f}")
@@ -205,7 +210,12 @@ def run(args) -> int:
         print("openmsa bench needs a CUDA GPU (use --dry-run to see the plan)", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    results = [measure(row, args) for row in rows]
+    results = []
+    for number, row in enumerate(rows, 1):
+        dense = {}  # dense attention does not depend on the selection: timed once per length
+        for kind in args.selections:
+            print(f"[{number}/{len(rows)}] S={row['seqlen']}, {kind} selection", flush=True)
+            results.append(measure(row, args, kind, dense))
     report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   date=time.strftime("%Y-%m-%d"), args={k: v for k, v in vars(args).items()
                                                         if k != "handler"}, rows=results)
@@ -226,14 +236,16 @@ def make_inputs(row, seqlen, selection, device="cuda", seed=0):
     return [t.requires_grad_() for t in (q, k, v, index_q[None], index_k[None])]
 
 
-def measure(row, args) -> dict:
+def measure(row, args, selection: str, dense: dict) -> dict:
+    """One row: ``row``'s shape on ``selection``'s index inputs. ``dense``: the dense baseline's
+    figures at this length, filled by the first kind that times them."""
     from ..ops.msa import msa_attention, select_blocks, sparse_attention
     from ..testing import TOLERANCE, MSACase, compare_with_reference
     from .timing import median_ms
 
     seqlen = row["seqlen"]
     options = msa_options(args)
-    result = dict(row)
+    result = dict(row, selection=selection)
     case = MSACase("check", batch=1, seqlen=min(seqlen, CHECK_TOKENS), num_heads=row["heads"],
                    num_kv_heads=row["kv_heads"], num_index_heads=row["index_heads"],
                    head_dim=row["head_dim"], index_head_dim=row["head_dim"], options=options)
@@ -245,7 +257,7 @@ def measure(row, args) -> dict:
 
     bench = median_ms
 
-    inputs = make_inputs(row, seqlen, args.selection)
+    inputs = make_inputs(row, seqlen, selection)
     q, k, v, index_q, index_k = inputs
     dout = torch.randn_like(q)
     one = torch.ones((), device="cuda")
@@ -283,10 +295,17 @@ def measure(row, args) -> dict:
     result["main_attention_tflops_fwd_bwd"] = flops.tflops(
         main_flops * (1 + flops.BACKWARD_FACTOR), result["main_attention_fwd_bwd_ms"])
     result["selection_tflops"] = flops.tflops(row["index_tflop"] * 1e12, result["selection_ms"])
+    if not args.no_fla:
+        result.update(fla_baseline(q, k, v, dout, ids, args.block_size, bench, attention_step))
+        if "fla_fwd_bwd_ms" in result:
+            result["main_attention_vs_fla"] = (result["fla_fwd_bwd_ms"]
+                                               / result["main_attention_fwd_bwd_ms"])
     if seqlen > args.baseline_max_seqlen:
         result["dense_status"] = result["flex_status"] = "skipped: S > --baseline-max-seqlen"
     else:
-        result.update(dense_baseline(q, k, v, dout, bench))
+        if not dense:
+            dense.update(dense_baseline(q, k, v, dout, bench), dense_selection=selection)
+        result.update(dense)
         if not args.no_flex:
             result.update(flex_baseline(q, k, v, dout, ids, args.block_size, bench))
     if "dense_fwd_bwd_ms" in result:
@@ -313,6 +332,44 @@ def dense_baseline(q, k, v, dout, bench) -> dict:
         return dict(dense_fwd_ms=bench(forward), dense_fwd_bwd_ms=bench(step))
     except torch.OutOfMemoryError:
         return dict(dense_status="skipped: out of memory")
+
+
+def fla_baseline(q, k, v, dout, ids, block_size, bench, attention_step) -> dict:
+    """flash-linear-attention's NSA selection kernels (``fla.ops.nsa.ParallelNSAFunction``,
+    selected-block branch alone, no gates) on MSA's block ids, forward and fwd+bwd, and the
+    relative RMS difference of its output from ``sparse_attention``'s (the same attention: a
+    block's keys up to the query, for every kept block). Needs ``Hi = Hkv`` (fla's ids are per
+    KV head) and ``H / Hkv`` a power of two >= 16 (fla's tile); reported as skipped otherwise."""
+    from ..ops.msa import sparse_attention
+    from ..testing import rel_rms_error
+
+    try:
+        from fla.ops.nsa.parallel import ParallelNSAFunction
+    except ImportError:
+        return dict(fla_status="skipped: fla-core is not installed (pip install fla-core)")
+    heads, kv_heads, index_heads = q.shape[2], k.shape[2], ids.shape[1]
+    group = heads // kv_heads
+    if index_heads != kv_heads or group < 16 or group & (group - 1):
+        return dict(fla_status=f"skipped: fla's NSA needs Hi = Hkv and H / Hkv a power of 2 >= "
+                    f"16, here H{heads}/Hkv{kv_heads}/Hi{index_heads}")
+    fla_ids = ids[0].permute(1, 0, 2)[None].long().contiguous()  # [1, S, Hkv, k]; -1: unused
+    scale = q.shape[-1] ** -0.5
+    try:
+        def forward():
+            return ParallelNSAFunction.apply(q, k, v, fla_ids, ids.shape[-1], block_size,
+                                             scale, None)
+
+        def step():
+            torch.autograd.grad(forward(), (q, k, v), dout)
+
+        with torch.no_grad():
+            difference = rel_rms_error(forward().float(),
+                                       sparse_attention(q, k, v, ids, block_size=block_size)
+                                       .float())
+        return dict(fla_fwd_ms=bench(forward), fla_fwd_bwd_ms=bench(step),
+                    fla_vs_msa_out_rel_rms=difference)
+    except Exception as error:  # compile failures, out of memory: report, do not crash
+        return dict(fla_status=f"skipped: {type(error).__name__}: {error}"[:200])
 
 
 def flex_block_mask(ids: torch.Tensor, num_heads: int, seqlen: int):
@@ -383,23 +440,25 @@ def flex_baseline(q, k, v, dout, ids, block_size, bench) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'shape':>13} {'S':>8} {'msa f+b ms':>11} {'select':>7} {'attn':>7} {'kl':>7} "
-          f"{'dense f+b':>10} {'flex f+b':>9} {'x dense':>8} {'GiB':>6} {'Jaccard':>7} "
-          f"{'union8':>6}")
+    print(f"\n{'shape':>13} {'S':>8} {'selection':>9} {'Jaccard':>7} {'union8':>6} "
+          f"{'msa f+b ms':>11} {'select':>7} {'attn':>7} {'kl':>7} {'dense f+b':>10} "
+          f"{'flex f+b':>9} {'fla attn':>9} {'x dense':>8} {'attn/fla':>8} {'GiB':>6}")
     for r in results:
         if r.get("status") != "ok":
-            print(f"{r['shape']:>13} {r['seqlen']:>8}  {r.get('status')}")
+            print(f"{r['shape']:>13} {r['seqlen']:>8} {r['selection']:>9}  {r.get('status')}")
             continue
 
         def number(key, fmt="{:.2f}"):
             return fmt.format(r[key]) if key in r else "-"
 
-        print(f"{r['shape']:>13} {r['seqlen']:>8} {number('msa_fwd_bwd_ms'):>11} "
+        print(f"{r['shape']:>13} {r['seqlen']:>8} {r['selection']:>9} "
+              f"{number('jaccard', '{:.3f}'):>7} {number('union_8', '{:.1f}'):>6} "
+              f"{number('msa_fwd_bwd_ms'):>11} "
               f"{number('selection_ms'):>7} {number('main_attention_fwd_bwd_ms'):>7} "
               f"{number('kl_fwd_bwd_ms'):>7} {number('dense_fwd_bwd_ms'):>10} "
-              f"{number('flex_fwd_bwd_ms'):>9} {number('speedup_vs_dense'):>8} "
-              f"{number('msa_step_extra_gib'):>6} {number('jaccard'):>7} "
-              f"{number('union_8', '{:.1f}'):>6}")
+              f"{number('flex_fwd_bwd_ms'):>9} {number('fla_fwd_bwd_ms'):>9} "
+              f"{number('speedup_vs_dense'):>8} {number('main_attention_vs_fla'):>8} "
+              f"{number('msa_step_extra_gib'):>6}")
 
 
 def plot(results: list[dict], out_dir: str) -> None:
@@ -414,21 +473,33 @@ def plot(results: list[dict], out_dir: str) -> None:
     done = [r for r in results if r.get("status") == "ok"]
     if not done:
         return
-    figure, (times, speedups) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for key, label in (("msa_fwd_bwd_ms", "MSA"), ("dense_fwd_bwd_ms", "dense SDPA"),
-                       ("flex_fwd_bwd_ms", "FlexAttention, same budget")):
-        points = [(r["seqlen"], r[key]) for r in done if key in r]
-        if points:
-            times.plot(*zip(*points), marker="o", label=label)
+    figure, (times, speedups) = plt.subplots(1, 2, figsize=(11, 4))
+    kinds = list(dict.fromkeys(r["selection"] for r in done))
+    styles = dict(zip(SELECTION_KINDS, ("-", "--", ":")))
+    dense = sorted({(r["seqlen"], r["dense_fwd_bwd_ms"]) for r in done if "dense_fwd_bwd_ms" in r})
+    if dense:
+        times.plot(*zip(*dense), marker="s", color="black", label="dense SDPA")
+    for kind in kinds:
+        rows = [r for r in done if r["selection"] == kind]
+        for key, label, color in (("msa_fwd_bwd_ms", "MSA step", "C0"),
+                                  ("main_attention_fwd_bwd_ms", "MSA main attention", "C1"),
+                                  ("fla_fwd_bwd_ms", "fla NSA, same ids", "C2"),
+                                  ("flex_fwd_bwd_ms", "FlexAttention, same budget", "C3")):
+            points = [(r["seqlen"], r[key]) for r in rows if key in r]
+            if points:
+                times.plot(*zip(*points), marker="o", color=color, linestyle=styles[kind],
+                           label=f"{label} ({kind})")
+        compared = [(r["seqlen"], r["speedup_vs_dense"]) for r in rows
+                    if "speedup_vs_dense" in r]
+        if compared:  # none where every length is past --baseline-max-seqlen
+            speedups.plot(*zip(*compared), marker="o", linestyle=styles[kind], label=kind)
     times.set(xscale="log", yscale="log", xlabel="sequence length",
               ylabel="fwd+bwd ms", title="one attention layer, fwd+bwd")
-    times.legend()
-    compared = [(r["seqlen"], r["speedup_vs_dense"]) for r in done if "speedup_vs_dense" in r]
-    if compared:  # none where every length is past --baseline-max-seqlen
-        speedups.plot(*zip(*compared), marker="o")
+    times.legend(fontsize=6)
     speedups.axhline(1.0, color="gray", linestyle=":")
     speedups.set(xscale="log", xlabel="sequence length", ylabel="dense time / MSA time",
-                 title="speedup over dense")
+                 title="MSA step's speedup over dense, by selection kind")
+    speedups.legend()
     figure.tight_layout()
     figure.savefig(os.path.join(out_dir, "bench.png"), dpi=110)
     plt.close(figure)
