@@ -7,7 +7,8 @@
 #   all, without and with --share-index-kl, side by side, for each seed of OPENMSA_TRAIN_SEEDS,
 #   default 0), decode-kernels
 #   (bench_decode_kernels.py: the decode kernels' launches and the step's stages), bench
-#   (the user-facing commands `openmsa train --preset gpu` and `openmsa bench`), cli (= train,bench)
+#   (the user-facing commands `openmsa train --preset gpu` and `openmsa bench`, every selection
+#   kind; fla's NSA baseline where fla-core is importable), cli (= train,bench)
 # OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
 # over calls of a time-limited machine.
 # Where only a few result files can be copied back, write to a scratch folder and tar it:
@@ -82,7 +83,7 @@ if wants sharing-train; then
 fi
 if wants bench; then
   python3 -m openmsa.cli bench --seqlens 4k,16k,32k,64k,128k --out "$out/bench_h64" 2>&1 \
-    | tee "$out/openmsa_bench_h64.log" | tail -7
+    | tee "$out/openmsa_bench_h64.log" | tail -17
   python3 -m openmsa.cli bench --preset h16 --seqlens 16k,32k --out "$out/bench_h16" 2>&1 \
-    | tee "$out/openmsa_bench_h16.log" | tail -3
+    | tee "$out/openmsa_bench_h16.log" | tail -8
 fi
