@@ -1,12 +1,15 @@
 """The KL's kernels alone (GPU only): the default one-pass key-outer kernel (atomic adds for
-d index_q and the value) against ``deterministic=True``'s two walks, for sparse selections and
-for warmup (every causal block kept).
+d index_q and the value) against ``deterministic=True``'s two walks, for sparse selections on
+every selection kind and for warmup (every causal block kept).
 
-    python benchmarks/bench_kl.py --out DIR [--sweep]
+    python benchmarks/bench_kl.py --out DIR [--sweep] [--kinds coherent,mid,random]
 
-Per shape: the query-side walk (value + d index_q), the key-outer kernel without its query side
-(d index_k), their sum (the deterministic path), the one-pass kernel (all three), and how far the
-one-pass results lie from the deterministic ones (relative RMS; they differ by summation order).
+Per shape and kind: the query-side walk (value + d index_q), the key-outer kernel without its
+query side (d index_k), their sum (the deterministic path), the one-pass kernel (all three), how
+far the one-pass results lie from the deterministic ones (relative RMS; they differ by summation
+order), and the value alone (no gradient wanted: evaluation under ``torch.no_grad``) two ways:
+the query-side walk without its gradient, and building the key-block list plus the one-pass
+kernel. The selection's neighbours' Jaccard and 8-token union are given beside the times.
 ``--sweep`` also times the one-pass kernel at 32/64/128 pairs per step and 1/2 pipeline stages.
 """
 
@@ -21,7 +24,7 @@ import torch
 import triton
 import triton.testing
 
-from openmsa.bench.selection import index_inputs
+from openmsa.bench.selection import SELECTION_KINDS, index_inputs, selection_statistics
 from openmsa.ops.attention import sparse_attention_fwd
 from openmsa.ops.kl import kl_key_walk, kl_query_side
 from openmsa.ops.layout import all_causal_block_ids, batch_cu_seqlens
@@ -44,11 +47,11 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
 
 
-def problem_for(seqlen, heads, kv_heads, index_heads, head_dim, warmup, generator):
+def problem_for(seqlen, heads, kv_heads, index_heads, head_dim, warmup, kind, generator):
     q, k = (torch.randn(seqlen, h, head_dim, device="cuda", generator=generator).bfloat16()
             for h in (heads, kv_heads))
     v = torch.randn_like(k)
-    index_q, index_k = index_inputs("coherent", seqlen, index_heads, head_dim, generator)
+    index_q, index_k = index_inputs(kind, seqlen, index_heads, head_dim, generator)
     cu = batch_cu_seqlens(1, seqlen, "cuda")
     scale = head_dim ** -0.5
     query_work = None
@@ -64,8 +67,14 @@ def problem_for(seqlen, heads, kv_heads, index_heads, head_dim, warmup, generato
     problem = SparseAttentionProblem(q, k, ids, cu, 128, scale, index_k, scale,
                                      query_work=query_work, all_causal=warmup)
     _, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem)
+    tensors = (q, k, index_q, index_k, lse, lse_index)
+
+    def fresh_problem():
+        return SparseAttentionProblem(q, k, ids, cu, 128, scale, index_k, scale,
+                                      query_work=problem.query_work, all_causal=warmup)
+
     problem.block_work  # built once, outside the timings
-    return (q, k, index_q, index_k, lse, lse_index), problem
+    return tensors, problem, fresh_problem, ids
 
 
 def main() -> None:
@@ -73,16 +82,31 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--max-seqlen", type=int, default=131072)
+    parser.add_argument("--kinds", default=",".join(SELECTION_KINDS),
+                        help="selection kinds of the sparse shapes, comma-separated")
     args = parser.parse_args()
+    kinds = args.kinds.split(",")
+    for kind in kinds:
+        if kind not in SELECTION_KINDS:
+            parser.error(f"--kinds: expected some of {SELECTION_KINDS}, received {kind!r}")
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for name, seqlen, heads, kv_heads, index_heads, head_dim, warmup in SHAPES:
-        if seqlen > args.max_seqlen:
-            continue
+    plan = [(shape, kind) for shape in SHAPES if shape[1] <= args.max_seqlen
+            for kind in (["all causal"] if shape[6] else kinds)]
+    for (name, seqlen, heads, kv_heads, index_heads, head_dim, warmup), kind in plan:
         generator = torch.Generator(device="cuda").manual_seed(seqlen)
-        tensors, p = problem_for(seqlen, heads, kv_heads, index_heads, head_dim, warmup,
-                                 generator)
-        row = dict(shape=name, seqlen=seqlen, warmup=warmup)
+        tensors, p, fresh_problem, ids = problem_for(
+            seqlen, heads, kv_heads, index_heads, head_dim, warmup,
+            "coherent" if warmup else kind, generator)
+        row = dict(shape=name, seqlen=seqlen, warmup=warmup, selection=kind)
+        if not warmup:
+            row.update(selection_statistics(ids))  # ids: [S, Hi, k]
+        row["value_query_side_ms"] = bench(lambda: kl_query_side(*tensors, p, True, False))
+
+        def value_from_key_walk():
+            kl_key_walk(*tensors, fresh_problem(), True, True)
+
+        row["value_key_walk_ms"] = bench(value_from_key_walk)
         row["query_side_ms"] = bench(lambda: kl_query_side(*tensors, p, True, True))
         row["key_side_ms"] = bench(lambda: kl_key_walk(*tensors, p, False, False))
         row["deterministic_ms"] = row["query_side_ms"] + row["key_side_ms"]
@@ -113,14 +137,18 @@ def main() -> None:
                   triton=triton.__version__, date=time.strftime("%Y-%m-%d"), rows=rows)
     with open(os.path.join(args.out, "bench_kl.json"), "w") as f:
         json.dump(result, f, indent=2)
-    print(f"\nKL kernels, {result['gpu']}, bf16, coherent selection top_k=16 block=128 "
-          "(warmup: every causal block)")
-    print(f"{'shape':>13} {'S':>7} {'warmup':>6} {'query ms':>9} {'key ms':>8} "
-          f"{'determ. ms':>10} {'one-pass ms':>11} {'x':>5}")
+    print(f"\nKL kernels, {result['gpu']}, bf16, top_k=16 block=128 (warmup: every causal "
+          "block); value alone: query-side walk / key-block list + one-pass kernel")
+    print(f"{'shape':>13} {'S':>7} {'selection':>10} {'Jacc':>5} {'union':>6} {'query ms':>9} "
+          f"{'key ms':>8} {'determ. ms':>10} {'one-pass ms':>11} {'x':>5} "
+          f"{'value q ms':>10} {'value k ms':>10}")
     for r in rows:
-        print(f"{r['shape']:>13} {r['seqlen']:>7} {str(r['warmup']):>6} "
-              f"{r['query_side_ms']:>9.2f} {r['key_side_ms']:>8.2f} {r['deterministic_ms']:>10.2f} "
-              f"{r['one_pass_ms']:>11.2f} {r['speedup']:>5.2f}")
+        jaccard = f"{r['jaccard']:.3f}" if "jaccard" in r else "-"
+        union = f"{r['union_8']:.1f}" if "union_8" in r else "-"
+        print(f"{r['shape']:>13} {r['seqlen']:>7} {r['selection']:>10} {jaccard:>5} "
+              f"{union:>6} {r['query_side_ms']:>9.2f} {r['key_side_ms']:>8.2f} "
+              f"{r['deterministic_ms']:>10.2f} {r['one_pass_ms']:>11.2f} {r['speedup']:>5.2f} "
+              f"{r['value_query_side_ms']:>10.2f} {r['value_key_walk_ms']:>10.2f}")
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ def test_deterministic_kl_path_matches_reference(case):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_kl_value_without_gradients_uses_the_given_scales(deterministic):
-    """No gradient needed: the value alone comes from the query-side walk, with the given
-    main and index scales (the default scales would give another KL)."""
+    """No gradient needed: the value alone comes from the key-outer kernel (its gradients
+    dropped), with the given main and index scales (the default scales would give another KL)."""
     inputs, cu_seqlens = random_inputs(SCALED, torch.float32, "cpu", seed=17)
     tensors = [t.detach() for t in inputs]
     options = dict(SCALED.options, cu_seqlens=cu_seqlens, deterministic=deterministic)
@@ -50,7 +50,7 @@ def test_kl_value_without_gradients_uses_the_given_scales(deterministic):
     assert rel_rms_error(at_default_scales, expected) > 1e-2  # the scales matter here
 
 def test_kl_value_and_index_k_gradient_need_no_index_q_gradient():
-    """Without gradients the value comes from the query-side walk alone; with only index_k
+    """Without gradients the value comes from the key-outer kernel alone; with only index_k
     requiring one, the forward still computes the KL's gradients."""
     case = CASES[1]
     inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=13)

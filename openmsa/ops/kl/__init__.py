@@ -5,8 +5,9 @@ log-sum-exps: the dispatch between the Triton kernels (``kl.kernels``) and the H
 By default one key-outer pass over the dK/dV segments gives the gradients of index_q and index_k
 by atomic adds, and the value; ``deterministic`` takes d index_q and the value from the
 query-side walk instead (each (token, index head) written once) and d index_k from the
-key-outer pass's ordered partials. The value alone is the query-side walk, which needs no
-key-block list.
+key-outer pass's ordered partials. The value alone (no gradient wanted) is the one-pass kernel
+too, its gradients dropped: its cost follows the kept pairs, where the query-side walk pays for
+the union of each query tile's blocks (several times the pairs on incoherent selections).
 """
 
 from __future__ import annotations
@@ -71,11 +72,13 @@ def index_branch_kl(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionPr
     The gradients come from one key-outer pass (``kl_key_walk``) that sums them by atomic adds;
     ``deterministic`` instead takes d index_q and the value from the query-side walk, a second
     pass over the same pairs that writes each (token, index head) once, and d index_k from the
-    key-outer pass's ordered partials. The value alone is the query-side walk, which needs no
-    key-block list."""
+    key-outer pass's ordered partials. The value alone is the one-pass kernel's, its gradients
+    dropped."""
     if not with_grad:
-        value_parts, _ = kl_query_side(q, k, index_q, index_k, lse, lse_index, p,
-                                       with_value=True, with_grad=False)
+        # The key-outer kernel's value is summed per program in a fixed order: deterministic
+        # whatever its atomic-add gradients, which are dropped here.
+        _, value_parts, _ = kl_key_walk(q, k, index_q, index_k, lse, lse_index, p,
+                                        query_side=True, with_value=True)
         return value_parts, None, None
     if deterministic:
         value_parts, d_index_q = kl_query_side(q, k, index_q, index_k, lse, lse_index, p,
