@@ -64,14 +64,16 @@ def problem_for(seqlen, heads, kv_heads, index_heads, head_dim, warmup, kind, ge
         ids = select_blocks_fwd(index_q, index_k, cu, top_k=16, block_size=128,
                                 index_softmax_scale=scale, num_local_blocks=1,
                                 num_sink_blocks=0)
-    problem = SparseAttentionProblem(q, k, ids, cu, 128, scale, index_k, scale,
-                                     query_work=query_work, all_causal=warmup)
+    def new_problem(work):
+        return SparseAttentionProblem(q, k, ids, cu, 128, scale, index_k, scale,
+                                      query_work=work, all_causal=warmup)
+
+    problem = new_problem(query_work)
     _, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem)
     tensors = (q, k, index_q, index_k, lse, lse_index)
 
-    def fresh_problem():
-        return SparseAttentionProblem(q, k, ids, cu, 128, scale, index_k, scale,
-                                      query_work=problem.query_work, all_causal=warmup)
+    def fresh_problem():  # the same query work, no key-block list yet
+        return new_problem(problem.query_work)
 
     problem.block_work  # built once, outside the timings
     return tensors, problem, fresh_problem, ids
