@@ -3,7 +3,7 @@ shared selection, fwd + bwd (GPU only).
 
     python benchmarks/bench_sharing.py --out DIR [--seqlens 131072,524288]
         [--composed-seqlens 1048576] [--layers 4] [--kinds coherent,mid,random]
-        [--index-precisions input]
+        [--index-precisions input] [--kernels]
 
 Config H64/Hkv4/Hi4/Hik1, D = Di = 128, top 16 of 128-token blocks, bf16, B = 1. A stack of
 ``--layers`` attention layers with chained inputs (layer i + 1's queries are the stack's q plus
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from bench_attention import kernel_times
 from openmsa import msa_attention, select_blocks, sparse_attention
 from openmsa.bench.selection import index_inputs, selection_statistics
 from openmsa.bench.timing import median_ms, median_ms_of_few
@@ -114,6 +115,9 @@ def main() -> None:
     parser.add_argument("--index-precisions", default="input")
     parser.add_argument("--dense-max-seqlen", type=int, default=131072,
                         help="time the dense stack (SDPA) up to this length")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also record each stack step's GPU kernels (torch profiler, "
+                        "milliseconds per kernel name) beside its time")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda")
@@ -157,6 +161,10 @@ def main() -> None:
                             functools.partial(_stack_step, stack, every, precision, dout))
                         row[f"every_{'1' if every == 1 else 'layers'}_peak_gib"] = (
                             torch.cuda.max_memory_allocated() / 2**30)
+                        if args.kernels:
+                            row[f"every_{'1' if every == 1 else 'layers'}_kernels_ms"] = (
+                                kernel_times(functools.partial(_stack_step, stack, every,
+                                                               precision, dout), top=40))
                 row["speedup"] = row["every_1_ms"] / row["every_layers_ms"]
                 if dense_ms:
                     row["every_layers_vs_dense"] = dense_ms / row["every_layers_ms"]

@@ -253,6 +253,8 @@ def test_sparse_operators_pass_opcheck():
         torch.library.opcheck(sparse_backward, (torch.randn_like(out), q.detach(), k.detach(),
                                                 v.detach(), out, lse, kept, *work, cu_seqlens,
                                                 64, 0.125, 0, 0))
+        if not warmup:  # a sharing layer's call: the selecting forward's lists given
+            torch.library.opcheck(sparse_forward, args + tuple(work))
 
 
 @interpreted
@@ -288,3 +290,48 @@ def test_sparse_attention_clear_errors():
         openmsa.sparse_attention(q, k, v, block_size=64, warmup=True, deterministic=1)
     with pytest.raises(TypeError, match="^block_indices: expected a torch.Tensor"):
         openmsa.sparse_attention(q, k, v, block_size=64)
+
+
+@interpreted
+@pytest.mark.parametrize("packed", [False, True])
+def test_sharing_reuses_the_selecting_forwards_work_lists(packed, monkeypatch):
+    """Ids that msa_attention returned carry its work lists: sparse_attention over them builds
+    no list and checks no value, and gives exactly what it gives over a copy of the ids (checked,
+    lists built anew). Ids changed in place since are checked again."""
+    from openmsa.ops import problem as problem_module
+    generator = torch.Generator().manual_seed(5)
+    call = {}
+    lead = (330,) if packed else (2, 200)
+    if packed:
+        call["cu_seqlens"] = torch.tensor([0, 130, 131, 330], dtype=torch.int32)
+    q, k, v = (torch.randn(*lead, heads, 64, generator=generator).requires_grad_()
+               for heads in (4, 2, 2))
+    index_q, index_k = (torch.randn(*lead, heads, 64, generator=generator).requires_grad_()
+                        for heads in (2, 1))
+    _, kl, ids = openmsa.msa_attention(q, k, v, index_q, index_k, backend="triton",
+                                       return_indices=True, **OPTIONS, **call)
+    builds = []
+    for name in ("build_query_tile_work", "build_block_work"):
+        original = getattr(problem_module, name)
+        monkeypatch.setattr(problem_module, name,
+                            lambda *a, _f=original, _n=name, **kw: builds.append(_n) or _f(*a, **kw))
+    checks = []
+    original_check = msa_module.validate_sparse_args
+    monkeypatch.setattr(msa_module, "validate_sparse_args", lambda *a, **kw: checks.append(
+        kw["check_index_values"]) or original_check(*a, **kw))
+    out_grad = torch.randn_like(q)
+
+    def shared(block_ids):
+        out = openmsa.sparse_attention(q * 0.5, k, v, block_ids, backend="triton",
+                                       block_size=64, **call)
+        return [out, *torch.autograd.grad((out * out_grad).sum(), (q, k, v))]
+
+    reused = shared(ids)
+    assert builds == [] and checks == [False]
+    rebuilt = shared(ids.clone())
+    assert builds == ["build_query_tile_work", "build_block_work"] and checks == [False, True]
+    for got, expected in zip(reused, rebuilt):
+        assert torch.equal(got, expected)
+    ids[..., 0] = 100  # past every query's own block
+    with pytest.raises(ValueError, match="^block_indices: expected entries in"):
+        shared(ids)

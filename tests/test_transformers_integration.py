@@ -73,6 +73,24 @@ def test_kl_reaches_only_the_index_projections(family):
                for n, p in model.named_parameters() if "index_" in n)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_converted_model_trains_under_bf16_autocast(family):
+    """Autocast gives the projections in bf16 while RoPE's fp32 factors (and Qwen3's norms)
+    would promote q and k: every branch must reach msa_attention in one dtype, and the model
+    must match the autocast original when every block is kept."""
+    model = tiny_model(family).float()
+    tokens = torch.randint(101, (2, 200), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(tokens, use_cache=False).logits.float()
+    convert_to_msa(model, top_k=4, block_size=64, backend="reference")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens, use_cache=False).logits.float()
+        kl = msa_kl(model)
+    torch.testing.assert_close(logits, expected, rtol=0.05, atol=0.05)
+    (logits.logsumexp(-1).mean() + kl).backward()
+    assert model.model.layers[0].self_attn.index_q_proj.weight.grad is not None
+
+
 def test_index_branch_starts_from_the_main_projections():
     model = tiny_model("llama")
     q_weight = model.model.layers[0].self_attn.q_proj.weight.detach().clone()

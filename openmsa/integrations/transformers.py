@@ -122,7 +122,10 @@ class HFMSAAttention(nn.Module):
         cos, sin = position_embeddings
 
         def heads(layer, x, count, norm):
-            return _rope(norm(layer(x).view(batch, seqlen, count, self.head_dim)), cos, sin)
+            # Under autocast a projection gives the autocast dtype, but RoPE's (and a norm's)
+            # fp32 factors promote it: every branch enters the kernels in the projection's.
+            projected = layer(x).view(batch, seqlen, count, self.head_dim)
+            return _rope(norm(projected), cos, sin).to(projected.dtype)
 
         q = heads(self.q_proj, hidden_states, self.num_heads, self.q_norm)
         k = heads(self.k_proj, hidden_states, self.num_kv_heads, self.k_norm)

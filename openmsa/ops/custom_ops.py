@@ -18,7 +18,7 @@ import torch
 from . import pipeline
 from .configs import Tuning
 from .problem import query_tile_shape
-from .worklists import query_tile_entries
+from .worklists import QueryTileWork, query_tile_entries
 
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -60,8 +60,8 @@ def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softm
     i32 = dict(dtype=torch.int32, device=q.device)
     grad_q_shape = (total, num_index_heads, index_dim) if index_grad else (0,)
     grad_k_shape = index_k.shape if index_grad else (0,)
-    (pairs, blocks, segments), _ = pipeline.block_work_shape(q, k, index_q, cu_seqlens, slots,
-                                                              block_size)
+    (pairs, blocks, segments), _ = pipeline.block_work_shape(q, k, num_index_heads, cu_seqlens,
+                                                              slots, block_size)
     work_size = pairs + 3 * blocks * num_index_heads + 2 * blocks + 3 * segments
     return (torch.empty_like(q), q.new_empty((), **f32), q.new_empty(total, num_heads, **f32),
             q.new_empty(total, num_index_heads, **f32),
@@ -182,22 +182,42 @@ def tuned_msa_forward(tuning: Tuning):
 def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                    block_ids: Optional[torch.Tensor], num_index_heads: int, block_size: int,
                    softmax_scale: float, warmup: bool, max_seqlen: int, query_start: int = 0,
-                   dense_batch: int = 0,
+                   dense_batch: int = 0, schedule: Optional[torch.Tensor] = None,
+                   union: Optional[torch.Tensor] = None,
+                   union_members: Optional[torch.Tensor] = None,
+                   union_count: Optional[torch.Tensor] = None,
+                   block_work: Optional[torch.Tensor] = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                               torch.Tensor, torch.Tensor]:
-    """``pipeline.sparse_forward`` as an operator."""
-    return pipeline.sparse_forward(q, k, v, cu_seqlens, block_ids, num_index_heads, block_size,
-                                   softmax_scale, warmup, max_seqlen, query_start, dense_batch)
+    """``pipeline.sparse_forward`` as an operator. ``schedule`` ... ``union_count``: the
+    query-tile lists of ``block_ids`` that the selecting forward built (a sharing layer), then
+    returned as empty tensors (outputs may not alias inputs) and saved from the inputs;
+    ``block_work``: that forward's packed key-block list, for the backward alone."""
+    given = None
+    if schedule is not None:
+        given = QueryTileWork(schedule, union, union_members, union_count,
+                              tile_tokens=query_tile_shape(q.shape[1] // num_index_heads)[0])
+    out, lse, ids, *work = pipeline.sparse_forward(q, k, v, cu_seqlens, block_ids,
+                                                   num_index_heads, block_size, softmax_scale,
+                                                   warmup, max_seqlen, query_start, dense_batch,
+                                                   given)
+    if given is not None:
+        work = [q.new_empty(0, dtype=t.dtype) for t in work]
+    return (out, lse, ids, *work)
 
 
 @sparse_forward.register_fake
 def _(q, k, v, cu_seqlens, block_ids, num_index_heads, block_size, softmax_scale, warmup,
-      max_seqlen, query_start=0, dense_batch=0):
+      max_seqlen, query_start=0, dense_batch=0, schedule=None, union=None, union_members=None,
+      union_count=None, block_work=None):
     total, num_heads, _ = q.shape
     slots = -(-max_seqlen // block_size) if warmup else block_ids.shape[2]
+    work = _fake_query_work(q, cu_seqlens, num_index_heads, slots, query_start)
+    if schedule is not None:
+        work = [q.new_empty(0, dtype=t.dtype) for t in work]
     return (torch.empty_like(q), q.new_empty(total, num_heads, dtype=torch.float32),
             q.new_empty(total, num_index_heads, slots, dtype=torch.int32, device=q.device),
-            *_fake_query_work(q, cu_seqlens, num_index_heads, slots, query_start))
+            *work)
 
 
 @torch.library.custom_op("openmsa::sparse_backward", mutates_args=())
@@ -206,31 +226,37 @@ def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     schedule: torch.Tensor, union: torch.Tensor, union_members: torch.Tensor,
                     union_count: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
                     softmax_scale: float, query_start: int = 0, dense_batch: int = 0,
+                    block_work: Optional[torch.Tensor] = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``pipeline.sparse_backward`` as an operator."""
     return pipeline.sparse_backward(dout, q, k, v, out, lse, block_ids, schedule, union,
                                     union_members, union_count, cu_seqlens, block_size,
-                                    softmax_scale, query_start, dense_batch)
+                                    softmax_scale, query_start, dense_batch, block_work)
 
 
 @sparse_backward.register_fake
 def _(dout, q, k, v, out, lse, block_ids, schedule, union, union_members, union_count,
-      cu_seqlens, block_size, softmax_scale, query_start=0, dense_batch=0):
+      cu_seqlens, block_size, softmax_scale, query_start=0, dense_batch=0, block_work=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _sparse_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, _, _, block_size, softmax_scale, _, _, query_start, dense_batch = inputs
+    q, k, v, cu_seqlens, _, _, block_size, softmax_scale, _, _, query_start, dense_batch = (
+        inputs[:12])
+    given_work, block_work = inputs[12:16], inputs[16]
     out, lse, ids, *work = output
-    ctx.save_for_backward(q, k, v, out, lse, ids, *work, cu_seqlens)
+    if given_work[0] is not None:
+        work = given_work
+    block_work = q.new_empty(0, dtype=torch.int32) if block_work is None else block_work
+    ctx.save_for_backward(q, k, v, out, lse, ids, *work, cu_seqlens, block_work)
     ctx.options = (block_size, softmax_scale, query_start, dense_batch)
 
 
 def _sparse_backward_formula(ctx, dout, *_):
-    q, k, v, out, lse, ids, *work, cu_seqlens = ctx.saved_tensors
+    q, k, v, out, lse, ids, *work, cu_seqlens, block_work = ctx.saved_tensors
     dq, dk, dv = sparse_backward(dout.contiguous(), q, k, v, out, lse, ids, *work, cu_seqlens,
-                                 *ctx.options)
-    return (dq, dk, dv) + (None,) * 9
+                                 *ctx.options, block_work)
+    return (dq, dk, dv) + (None,) * 14
 
 
 sparse_forward.register_autograd(_sparse_backward_formula, setup_context=_sparse_setup_context)

@@ -159,7 +159,7 @@ def msa_kernels(operator, q, k, v, index_q, index_k, problem, cu_seqlens, max_se
     index_grad = torch.is_grad_enabled() and (index_q.requires_grad or index_k.requires_grad)
     warmup = problem.warmup
     dense_batch = problem.batch if warmup and use_cudnn_dense(q, problem, deterministic) else 0
-    out, kl, _, _, token_major_ids, *_ = operator(
+    out, kl, _, _, token_major_ids, _, _, block_work, *query_work = operator(
         packed_tokens(q), packed_tokens(k), packed_tokens(v), packed_tokens(index_q),
         packed_tokens(index_k), cu, ids, problem.top_k, problem.block_size,
         problem.softmax_scale, problem.index_softmax_scale, problem.num_local_blocks,
@@ -169,7 +169,54 @@ def msa_kernels(operator, q, k, v, index_q, index_k, problem, cu_seqlens, max_se
     # The operator's ids are its own tensor (int32, also when the caller gave int64 ids).
     block_ids = None if warmup else ids_from_token_major(token_major_ids, problem.packed,
                                                          problem.batch, problem.seqlen)
+    if return_indices and block_ids is not None and not torch.compiler.is_compiling():
+        HandedOnSelection.attach(block_ids, token_major_ids, query_work, block_work, q, k,
+                                 cu_seqlens, problem)
     return _return(out.view(q.shape), kl, block_ids, return_indices)
+
+
+class HandedOnSelection:
+    """What a forward that selected knows about the ids it returned: their token-major tensor
+    and the work lists it built over them (query tiles; the key-block list when its KL built
+    one). Attached to those ids, so that a layer sharing them (``sparse_attention`` on the same
+    problem, SPEC section 9) neither builds the lists again nor checks the ids' values, which
+    costs a sort and host synchronizations. It holds while the ids are unchanged (their version
+    counter) and the sharing call's problem is the selecting one's; any other ids are checked
+    and their lists built as before."""
+
+    ATTRIBUTE = "_openmsa_selection"
+
+    def __init__(self, version, key, token_major_ids, query_work, block_work):
+        self.version, self.key = version, key
+        self.token_major_ids, self.query_work, self.block_work = (token_major_ids, query_work,
+                                                                  block_work)
+
+    @staticmethod
+    def _key(q, k, cu_seqlens, num_heads, block_size, query_start):
+        # The lists depend on the packing, the query range, the tile shape (heads per index
+        # head) and the block size; cu_seqlens by identity (None for batch input).
+        return (tuple(q.shape[:-2]), tuple(k.shape[:-2]), id(cu_seqlens), num_heads,
+                block_size, query_start)
+
+    @classmethod
+    def attach(cls, block_ids, token_major_ids, query_work, block_work, q, k, cu_seqlens,
+               problem):
+        key = cls._key(q, k, cu_seqlens, problem.num_heads, problem.block_size,
+                       problem.query_start)
+        setattr(block_ids, cls.ATTRIBUTE,
+                cls(block_ids._version, key, token_major_ids, query_work, block_work))
+
+    @classmethod
+    def of(cls, block_ids, q, k, cu_seqlens, num_heads, block_size, query_start):
+        """The handed-on selection of ``block_ids`` if it still holds for this problem."""
+        if torch.compiler.is_compiling():
+            return None
+        selection = getattr(block_ids, cls.ATTRIBUTE, None)
+        if (selection is None or selection.version != block_ids._version
+                or selection.key != cls._key(q, k, cu_seqlens, num_heads, block_size,
+                                             query_start)):
+            return None
+        return selection
 
 
 def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, top_k: int = 16,
@@ -224,20 +271,32 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernels run as the custom operators ``openmsa::sparse_forward`` / ``sparse_backward``, so
     ``torch.compile`` traces them.
     """
+    handed_on = None
+    if isinstance(block_indices, torch.Tensor) and not warmup:
+        handed_on = HandedOnSelection.of(block_indices, q, k, cu_seqlens, q.shape[-2],
+                                         block_size, query_start or 0)
     problem = validate_sparse_args(q, k, v, block_indices, block_size=block_size,
                                    softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                                    max_seqlen=max_seqlen, backend=backend, warmup=warmup,
                                    num_index_heads=num_index_heads, deterministic=deterministic,
-                                   query_start=query_start)
+                                   query_start=query_start,
+                                   check_index_values=handed_on is None)
     if not _use_kernels(backend, q.device):
         return naive_msa_forward(q, k, v, None, None, problem, cu_seqlens, block_indices)[0]
     _check_gpu_head_dims(q.device, q=problem.head_dim)
     cu = packed_offsets(cu_seqlens, problem.batch, problem.num_keys, q.device)
-    ids = None if warmup else ids_to_token_major(block_indices, problem.packed)
+    lists = {}
+    if handed_on is not None:
+        ids = handed_on.token_major_ids
+        lists = dict(zip(("schedule", "union", "union_members", "union_count"),
+                         handed_on.query_work), block_work=handed_on.block_work)
+    else:
+        ids = None if warmup else ids_to_token_major(block_indices, problem.packed)
     dense_batch = problem.batch if warmup and use_cudnn_dense(q, problem, deterministic) else 0
     out, *_ = sparse_forward(packed_tokens(q), packed_tokens(k), packed_tokens(v), cu, ids,
                              problem.num_index_heads, block_size, problem.softmax_scale, warmup,
-                             max_seqlen or problem.num_keys, problem.query_start, dense_batch)
+                             max_seqlen or problem.num_keys, problem.query_start, dense_batch,
+                             **lists)
     return out.view(q.shape)
 
 

@@ -32,14 +32,26 @@ from .validate import query_positions_from_offsets
 from .worklists import BlockWork, QueryTileWork, block_work_sizes, build_causal_query_tile_work
 
 
-def block_work_shape(q, k, index_q, cu_seqlens, slots: int, block_size: int,
+def block_work_shape(q, k, num_index_heads: int, cu_seqlens, slots: int, block_size: int,
                      tuning: Tuning = DEFAULT_TUNING):
     """(pairs, global blocks, segments) of the key-block list, from the shapes alone, and its
     pairs per segment: as ``SparseAttentionProblem`` builds it."""
-    pairs_per_segment = tuning.segment_pairs_for(q.shape[0], index_q.shape[1], slots)
-    sizes = block_work_sizes(q.shape[0], index_q.shape[1], slots, k.shape[0],
+    pairs_per_segment = tuning.segment_pairs_for(q.shape[0], num_index_heads, slots)
+    sizes = block_work_sizes(q.shape[0], num_index_heads, slots, k.shape[0],
                              cu_seqlens.shape[0] - 1, block_size, pairs_per_segment)
     return sizes, pairs_per_segment
+
+
+def unpacked_block_work(block_work: torch.Tensor, q, k, block_ids, cu_seqlens, block_size: int,
+                        tuning: Tuning = DEFAULT_TUNING) -> Optional[BlockWork]:
+    """The key-block list a forward returned packed (``BlockWork.packed``), or None when it
+    returned none (an empty tensor)."""
+    if not block_work.numel():
+        return None
+    sizes, pairs_per_segment = block_work_shape(q, k, block_ids.shape[1], cu_seqlens,
+                                                block_ids.shape[2], block_size, tuning)
+    return BlockWork.unpacked(block_work, *sizes, num_index_heads=block_ids.shape[1],
+                              segment_pairs=pairs_per_segment)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor,
@@ -132,12 +144,7 @@ def backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torch.Te
     here. ``tuning`` must be the forward's."""
     work = QueryTileWork(schedule, union, union_members, union_count,
                          tile_tokens=query_tile_shape(q.shape[1] // block_ids.shape[1])[0])
-    blocks = None
-    if block_work.numel():
-        sizes, pairs_per_segment = block_work_shape(q, k, index_q, cu_seqlens,
-                                                    block_ids.shape[2], block_size, tuning)
-        blocks = BlockWork.unpacked(block_work, *sizes, num_index_heads=block_ids.shape[1],
-                                    segment_pairs=pairs_per_segment)
+    blocks = unpacked_block_work(block_work, q, k, block_ids, cu_seqlens, block_size, tuning)
     problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
                                      index_k, index_scale, query_work=work, block_work=blocks,
                                      query_start=query_start, kl_num_queries=kl_num_queries,
@@ -176,12 +183,13 @@ def _causal_ids_and_work(q, k, cu_seqlens, num_index_heads: int, block_size: int
 def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                    block_ids: Optional[torch.Tensor], num_index_heads: int, block_size: int,
                    softmax_scale: float, warmup: bool, max_seqlen: int, query_start: int = 0,
-                   dense_batch: int = 0):
+                   dense_batch: int = 0, query_work: Optional[QueryTileWork] = None):
     """The main attention alone (no index branch, no KL) over ``block_ids`` (token-major
     ``[Tq, Hi, k]``) or, with ``warmup``, over every causal block (``num_index_heads`` then
     shapes the work lists; ``dense_batch`` > 0: on cuDNN over that many equal batch rows).
-    Returns out, lse2 ``[Tq, H]``, the kept ids and the query-tile work lists."""
-    query_work = None
+    ``query_work``: the query-tile lists of ``block_ids`` when the forward that selected them
+    built them already (a layer sharing its selection). Returns out, lse2 ``[Tq, H]``, the kept
+    ids and the query-tile work lists (the given ones: the caller's)."""
     if warmup:
         ids, query_work = _causal_ids_and_work(q, k, cu_seqlens, num_index_heads, block_size,
                                                max_seqlen, query_start)
@@ -202,12 +210,18 @@ def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     out: torch.Tensor, lse: torch.Tensor, block_ids: torch.Tensor,
                     schedule: torch.Tensor, union: torch.Tensor, union_members: torch.Tensor,
                     union_count: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
-                    softmax_scale: float, query_start: int = 0, dense_batch: int = 0):
-    """dq, dk, dv of ``sparse_forward``'s attention, on its work lists."""
+                    softmax_scale: float, query_start: int = 0, dense_batch: int = 0,
+                    block_work: Optional[torch.Tensor] = None):
+    """dq, dk, dv of ``sparse_forward``'s attention, on its work lists; ``block_work``: the
+    packed key-block list of ``block_ids`` when a forward built it already (the selecting
+    layer's KL), else None or empty to build it here."""
     if dense_batch:
         return dense_attention_backward(dout, q, k, v, out, lse, dense_batch, softmax_scale)
     work = QueryTileWork(schedule, union, union_members, union_count,
                          tile_tokens=query_tile_shape(q.shape[1] // block_ids.shape[1])[0])
+    blocks = (None if block_work is None
+              else unpacked_block_work(block_work, q, k, block_ids, cu_seqlens, block_size))
     problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
-                                     query_work=work, query_start=query_start)
+                                     query_work=work, block_work=blocks,
+                                     query_start=query_start)
     return attention_backward(q, k, v, out, dout, lse, problem)

@@ -129,9 +129,11 @@ def validate_cu_seqlens(cu_seqlens, total_tokens: int, device: torch.device, max
 
 
 def validate_block_indices(block_indices, problem: MSAProblem, cu_seqlens,
-                           device: torch.device) -> None:
+                           device: torch.device, check_values: bool = True) -> None:
     """Checks externally given kept-block ids: int32/int64 ``[B, Hi, S, k]`` (packed ``[Hi, T, k]``)
-    whose rows hold the query's own block and otherwise only earlier blocks or -1."""
+    whose rows hold the query's own block and otherwise only earlier blocks or -1.
+    ``check_values=False``: the layout alone (ids a selection of this library made, unchanged
+    since)."""
     if not isinstance(block_indices, torch.Tensor):
         raise TypeError(
             f"block_indices: expected a torch.Tensor, received {type(block_indices).__name__}")
@@ -156,7 +158,7 @@ def validate_block_indices(block_indices, problem: MSAProblem, cu_seqlens,
                     "a tensor")
     # Reading the values would sync the host: not while a CUDA graph is captured, and not under
     # torch.compile (data-dependent); the shapes above are checked there too.
-    if torch.compiler.is_compiling() or (block_indices.is_cuda
+    if not check_values or torch.compiler.is_compiling() or (block_indices.is_cuda
                                          and torch.cuda.is_current_stream_capturing()):
         return
     query_block = query_positions(problem, cu_seqlens, device) // problem.block_size
@@ -431,7 +433,8 @@ def validate_msa_args(q, k, v, index_q, index_k, *, top_k, block_size, softmax_s
 
 def validate_sparse_args(q, k, v, block_indices, *, block_size, softmax_scale, cu_seqlens,
                          max_seqlen, backend, warmup=False, num_index_heads=None,
-                         deterministic=False, query_start=None) -> MSAProblem:
+                         deterministic=False, query_start=None,
+                         check_index_values=True) -> MSAProblem:
     """Validates the arguments of ``sparse_attention``; the index heads ``Hi`` and the slots per
     row are those of ``block_indices`` (``[B, Hi, S, k]`` or packed ``[Hi, T, k]``), or in
     warmup (no ``block_indices``) ``num_index_heads`` (default Hkv) and every causal block.
@@ -491,5 +494,6 @@ def validate_sparse_args(q, k, v, block_indices, *, block_size, softmax_scale, c
         index_softmax_scale=1.0, num_local_blocks=1, num_sink_blocks=0, warmup=warmup,
         query_start=query_start or 0, num_keys=num_keys, kl_num_queries=batch * num_queries)
     if not warmup:
-        validate_block_indices(block_indices, problem, cu_seqlens, q.device)
+        validate_block_indices(block_indices, problem, cu_seqlens, q.device,
+                               check_values=check_index_values)
     return problem
