@@ -13,8 +13,8 @@ selects (``msa_attention``); ``share_index_every`` = layers, layer 0 selects and
 (openmsa.bench.selection); the sharing layers' main attention reads the indexer's blocks.
 
 At --composed-seqlens (1M: four H64 layers' saved activations exceed an H200's memory) the
-stack's time is composed from one indexer layer's step and one sharing layer's step, timed
-alone: ``indexer + (layers - 1) x sharer`` against ``layers x indexer`` (the layers run one
+stack's time is composed from one indexer layer's step and one sharing layer's step (over the
+ids of an indexer's training forward, with the work lists it built), timed alone: ``indexer + (layers - 1) x sharer`` against ``layers x indexer`` (the layers run one
 after another, so their times add). Steps of 512k tokens and more are the median of 3 calls
 after a warm-up one; shorter ones use timing.median_ms. The same chained stack on dense causal
 SDPA is the run's baseline up to --dense-max-seqlen. Prints a table last.
@@ -93,9 +93,10 @@ def _layer_steps(stack, precision, dout):
                                 index_precision=precision)
         torch.autograd.grad((out, kl), (q, k, v, index_q, index_k), (dout, one))
 
-    with torch.no_grad():
-        ids = select_blocks(index_q, index_k, top_k=TOP_K, block_size=BLOCK,
-                            index_precision=precision)
+    # The ids of a training forward, as a model's sharing layers get them: they come with the
+    # work lists that forward built (its KL's key-block list too), which the sharer reuses.
+    _, _, ids = msa_attention(q, k, v, index_q, index_k, top_k=TOP_K, block_size=BLOCK,
+                              index_precision=precision, return_indices=True)
 
     def sharer():
         out = sparse_attention(q, k, v, ids, block_size=BLOCK)
