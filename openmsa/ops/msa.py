@@ -269,7 +269,11 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     deterministic by construction; ``deterministic=True`` keeps warmup off cuDNN, whose backward
     is not. ``query_start``: a query range, as ``msa_attention``'s (context parallelism). The
     kernels run as the custom operators ``openmsa::sparse_forward`` / ``sparse_backward``, so
-    ``torch.compile`` traces them.
+    ``torch.compile`` traces them. Ids that ``msa_attention(..., return_indices=True)`` returned
+    on the kernels, unchanged since and used on the same problem, come with the work lists that
+    forward built: they are reused and the ids' values not checked again
+    (``HandedOnSelection``); other ids are checked, which synchronizes the host (skipped under
+    CUDA-graph capture and torch.compile).
     """
     handed_on = None
     if isinstance(block_indices, torch.Tensor) and not warmup:

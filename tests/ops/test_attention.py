@@ -106,14 +106,18 @@ def test_log_sum_exps_match_the_kept_logits():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("index_heads", [1, 2])
 @pytest.mark.parametrize("query_range", [(0, 400), (45, 330)])
-def test_index_log_sum_exp_alone_on_wider_tiles(query_range):
-    """Next to the Hopper forward the index log-sum-exp runs alone on tiles of
+def test_index_log_sum_exp_alone_on_wider_tiles(query_range, index_heads):
+    """Next to the Hopper forward the index log-sum-exp runs alone: key-outer over the
+    key-block list when selection gives each row's largest kept score, else on tiles of
     INDEX_TILE_TOKENS tokens (the main tiles hold 8 at 16 heads per index head), also for a
-    query range: against logsumexp of each packed sequence's masked index scores."""
+    query range: against logsumexp of each packed sequence's masked index scores, every index
+    head (two share one index key head)."""
     first, end = query_range
-    case = MSACase("sixteen_heads_per_index_head", seqlens=(150, 1, 249), num_heads=16,
-                   num_kv_heads=1, num_index_heads=1)
+    case = MSACase("sixteen_heads_per_index_head", seqlens=(150, 1, 249),
+                   num_heads=16 * index_heads, num_kv_heads=index_heads,
+                   num_index_heads=index_heads)
     inputs, cu = random_inputs(case, torch.float32, "cpu", seed=6)
     q, k, v, index_q, index_k = (t.detach().reshape(-1, *t.shape[-2:]) for t in inputs)
     q, index_q = q[first:end], index_q[first:end]
@@ -125,8 +129,9 @@ def test_index_log_sum_exp_alone_on_wider_tiles(query_range):
     assert problem.query_tokens < INDEX_TILE_TOKENS
     assert problem.index_tile_work.tile_tokens == INDEX_TILE_TOKENS
     alone = attention_module.index_log_sum_exp(index_q, index_k, row_max, problem)
+    key_outer = attention_module.index_log_sum_exp_key_outer(index_q, index_k, row_max, problem)
 
-    expected = torch.empty(end - first, 1, dtype=torch.float64)
+    expected = torch.empty(end - first, index_heads, dtype=torch.float64)
     offsets = cu.tolist()
     for start, stop in zip(offsets, offsets[1:]):
         lo, hi = max(start, first), min(stop, end)  # this sequence's queries in the range
@@ -134,13 +139,16 @@ def test_index_log_sum_exp_alone_on_wider_tiles(query_range):
             continue
         positions = torch.arange(lo, hi) - start
         keys = torch.arange(stop - start)
-        kept_blocks = ids[lo - first:hi - first, 0].long()  # [queries, top_k], -1 unused
-        kept = ((kept_blocks[:, :, None] == (keys // 64)[None, None, :]).any(1)
-                & (keys[None, :] <= positions[:, None]))
-        z = 0.3 * index_q[lo - first:hi - first, 0].double() @ index_k[start:stop, 0].double().T
-        expected[lo - first:hi - first, 0] = torch.logsumexp(
-            z.masked_fill(~kept, float("-inf")), -1)
+        for head in range(index_heads):
+            kept_blocks = ids[lo - first:hi - first, head].long()  # [queries, top_k]; -1 unused
+            kept = ((kept_blocks[:, :, None] == (keys // 64)[None, None, :]).any(1)
+                    & (keys[None, :] <= positions[:, None]))
+            z = 0.3 * (index_q[lo - first:hi - first, head].double()
+                       @ index_k[start:stop, 0].double().T)
+            expected[lo - first:hi - first, head] = torch.logsumexp(
+                z.masked_fill(~kept, float("-inf")), -1)
     torch.testing.assert_close(alone.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(key_outer.double(), expected, rtol=1e-5, atol=1e-5)
     # Without row maxima (fp8 selection) the kernel keeps a running maximum: the same sums.
     running = attention_module.index_log_sum_exp(index_q, index_k, None, problem)
     torch.testing.assert_close(running.double(), expected, rtol=1e-5, atol=1e-5)

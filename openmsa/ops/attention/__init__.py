@@ -18,22 +18,24 @@ from ..problem import LOG2_E, SparseAttentionProblem
 from ..segments import reduce_segments
 from . import sm90_backward, sm90_forward
 from .backward import attention_delta, triton_dkdv_parts, triton_dq
-from .forward import index_log_sum_exp, triton_forward
+from .forward import index_log_sum_exp, index_log_sum_exp_key_outer, triton_forward
 
 __all__ = ["attention_backward", "attention_delta", "attention_dkdv", "attention_dq",
-           "index_log_sum_exp", "sparse_attention_fwd"]
+           "index_log_sum_exp", "index_log_sum_exp_key_outer", "sparse_attention_fwd"]
 
 
 def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
                          index_max=None, num_warps=None, num_stages=None,
-                         use_hopper: bool | None = None):
+                         use_hopper: bool | None = None, deterministic: bool = False):
     """q [T, H, D], k, v [T, Hkv, D] (index_q [T, Hi, Di], index_k [T, Hik, Di] or None).
     Returns out [T, H, D] (q's dtype), lse2 [T, H] and the index log-sum-exp [T, Hi] (natural
     log over the kept tokens; None without the index branch), both fp32. ``index_max``: fp32
     [T, Hi], each row's largest index score over its kept tokens when known (selection's
     largest block score, when selection keeps the best block), or None.
-    The Gluon kernel has no index branch: with one, it runs next to the Triton kernel's index
-    part alone (with a running maximum when no row maxima are given: fp8 selection, given ids).
+    The Gluon kernel has no index branch: with one, the index log-sum-exp runs beside it,
+    key-outer when row maxima are given (unless ``deterministic``: its atomic sums land in any
+    order), else on the Triton kernel's index part alone with a running maximum (fp8
+    selection, given ids).
     Warmup on these kernels (every causal block) without row maxima keeps the fused Triton
     forward, its one walk serving both branches (the split walk there is not yet measured).
     ``num_warps``, ``num_stages``: the Triton launch's."""
@@ -43,6 +45,8 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
         out, lse = sm90_forward.sparse_attention_fwd(q, k, v, p, p.scale * LOG2_E)
         if not p.with_index:
             return out, lse, None
+        if index_max is not None and not deterministic:
+            return out, lse, index_log_sum_exp_key_outer(index_q, index_k, index_max, p)
         return out, lse, index_log_sum_exp(index_q, index_k, index_max, p)
     return triton_forward(q, k, v, index_q, index_k, p, index_max, num_warps, num_stages)
 

@@ -4,7 +4,9 @@ branch's log-sum-exp over the kept tokens that the KL needs.
 Query-outer: one program per (query tile, index head) walks the distinct blocks the tile's
 tokens kept, flash-attention style; a row sees a block only if its own token kept it.
 Neighbouring tokens of a trained index branch keep nearly the same blocks, so the walk is close
-to ``top_k`` blocks.
+to ``top_k`` blocks. The index log-sum-exp alone, when each row's largest kept score is known,
+also runs key-outer (``index_log_sum_exp_key_outer``): its cost follows the kept pairs, not the
+tiles' unions.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..configs import FWD_CONFIG, INDEX_ALONE_CONFIG
+from ..configs import (FWD_CONFIG, INDEX_ALONE_CONFIG, INDEX_KEY_OUTER_CONFIG,
+                       INDEX_KEY_OUTER_PAIRS)
 from ..launch import launch, strides
 from ..problem import LOG2_E, SparseAttentionProblem
-from ..tiles import _block_keys, _load_rows, _members, _query_tile, _walk_block, _walk_list
+from ..tiles import (_block_keys, _load_rows, _members, _query_tile, _segment, _walk_block,
+                     _walk_list)
 
 
 @triton.jit
@@ -165,3 +169,56 @@ def index_log_sum_exp(index_q, index_k, index_max, p: SparseAttentionProblem):
         WITH_MAIN=False, WITH_INDEX=True, INDEX_MAX_GIVEN=index_max is not None,
         **INDEX_ALONE_CONFIG)
     return lse_index
+
+
+@triton.jit
+def _index_sum_key_outer_kernel(
+    IQ, IK, INDEX_MAX, SUMS, SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT,
+    BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start,
+    stride_iq_t, stride_iq_h, stride_ik_t, stride_ik_h, index_scale,
+    HI: tl.constexpr, INDEX_GROUP: tl.constexpr, PAIRS: tl.constexpr, BLOCK: tl.constexpr,
+    INDEX_DIM: tl.constexpr, SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One segment of the key-block -> queries list: for each of its (token, index head)
+    pairs, the sum over the block's visible keys of exp(z - the row's largest kept score),
+    added into the row's fp32 sum (atomic adds: a row's top_k blocks land in any order)."""
+    segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
+        SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
+        CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
+    if segment < 0:
+        return
+    key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
+    ik = _load_rows(IK, key_token, key_valid, index_head // INDEX_GROUP, stride_ik_t,
+                    stride_ik_h, INDEX_DIM)
+    index_dims = tl.arange(0, INDEX_DIM)
+    for first_pair in range(first, last, PAIRS):
+        pair_valid = first_pair + tl.arange(0, PAIRS) < last
+        token = tl.load(PAIR_TOKEN + first_pair + tl.arange(0, PAIRS), mask=pair_valid, other=0)
+        row = token.to(tl.int64) * HI + index_head
+        index_q = tl.load(IQ + token[:, None].to(tl.int64) * stride_iq_t
+                          + index_head * stride_iq_h + index_dims[None, :],
+                          mask=pair_valid[:, None], other=0.0)  # [PAIRS, Di]
+        row_max = tl.load(INDEX_MAX + row, mask=pair_valid, other=0.0)
+        z_t = tl.dot(ik, tl.trans(index_q), input_precision=PRECISION) * index_scale
+        query_pos = token - query_base
+        visible_t = (pair_valid[None, :] & key_valid[:, None]
+                     & (key_pos[:, None] <= query_pos[None, :]))
+        terms = tl.where(visible_t, tl.exp(z_t - row_max[None, :]), 0.0)  # [BLOCK, PAIRS]
+        tl.atomic_add(SUMS + row, tl.sum(terms, axis=0), mask=pair_valid, sem="relaxed")
+
+
+def index_log_sum_exp_key_outer(index_q, index_k, index_max, p: SparseAttentionProblem):
+    """``index_log_sum_exp`` given each row's largest kept score, key-outer over ``p``'s
+    key-block list (built here if no one has yet: the KL walks it next): one program per
+    segment adds its pairs' terms into per-row sums, so the cost follows the kept pairs
+    whatever the tiles' unions. Not bitwise reproducible (atomic adds), so
+    ``deterministic=True`` keeps the query-outer walk."""
+    sums = torch.zeros(p.total, p.num_index_heads, dtype=torch.float32, device=index_q.device)
+    work = p.block_work
+    launch(_index_sum_key_outer_kernel, (work.segments.shape[0],),
+        index_q, index_k, index_max, sums, *p.key_work_args(),
+        *strides(index_q, index_k), p.index_scale,
+        HI=p.num_index_heads, INDEX_GROUP=p.index_group, PAIRS=INDEX_KEY_OUTER_PAIRS,
+        BLOCK=p.block_size, INDEX_DIM=p.index_dim, SEGMENT_PAIRS=work.segment_pairs,
+        PRECISION=p.shared["PRECISION"], **INDEX_KEY_OUTER_CONFIG)
+    return index_max + sums.log()
