@@ -26,9 +26,11 @@ INDEX_ALONE_CONFIG = dict(num_warps=4, num_stages=2)
 # blocks, so wide tiles pay per block once for many tokens. 64 is the most a tile's members
 # mask holds.
 INDEX_TILE_TOKENS = 64
-# The index log-sum-exp alone, key-outer (given row maxima): pairs per step and the launch.
+# The index log-sum-exp alone, key-outer (given row maxima): pairs per step and the launch;
+# tiles whose union holds at most this many blocks per kept slot stay on the query-outer walk.
 INDEX_KEY_OUTER_PAIRS = 64
 INDEX_KEY_OUTER_CONFIG = dict(num_warps=4, num_stages=2)
+INDEX_WALK_LIMIT_PER_SLOT = 3
 QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
 REDUCE_KEYS = 32  # keys per program of the segment reductions: enough programs at small sizes
 

@@ -109,8 +109,9 @@ def test_log_sum_exps_match_the_kept_logits():
 @pytest.mark.parametrize("index_heads", [1, 2])
 @pytest.mark.parametrize("query_range", [(0, 400), (45, 330)])
 def test_index_log_sum_exp_alone_on_wider_tiles(query_range, index_heads):
-    """Next to the Hopper forward the index log-sum-exp runs alone: key-outer over the
-    key-block list when selection gives each row's largest kept score, else on tiles of
+    """Next to the Hopper forward the index log-sum-exp runs alone: split between the walk and
+    a key-outer pass over the key-block list by each tile's union when selection gives each
+    row's largest kept score, else on tiles of
     INDEX_TILE_TOKENS tokens (the main tiles hold 8 at 16 heads per index head), also for a
     query range: against logsumexp of each packed sequence's masked index scores, every index
     head (two share one index key head)."""
@@ -129,7 +130,11 @@ def test_index_log_sum_exp_alone_on_wider_tiles(query_range, index_heads):
     assert problem.query_tokens < INDEX_TILE_TOKENS
     assert problem.index_tile_work.tile_tokens == INDEX_TILE_TOKENS
     alone = attention_module.index_log_sum_exp(index_q, index_k, row_max, problem)
-    key_outer = attention_module.index_log_sum_exp_key_outer(index_q, index_k, row_max, problem)
+    # Key-outer for every row (limit 0), for the tiles of more than one block (the first tile
+    # of a sequence keeps block 0 alone: both passes run), and at the default limit.
+    split = [attention_module.index_log_sum_exp_key_outer(index_q, index_k, row_max, problem,
+                                                          walk_limit=limit)
+             for limit in (0, 1, None)]
 
     expected = torch.empty(end - first, index_heads, dtype=torch.float64)
     offsets = cu.tolist()
@@ -148,7 +153,8 @@ def test_index_log_sum_exp_alone_on_wider_tiles(query_range, index_heads):
             expected[lo - first:hi - first, head] = torch.logsumexp(
                 z.masked_fill(~kept, float("-inf")), -1)
     torch.testing.assert_close(alone.double(), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(key_outer.double(), expected, rtol=1e-5, atol=1e-5)
+    for got in split:
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
     # Without row maxima (fp8 selection) the kernel keeps a running maximum: the same sums.
     running = attention_module.index_log_sum_exp(index_q, index_k, None, problem)
     torch.testing.assert_close(running.double(), expected, rtol=1e-5, atol=1e-5)

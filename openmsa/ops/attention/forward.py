@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..configs import (FWD_CONFIG, INDEX_ALONE_CONFIG, INDEX_KEY_OUTER_CONFIG,
-                       INDEX_KEY_OUTER_PAIRS)
+                       INDEX_KEY_OUTER_PAIRS, INDEX_WALK_LIMIT_PER_SLOT)
 from ..launch import launch, strides
 from ..problem import LOG2_E, SparseAttentionProblem
 from ..tiles import (_block_keys, _load_rows, _members, _query_tile, _segment, _walk_block,
@@ -34,7 +34,7 @@ def _sparse_attn_fwd_kernel(
     INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
     UNION_SLOTS: tl.constexpr, WITH_MAIN: tl.constexpr, WITH_INDEX: tl.constexpr,
-    INDEX_MAX_GIVEN: tl.constexpr, PRECISION: tl.constexpr,
+    INDEX_MAX_GIVEN: tl.constexpr, PRECISION: tl.constexpr, WALK_LIMIT: tl.constexpr = 0,
 ):
     """Query-outer forward: one program per (query tile, index head) walks the distinct blocks
     its tokens kept (flash-attention online softmax); a row sees a block only if its own token
@@ -42,7 +42,9 @@ def _sparse_attn_fwd_kernel(
     branch's log-sum-exp over the kept tokens (natural log), which the KL needs (alone, without
     WITH_MAIN, next to the Hopper kernel's main branch). INDEX_MAX_GIVEN: each token's largest
     kept index score is INDEX_MAX (selection's), so the index sum needs no running maximum: its
-    terms add up elementwise and are reduced once, after the walk."""
+    terms add up elementwise and are reduced once, after the walk. WALK_LIMIT > 0: a tile
+    whose union holds more blocks returns at once, writing nothing (the key-outer pass takes
+    its tokens)."""
     entry = tl.program_id(0).to(tl.int64)
     index_head = tl.program_id(1).to(tl.int64)
     if tl.load(SCHEDULE + 2 * entry) < 0:  # padding entry
@@ -68,6 +70,9 @@ def _sparse_attn_fwd_kernel(
         index_terms = tl.zeros((TOKP, BLOCK), tl.float32)
     blocks, members_of, walk_length = _walk_list(UNION, UNION_MEMBERS, UNION_COUNT, entry,
                                                  index_head, HI, UNION_SLOTS)
+    if WALK_LIMIT > 0:
+        if walk_length > WALK_LIMIT:
+            return
     for u in range(0, walk_length):
         block, members, needs_mask = _walk_block(blocks, members_of, u, first_position,
                                                  all_members, BLOCK)
@@ -146,15 +151,18 @@ def triton_forward(q, k, v, index_q, index_k, p: SparseAttentionProblem, index_m
     return out, lse, (lse_index if p.with_index else None)
 
 
-def index_log_sum_exp(index_q, index_k, index_max, p: SparseAttentionProblem):
+def index_log_sum_exp(index_q, index_k, index_max, p: SparseAttentionProblem,
+                      walk_limit: int = 0, lse_index=None):
     """The index log-sum-exp over the kept tokens alone (natural log, fp32 [T, Hi]): the
     forward's index part on the tiles of ``p.index_tile_work``. ``index_max``: each row's
     largest kept index score (selection's), or None for a running maximum (fp8 selection's
     maxima are not the input-precision scores'; a selection whose forced blocks fill top_k
-    gives none)."""
+    gives none). ``walk_limit`` > 0: tiles whose union holds more blocks are skipped, their
+    rows left as they are in ``lse_index`` (the buffer to write into; default a new one)."""
     work = p.index_tile_work
-    lse_index = torch.empty(p.total, p.num_index_heads, dtype=torch.float32,
-                            device=index_q.device)
+    if lse_index is None:
+        lse_index = torch.empty(p.total, p.num_index_heads, dtype=torch.float32,
+                                device=index_q.device)
     tokens = work.tile_tokens
     padded = max(16, tokens)
     # Without the main branch the kernel reads no q, k, v, out or lse: index tensors stand in.
@@ -167,21 +175,22 @@ def index_log_sum_exp(index_q, index_k, index_max, p: SparseAttentionProblem):
         **dict(p.query_constants(), TOK=tokens, TOKP=padded, ROWS=padded,
                UNION_SLOTS=work.union.shape[-1]),
         WITH_MAIN=False, WITH_INDEX=True, INDEX_MAX_GIVEN=index_max is not None,
-        **INDEX_ALONE_CONFIG)
+        WALK_LIMIT=walk_limit, **INDEX_ALONE_CONFIG)
     return lse_index
 
 
 @triton.jit
 def _index_sum_key_outer_kernel(
-    IQ, IK, INDEX_MAX, SUMS, SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT,
+    IQ, IK, INDEX_MAX, WALKED, SUMS, SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT,
     BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start,
     stride_iq_t, stride_iq_h, stride_ik_t, stride_ik_h, index_scale,
     HI: tl.constexpr, INDEX_GROUP: tl.constexpr, PAIRS: tl.constexpr, BLOCK: tl.constexpr,
     INDEX_DIM: tl.constexpr, SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One segment of the key-block -> queries list: for each of its (token, index head)
-    pairs, the sum over the block's visible keys of exp(z - the row's largest kept score),
-    added into the row's fp32 sum (atomic adds: a row's top_k blocks land in any order)."""
+    pairs whose row the query-outer walk left (NaN in WALKED), the sum over the block's visible
+    keys of exp(z - the row's largest kept score), added into the row's fp32 sum (atomic adds:
+    a row's top_k blocks land in any order)."""
     segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
         CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
@@ -195,6 +204,8 @@ def _index_sum_key_outer_kernel(
         pair_valid = first_pair + tl.arange(0, PAIRS) < last
         token = tl.load(PAIR_TOKEN + first_pair + tl.arange(0, PAIRS), mask=pair_valid, other=0)
         row = token.to(tl.int64) * HI + index_head
+        walked = tl.load(WALKED + row, mask=pair_valid, other=0.0)
+        pair_valid = pair_valid & (walked != walked)  # NaN: the walk skipped this row's tile
         index_q = tl.load(IQ + token[:, None].to(tl.int64) * stride_iq_t
                           + index_head * stride_iq_h + index_dims[None, :],
                           mask=pair_valid[:, None], other=0.0)  # [PAIRS, Di]
@@ -207,18 +218,27 @@ def _index_sum_key_outer_kernel(
         tl.atomic_add(SUMS + row, tl.sum(terms, axis=0), mask=pair_valid, sem="relaxed")
 
 
-def index_log_sum_exp_key_outer(index_q, index_k, index_max, p: SparseAttentionProblem):
-    """``index_log_sum_exp`` given each row's largest kept score, key-outer over ``p``'s
-    key-block list (built here if no one has yet: the KL walks it next): one program per
-    segment adds its pairs' terms into per-row sums, so the cost follows the kept pairs
-    whatever the tiles' unions. Not bitwise reproducible (atomic adds), so
-    ``deterministic=True`` keeps the query-outer walk."""
-    sums = torch.zeros(p.total, p.num_index_heads, dtype=torch.float32, device=index_q.device)
+def index_log_sum_exp_key_outer(index_q, index_k, index_max, p: SparseAttentionProblem,
+                                walk_limit: int | None = None):
+    """``index_log_sum_exp`` given each row's largest kept score, split by each tile's union:
+    the query-outer walk takes the tiles of at most ``walk_limit`` blocks (default
+    ``INDEX_WALK_LIMIT_PER_SLOT * top_k``; 0: none), the key-outer pass over ``p``'s key-block
+    list (built here if no one has yet: the KL walks it next) the others' rows, one program
+    per segment adding its pairs' terms into per-row sums. So the cost follows the kept pairs
+    where unions are large and stays the walk's where they are small. Not bitwise reproducible
+    (atomic adds), so ``deterministic=True`` keeps the walk alone."""
+    if walk_limit is None:
+        walk_limit = INDEX_WALK_LIMIT_PER_SLOT * p.top_k
+    walked = torch.full((p.total, p.num_index_heads), float("nan"), dtype=torch.float32,
+                        device=index_q.device)
+    if walk_limit > 0:
+        index_log_sum_exp(index_q, index_k, index_max, p, walk_limit, lse_index=walked)
+    sums = torch.zeros_like(walked)
     work = p.block_work
     launch(_index_sum_key_outer_kernel, (work.segments.shape[0],),
-        index_q, index_k, index_max, sums, *p.key_work_args(),
+        index_q, index_k, index_max, walked, sums, *p.key_work_args(),
         *strides(index_q, index_k), p.index_scale,
         HI=p.num_index_heads, INDEX_GROUP=p.index_group, PAIRS=INDEX_KEY_OUTER_PAIRS,
         BLOCK=p.block_size, INDEX_DIM=p.index_dim, SEGMENT_PAIRS=work.segment_pairs,
         PRECISION=p.shared["PRECISION"], **INDEX_KEY_OUTER_CONFIG)
-    return index_max + sums.log()
+    return torch.where(walked.isnan(), index_max + sums.log(), walked)
