@@ -31,6 +31,11 @@ INDEX_TILE_TOKENS = 64
 INDEX_KEY_OUTER_PAIRS = 64
 INDEX_KEY_OUTER_CONFIG = dict(num_warps=4, num_stages=2)
 INDEX_WALK_LIMIT_PER_SLOT = 3
+# Whether the forward runs that split. Off: the key-outer pass alone was measured (2.6-2.7 ms at
+# 128k on every selection kind, against the walk's 1.0 / 3.2 / 20.9 ms on coherent / mid /
+# random), the split not yet; it goes on once bench_index_lse.py shows it no slower than the
+# walk on coherent selections (docs/EXPERIMENTS.md).
+INDEX_LSE_SPLIT = False
 QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
 REDUCE_KEYS = 32  # keys per program of the segment reductions: enough programs at small sizes
 

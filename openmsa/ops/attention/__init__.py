@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import sm90
+from ..configs import INDEX_LSE_SPLIT
 from ..problem import LOG2_E, SparseAttentionProblem
 from ..segments import reduce_segments
 from . import sm90_backward, sm90_forward
@@ -32,10 +33,11 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
     log over the kept tokens; None without the index branch), both fp32. ``index_max``: fp32
     [T, Hi], each row's largest index score over its kept tokens when known (selection's
     largest block score, when selection keeps the best block), or None.
-    The Gluon kernel has no index branch: with one, the index log-sum-exp runs beside it,
-    key-outer when row maxima are given (unless ``deterministic``: its atomic sums land in any
-    order), else on the Triton kernel's index part alone with a running maximum (fp8
-    selection, given ids).
+    The Gluon kernel has no index branch: with one, the index log-sum-exp runs beside it on
+    the Triton kernel's index part alone (with a running maximum when no row maxima are given:
+    fp8 selection, given ids); with ``configs.INDEX_LSE_SPLIT`` (off: not yet measured) and row
+    maxima, unless ``deterministic`` (atomic sums land in any order), split between that walk
+    and a key-outer pass by each tile's union.
     Warmup on these kernels (every causal block) without row maxima keeps the fused Triton
     forward, its one walk serving both branches (the split walk there is not yet measured).
     ``num_warps``, ``num_stages``: the Triton launch's."""
@@ -45,7 +47,7 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
         out, lse = sm90_forward.sparse_attention_fwd(q, k, v, p, p.scale * LOG2_E)
         if not p.with_index:
             return out, lse, None
-        if index_max is not None and not deterministic:
+        if INDEX_LSE_SPLIT and index_max is not None and not deterministic:
             return out, lse, index_log_sum_exp_key_outer(index_q, index_k, index_max, p)
         return out, lse, index_log_sum_exp(index_q, index_k, index_max, p)
     return triton_forward(q, k, v, index_q, index_k, p, index_max, num_warps, num_stages)

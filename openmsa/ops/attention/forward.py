@@ -5,8 +5,9 @@ Query-outer: one program per (query tile, index head) walks the distinct blocks 
 tokens kept, flash-attention style; a row sees a block only if its own token kept it.
 Neighbouring tokens of a trained index branch keep nearly the same blocks, so the walk is close
 to ``top_k`` blocks. The index log-sum-exp alone, when each row's largest kept score is known,
-also runs key-outer (``index_log_sum_exp_key_outer``): its cost follows the kept pairs, not the
-tiles' unions.
+can also run split between that walk and a key-outer pass (``index_log_sum_exp_key_outer``),
+whose cost follows the kept pairs, not the tiles' unions (``configs.INDEX_LSE_SPLIT``: off
+until measured).
 """
 
 from __future__ import annotations
