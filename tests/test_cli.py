@@ -80,7 +80,9 @@ def test_help_names_every_command_with_what_it_does(module):
                            ("bench", "time MSA against dense")):
         assert re.search(rf"^\s+{command}\s+.*{words}", result.stdout, re.MULTILINE), command
         assert re.search(rf"^\s+openmsa {command}\b", result.stdout, re.MULTILINE), command
-    for command in ("train", "check", "bench"):
+    if module == "openmsa":
+        return  # the same parser: its commands' help is checked once, below
+    for command in ("train", "check", "bench", "eval"):
         sub = subprocess.run([sys.executable, "-m", module, command, "--help"],
                              capture_output=True, text=True, check=True)
         assert sub.stdout.startswith(f"usage: openmsa {command}"), command
