@@ -299,7 +299,8 @@ def test_sparse_attention_clear_errors():
 def test_sharing_reuses_the_selecting_forwards_work_lists(packed, monkeypatch):
     """Ids that msa_attention returned carry its work lists: sparse_attention over them builds
     no list and checks no value, and gives exactly what it gives over a copy of the ids (checked,
-    lists built anew). Ids changed in place since are checked again."""
+    lists built anew). Ids changed in place since, or used with another cu_seqlens, are checked
+    again."""
     from openmsa.ops import problem as problem_module
     generator = torch.Generator().manual_seed(5)
     call = {}
@@ -334,6 +335,10 @@ def test_sharing_reuses_the_selecting_forwards_work_lists(packed, monkeypatch):
     assert builds == ["build_query_tile_work", "build_block_work"] and checks == [False, True]
     for got, expected in zip(reused, rebuilt):
         assert torch.equal(got, expected)
+    if packed:  # another cu_seqlens tensor, even of the same packing: checked and built anew
+        call["cu_seqlens"] = call["cu_seqlens"].clone()
+        shared(ids)
+        assert builds[2:] == ["build_query_tile_work", "build_block_work"] and checks[2] is True
     ids[..., 0] = 100  # past every query's own block
     with pytest.raises(ValueError, match="^block_indices: expected entries in"):
         shared(ids)

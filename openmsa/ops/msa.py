@@ -186,25 +186,26 @@ class HandedOnSelection:
 
     ATTRIBUTE = "_openmsa_selection"
 
-    def __init__(self, version, key, token_major_ids, query_work, block_work):
+    def __init__(self, version, key, cu_seqlens, token_major_ids, query_work, block_work):
         self.version, self.key = version, key
+        # Held, not named by id: a freed tensor's id can come back on another packing.
+        self.cu_seqlens = cu_seqlens
+        self.cu_version = None if cu_seqlens is None else cu_seqlens._version
         self.token_major_ids, self.query_work, self.block_work = (token_major_ids, query_work,
                                                                   block_work)
 
     @staticmethod
-    def _key(q, k, cu_seqlens, num_heads, block_size, query_start):
-        # The lists depend on the packing, the query range, the tile shape (heads per index
-        # head) and the block size; cu_seqlens by identity (None for batch input).
-        return (tuple(q.shape[:-2]), tuple(k.shape[:-2]), id(cu_seqlens), num_heads,
-                block_size, query_start)
+    def _key(q, k, num_heads, block_size, query_start):
+        # The lists depend on the packing (cu_seqlens, compared apart), the query range, the
+        # tile shape (heads per index head) and the block size.
+        return tuple(q.shape[:-2]), tuple(k.shape[:-2]), num_heads, block_size, query_start
 
     @classmethod
     def attach(cls, block_ids, token_major_ids, query_work, block_work, q, k, cu_seqlens,
                problem):
-        key = cls._key(q, k, cu_seqlens, problem.num_heads, problem.block_size,
-                       problem.query_start)
-        setattr(block_ids, cls.ATTRIBUTE,
-                cls(block_ids._version, key, token_major_ids, query_work, block_work))
+        key = cls._key(q, k, problem.num_heads, problem.block_size, problem.query_start)
+        setattr(block_ids, cls.ATTRIBUTE, cls(block_ids._version, key, cu_seqlens,
+                                              token_major_ids, query_work, block_work))
 
     @classmethod
     def of(cls, block_ids, q, k, cu_seqlens, num_heads, block_size, query_start):
@@ -213,8 +214,9 @@ class HandedOnSelection:
             return None
         selection = getattr(block_ids, cls.ATTRIBUTE, None)
         if (selection is None or selection.version != block_ids._version
-                or selection.key != cls._key(q, k, cu_seqlens, num_heads, block_size,
-                                             query_start)):
+                or selection.cu_seqlens is not cu_seqlens
+                or (cu_seqlens is not None and cu_seqlens._version != selection.cu_version)
+                or selection.key != cls._key(q, k, num_heads, block_size, query_start)):
             return None
         return selection
 
