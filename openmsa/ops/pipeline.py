@@ -42,11 +42,11 @@ def block_work_shape(q, k, num_index_heads: int, cu_seqlens, slots: int, block_s
     return sizes, pairs_per_segment
 
 
-def unpacked_block_work(block_work: torch.Tensor, q, k, block_ids, cu_seqlens, block_size: int,
-                        tuning: Tuning = DEFAULT_TUNING) -> Optional[BlockWork]:
+def unpacked_block_work(block_work: Optional[torch.Tensor], q, k, block_ids, cu_seqlens,
+                        block_size: int, tuning: Tuning = DEFAULT_TUNING) -> Optional[BlockWork]:
     """The key-block list a forward returned packed (``BlockWork.packed``), or None when it
-    returned none (an empty tensor)."""
-    if not block_work.numel():
+    returned none (None or an empty tensor)."""
+    if block_work is None or not block_work.numel():
         return None
     sizes, pairs_per_segment = block_work_shape(q, k, block_ids.shape[1], cu_seqlens,
                                                 block_ids.shape[2], block_size, tuning)
@@ -219,8 +219,7 @@ def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         return dense_attention_backward(dout, q, k, v, out, lse, dense_batch, softmax_scale)
     work = QueryTileWork(schedule, union, union_members, union_count,
                          tile_tokens=query_tile_shape(q.shape[1] // block_ids.shape[1])[0])
-    blocks = (None if block_work is None
-              else unpacked_block_work(block_work, q, k, block_ids, cu_seqlens, block_size))
+    blocks = unpacked_block_work(block_work, q, k, block_ids, cu_seqlens, block_size)
     problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
                                      query_work=work, block_work=blocks,
                                      query_start=query_start)

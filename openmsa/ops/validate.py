@@ -438,7 +438,8 @@ def validate_sparse_args(q, k, v, block_indices, *, block_size, softmax_scale, c
     """Validates the arguments of ``sparse_attention``; the index heads ``Hi`` and the slots per
     row are those of ``block_indices`` (``[B, Hi, S, k]`` or packed ``[Hi, T, k]``), or in
     warmup (no ``block_indices``) ``num_index_heads`` (default Hkv) and every causal block.
-    With ``query_start``, q holds the tokens of k from there on, as in ``msa_attention``."""
+    With ``query_start``, q holds the tokens of k from there on, as in ``msa_attention``.
+    ``check_index_values=False``: the ids' layout alone (a selection this library made)."""
     check_backend(backend)
     _check_bool("warmup", warmup)
     _check_bool("deterministic", deterministic)
