@@ -1,0 +1,179 @@
+"""openmsa in Megatron-core: an MSA self-attention for ``GPTModel``'s local (non-TransformerEngine)
+layer spec.
+
+``get_gpt_layer_msa_spec(...)`` is ``get_gpt_layer_local_spec`` with the self-attention swapped:
+Megatron's own q/k/v and output projections, QK-norm and RoPE stay as Megatron applies them; the
+core attention slot runs ``msa_attention``, and an index branch (one index head per query group,
+one index key head, head dim ``kv_channels``) reads the layer's input detached, with the same
+RoPE. Megatron's layout is sequence-first (``[s, b, ...]``); the module transposes to openmsa's.
+
+The KL reaches the training loss without a change to it: each layer's attention output carries
+``kl_weight * kl`` into the backward (``KLIntoBackward``, as Megatron's MoE layers carry their
+auxiliary losses), times ``KLIntoBackward.backward_scale``, which a training loop sets to the
+factor its main loss is scaled by in the backward (loss scale / micro-batches; 1 by default).
+Each layer's last KL value is kept in ``last_kl`` for logging (``megatron_msa_kl(model)``).
+
+Warmup: ``openmsa.set_msa_warmup(model, True)`` / ``MSAWarmupSchedule`` switch these layers too.
+
+This first version runs tensor- and context-parallel size 1 and unpacked input; other settings
+are refused with a clear error rather than run wrong (``docs/PRODUCTION.md``, Megatron-core).
+``megatron-core`` is an optional dependency: importing this module without it says so.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.msa import msa_attention
+
+try:
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.spec_utils import ModuleSpec
+except ImportError as error:  # an optional dependency
+    raise ImportError("openmsa.integrations.megatron needs Megatron-core: pip install "
+                      "megatron-core (or pip install -e \".[megatron]\")") from error
+
+
+class KLIntoBackward(torch.autograd.Function):
+    """``out`` unchanged; its backward also sends ``weight * backward_scale`` into ``kl``, as if
+    ``weight * kl`` had been added to the (scaled) loss."""
+
+    backward_scale = 1.0  # set by the training loop: its main loss's backward scale
+
+    @staticmethod
+    def forward(ctx, out, kl, weight: float):
+        ctx.weight = weight
+        ctx.kl_shape, ctx.kl_dtype, ctx.kl_device = kl.shape, kl.dtype, kl.device
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        kl_grad = torch.full(ctx.kl_shape, ctx.weight * KLIntoBackward.backward_scale,
+                             dtype=ctx.kl_dtype, device=ctx.kl_device)
+        return grad_out, kl_grad, None
+
+
+class MSACoreAttention(MegatronModule):
+    """Megatron's core-attention slot running ``msa_attention``: queries ``[s, b, H, D]``, keys
+    and values ``[s, b, Hkv, D]`` after Megatron's RoPE; returns ``[s, b, H * D]``. The index
+    projections live here; ``MSASelfAttention`` hands over the detached layer input and the
+    rotary frequencies before each call."""
+
+    is_msa_layer = True  # openmsa.set_msa_warmup / MSAWarmupSchedule switch it
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None, *, top_k: int = 16, block_size: int = 128,
+                 num_local_blocks: int = 1, num_sink_blocks: int = 0,
+                 index_precision: str = "input", kl_weight: float = 1.0,
+                 backend: str = "auto", warmup: bool = False):
+        super().__init__(config=config)
+        for name, size in (("tensor_model_parallel_size", config.tensor_model_parallel_size),
+                           ("context_parallel_size", config.context_parallel_size)):
+            if size != 1:
+                raise ValueError(f"config.{name}: expected 1 (this version of "
+                                 f"openmsa.integrations.megatron), received {size}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"config.attention_dropout: expected 0.0 (MSA has no attention "
+                             f"dropout), received {dropout}")
+        self.num_heads = config.num_attention_heads
+        self.num_query_groups = config.num_query_groups or config.num_attention_heads
+        self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale
+        self.kl_weight = kl_weight
+        self.warmup = warmup
+        self.options = dict(top_k=top_k, block_size=block_size,
+                            num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
+                            index_precision=index_precision, backend=backend)
+        self.index_q_proj = nn.Linear(config.hidden_size, self.num_query_groups * self.head_dim,
+                                      bias=False)
+        self.index_k_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.index_inputs = None  # (detached hidden [s, b, h], rotary freqs or None)
+        self.last_kl = None
+
+    def _index_branch(self):
+        hidden, rotary = self.index_inputs
+        seqlen, batch = hidden.shape[:2]
+        index_q = self.index_q_proj(hidden).view(seqlen, batch, self.num_query_groups,
+                                                 self.head_dim)
+        index_k = self.index_k_proj(hidden).view(seqlen, batch, 1, self.head_dim)
+        if rotary is not None:
+            index_q = apply_rotary_pos_emb(index_q, rotary[0], config=self.config)
+            index_k = apply_rotary_pos_emb(index_k, rotary[1], config=self.config)
+        return index_q, index_k
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise ValueError("packed_seq_params: expected None (packed sequences are not yet "
+                             "supported by openmsa.integrations.megatron), received them")
+        if attention_bias is not None:
+            raise ValueError("attention_bias: expected None (MSA attends causally over its "
+                             "kept blocks), received a tensor")
+        if self.index_inputs is None:
+            raise ValueError("MSACoreAttention: no index inputs (it runs inside "
+                             "MSASelfAttention, which hands them over)")
+        index_q, index_k = self._index_branch()
+        self.index_inputs = None
+        dtype = value.dtype  # RoPE's fp32 factors may promote under autocast
+        q, k, v, index_q, index_k = (t.to(dtype).transpose(0, 1)
+                                     for t in (query, key, value, index_q, index_k))
+        out, kl = msa_attention(q, k, v, index_q, index_k, softmax_scale=self.softmax_scale,
+                                warmup=self.warmup, **self.options)
+        self.last_kl = kl.detach()
+        out = out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+        if torch.is_grad_enabled() and self.kl_weight and kl.requires_grad:
+            out = KLIntoBackward.apply(out, kl, self.kl_weight)
+        return out
+
+
+class MSASelfAttention(SelfAttention):
+    """Megatron's ``SelfAttention`` whose core attention (``MSACoreAttention``) also gets the
+    layer's input, detached (the KL trains the index projections only), and its rotary
+    frequencies."""
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None,
+                inference_context=None, rotary_pos_emb=None, *args, **kwargs):
+        if inference_context is not None or kwargs.get("inference_params") is not None:
+            raise ValueError("inference_context: expected None (Megatron inference is not yet "
+                             "supported by openmsa.integrations.megatron)")
+        rotary = rotary_pos_emb
+        if rotary is not None and not isinstance(rotary, tuple):
+            rotary = (rotary, rotary)
+        self.core_attention.index_inputs = (hidden_states.detach(), rotary)
+        return super().forward(hidden_states, attention_mask, key_value_states,
+                               inference_context, rotary_pos_emb, *args, **kwargs)
+
+
+def get_gpt_layer_msa_spec(*, top_k: int = 16, block_size: int = 128, num_local_blocks: int = 1,
+                           num_sink_blocks: int = 0, index_precision: str = "input",
+                           kl_weight: float = 1.0, backend: str = "auto",
+                           qk_layernorm: bool = False) -> ModuleSpec:
+    """``get_gpt_layer_local_spec(qk_layernorm=...)`` with MSA self-attention; the options are
+    ``msa_attention``'s, ``kl_weight`` the KL's weight in the loss."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
+    attention = spec.submodules.self_attention
+    attention.module = MSASelfAttention
+    attention.submodules.core_attention = ModuleSpec(
+        module=MSACoreAttention,
+        params=dict(top_k=top_k, block_size=block_size, num_local_blocks=num_local_blocks,
+                    num_sink_blocks=num_sink_blocks, index_precision=index_precision,
+                    kl_weight=kl_weight, backend=backend))
+    return spec
+
+
+def megatron_msa_kl(model: nn.Module) -> torch.Tensor | None:
+    """The mean of the last KL values of ``model``'s MSA layers (detached, for logging), or
+    None before any forward."""
+    values = [m.last_kl for m in model.modules()
+              if isinstance(m, MSACoreAttention) and m.last_kl is not None]
+    return torch.stack(values).mean() if values else None
+
+
+__all__ = ["KLIntoBackward", "MSACoreAttention", "MSASelfAttention", "get_gpt_layer_msa_spec",
+           "megatron_msa_kl"]

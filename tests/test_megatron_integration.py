@@ -1,0 +1,197 @@
+"""openmsa inside Megatron-core's GPTModel (local layer spec) on the CPU: one gloo process,
+tensor and context parallel size 1, the reference backend in float32.
+
+Megatron-core assumes CUDA in two places a CPU run reaches (the rotary frequencies move to
+``torch.cuda.current_device()``, and attention forks the CUDA RNG tracker); the fixture points
+the first at the CPU and gives the second a no-op fork, for these tests only."""
+
+import contextlib
+import importlib
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.tensor_parallel import random as megatron_random  # noqa: E402
+from megatron.core.transformer import dot_product_attention  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from openmsa import MSAWarmupSchedule, set_msa_warmup  # noqa: E402
+from openmsa.integrations import megatron as openmsa_megatron  # noqa: E402
+
+SEQLEN, VOCAB = 200, 100
+
+
+class _NoForkTracker:
+    def fork(self, *args, **kwargs):
+        return contextlib.nullcontext()
+
+
+@pytest.fixture
+def megatron_on_cpu(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    tracker = _NoForkTracker()
+    monkeypatch.setattr(megatron_random, "get_cuda_rng_tracker", lambda *a, **k: tracker)
+    monkeypatch.setattr(dot_product_attention.tensor_parallel, "get_cuda_rng_tracker",
+                        lambda *a, **k: tracker)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _config(**overrides):
+    options = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                   kv_channels=64, use_cpu_initialization=True, attention_dropout=0.0,
+                   hidden_dropout=0.0)
+    return TransformerConfig(**dict(options, **overrides))
+
+
+def _gpt(spec, config=None, seed=0):
+    torch.manual_seed(seed)
+    return GPTModel(config or _config(), spec, vocab_size=VOCAB, max_sequence_length=1024,
+                    position_embedding_type="rope")
+
+
+def _batch(seed=1, batch=2):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(VOCAB, (batch, SEQLEN), generator=generator)
+    positions = torch.arange(SEQLEN).expand(batch, -1)
+    mask = torch.triu(torch.ones(SEQLEN, SEQLEN, dtype=torch.bool), 1)[None, None]
+    return tokens, positions, mask
+
+
+def _msa_spec(**options):
+    return openmsa_megatron.get_gpt_layer_msa_spec(
+        **dict(dict(top_k=4, block_size=64, backend="reference"), **options))
+
+
+def _msa_gpt_with_weights_of(dense, **options):
+    model = _gpt(_msa_spec(**options))
+    result = model.load_state_dict(dense.state_dict(), strict=False)
+    assert result.unexpected_keys == []
+    assert all("index_" in key for key in result.missing_keys)  # the index branch alone is new
+    return model
+
+
+def test_msa_keeping_every_block_equals_megatrons_attention(megatron_on_cpu):
+    """200 tokens are 4 blocks of 64: with top_k=4 every block is kept and the MSA GPT is
+    Megatron's own on the same weights; keeping only the own block (top_k=1) is not."""
+    dense = _gpt(get_gpt_layer_local_spec())
+    tokens, positions, mask = _batch()
+    expected = dense(tokens, positions, mask)
+    every_block = _msa_gpt_with_weights_of(dense)
+    torch.testing.assert_close(every_block(tokens, positions, mask), expected, rtol=1e-5,
+                               atol=1e-5)
+    own_block = _msa_gpt_with_weights_of(dense, top_k=1)
+    assert (own_block(tokens, positions, mask) - expected)[:, 64:].abs().max() > 1e-3
+    # Warmup is dense attention whatever top_k keeps.
+    assert set_msa_warmup(own_block, True) == 2
+    torch.testing.assert_close(own_block(tokens, positions, mask), expected, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_kl_reaches_only_the_index_projections_through_the_backward(megatron_on_cpu):
+    """The KL rides the attention output's backward: with kl_weight it trains the index
+    projections, and leaves every other gradient as it is without it (kl_weight=0)."""
+    tokens, positions, mask = _batch()
+    grads = {}
+    for weight in (0.0, 2.0):
+        model = _gpt(_msa_spec(top_k=2, kl_weight=weight))
+        model(tokens, positions, mask).square().mean().backward()
+        grads[weight] = {name: p.grad for name, p in model.named_parameters()}
+        assert openmsa_megatron.megatron_msa_kl(model) > 0
+    for name, grad in grads[2.0].items():
+        if "index_" in name:
+            assert grads[0.0][name] is None and grad is not None and grad.abs().sum() > 0, name
+        else:
+            torch.testing.assert_close(grad, grads[0.0][name], rtol=0, atol=0)
+    # backward_scale scales the KL's gradient as the loop scales its main loss.
+    model = _gpt(_msa_spec(top_k=2, kl_weight=2.0))
+    openmsa_megatron.KLIntoBackward.backward_scale = 0.5
+    try:
+        model(tokens, positions, mask).square().mean().backward()
+    finally:
+        openmsa_megatron.KLIntoBackward.backward_scale = 1.0
+    name = "decoder.layers.0.self_attention.core_attention.index_q_proj.weight"
+    torch.testing.assert_close(dict(model.named_parameters())[name].grad, 0.5 * grads[2.0][name])
+
+
+def test_tiny_gpt_trains_and_its_loss_falls(megatron_on_cpu):
+    """A few steps on counting sequences (each token the one before plus 1; dense warmup, then
+    sparse; Adam on every parameter): the next-token loss falls."""
+    model = _gpt(_msa_spec(top_k=2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    schedule = MSAWarmupSchedule(5)
+    _, positions, mask = _batch(batch=4)
+    starts = torch.randint(VOCAB, (4, 1), generator=torch.Generator().manual_seed(0))
+    tokens = (starts + torch.arange(SEQLEN)) % VOCAB
+    losses = []
+    for step in range(15):
+        schedule.apply(model, step)
+        logits = model(tokens, positions, mask)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB),
+                                                 tokens[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert losses[-1] < losses[5], losses  # falling in the sparse phase too
+
+
+def test_unsupported_settings_are_refused_by_name(megatron_on_cpu):
+    with pytest.raises(ValueError, match="^config.attention_dropout: expected 0.0"):
+        _gpt(_msa_spec(), _config(attention_dropout=0.1))
+    for name in ("tensor_model_parallel_size", "context_parallel_size"):
+        with pytest.raises(ValueError, match=f"^config.{name}: expected 1"):
+            openmsa_megatron.MSACoreAttention(_config(**{name: 2}), 1, None, "self")
+    model = _gpt(_msa_spec())
+    tokens, positions, mask = _batch()
+    core = model.decoder.layers[0].self_attention.core_attention
+    with pytest.raises(ValueError, match="^packed_seq_params: expected None"):
+        core(*(torch.zeros(SEQLEN, 2, 4, 64) for _ in range(3)), None,
+             packed_seq_params=object())
+
+
+def test_a_missing_megatron_core_is_named(monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron.core.models.common.embeddings.rope_utils", None)
+    monkeypatch.delitem(sys.modules, "openmsa.integrations.megatron")
+    with pytest.raises(ImportError, match="needs Megatron-core: pip install megatron-core"):
+        importlib.import_module("openmsa.integrations.megatron")
+
+
+def _example():
+    path = Path(__file__).parents[1] / "examples" / "megatron_pretrain.py"
+    spec = importlib.util.spec_from_file_location("megatron_pretrain", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pretraining_example_runs_its_pipeline_on_the_cpu(megatron_on_cpu):
+    """examples/megatron_pretrain.py's model, data and loop at a CPU size (the reference
+    backend; the script itself runs on a GPU): every scored position's next token is the value
+    its key had in the first half, and the steps run through warmup into sparse attention."""
+    example = _example()
+    tokens, scored = example.recall_batch(2, 256, 128, torch.Generator().manual_seed(0), "cpu")
+    for row, marks in zip(tokens, scored):
+        first = {int(k): int(v) for k, v in zip(row[:128:2], row[1:128:2])}
+        for position in marks.nonzero().flatten().tolist():
+            assert int(row[position + 1]) == first[int(row[position])]
+    model = example.build_model(256, layers=1, hidden=64, top_k=2, block_size=64,
+                                backend="reference")
+    losses = example.train(model, steps=4, warmup_steps=2, batch=2, seqlen=256, device="cpu")
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
+    assert openmsa_megatron.megatron_msa_kl(model) > 0
