@@ -36,6 +36,10 @@ INDEX_WALK_LIMIT_PER_SLOT = 3
 # random), the split not yet; it goes on once bench_index_lse.py shows it no slower than the
 # walk on coherent selections (docs/EXPERIMENTS.md).
 INDEX_LSE_SPLIT = False
+# The key-outer forward and dQ of the tiles whose walk would be long (attention.key_outer): the
+# launch of their per-segment kernels, and the rows (query rows x heads) of a combine program.
+KEY_OUTER_CONFIG = dict(num_warps=8, num_stages=2)
+KEY_OUTER_COMBINE_ROWS = 64
 QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
 REDUCE_KEYS = 32  # keys per program of the segment reductions: enough programs at small sizes
 
@@ -83,6 +87,11 @@ class Tuning:
         (their queries then come from L2) once there are this many segments per SM, and the
         longest segments first below.
     kl_pairs: pairs per step of the key-outer KL kernel (its teacher is [block, kl_pairs]).
+    main_walk_limit_per_slot: the main attention's forward and dQ take a query tile's rows
+        key-outer (``attention.key_outer``) when the tile's union holds more than this many
+        blocks per kept slot (x top_k); 0: every tile walks its union.
+    key_outer_partial_bytes: the most memory the key-outer forward's or dQ's per-slot
+        partials take at once (they run over windows of query rows that fit).
     """
 
     segment_pairs: int = 1024
@@ -90,6 +99,8 @@ class Tuning:
     long_segments_min_pairs: int = 1 << 24
     rows_order_min_segments_per_sm: int = 6
     kl_pairs: int = 64
+    main_walk_limit_per_slot: float = 0.0
+    key_outer_partial_bytes: int = 2 << 30
 
     def segment_pairs_for(self, num_queries: int, num_index_heads: int, slots: int) -> int:
         """Pairs per key-outer segment for the (token, index head, slot) entries of a problem."""

@@ -8,13 +8,15 @@ import torch
 
 import openmsa
 from openmsa.ops import attention as attention_module
+from openmsa.ops.attention import key_outer as key_outer_module
 from openmsa.ops import msa as msa_module
 from openmsa.ops import select as select_module
 from openmsa.ops.configs import DEFAULT_TUNING, INDEX_TILE_TOKENS, Tuning
 from openmsa.ops.layout import ids_to_token_major, packed_offsets, packed_tokens
 from openmsa.ops.problem import SparseAttentionProblem
 from openmsa.testing import (INPUT_NAMES, QUANTITY_NAMES, MSACase, random_inputs, rel_rms_error,
-                             run_query_ranges, run_with_grads, same_block_sets)
+                             run_query_ranges, run_with_grads, same_block_sets,
+                             tuned_msa_attention)
 
 from attention_cases import CASES, TOLERANCE, kernel_and_reference
 
@@ -308,3 +310,84 @@ def test_query_ranges_add_up_to_the_full_run(case, ranges, warmup, monkeypatch):
     for name in QUANTITY_NAMES:
         total = sum(part[name] for part, _ in parts)
         assert rel_rms_error(total, full[name]) < 1e-5, name
+
+
+KEY_OUTER_CASE = MSACase("sixteen_heads_per_index_head_packed", seqlens=(200, 1, 130),
+                         num_heads=16, num_kv_heads=1, num_index_heads=1,
+                         options=dict(top_k=2, block_size=64))
+# Tiles of more than one block per kept slot go key-outer, in windows of 120 rows (16 heads x 2
+# slots x 64 dims x 4 bytes a row's dQ partials): three windows a pass.
+KEY_OUTER_TUNING = Tuning(main_walk_limit_per_slot=1.0, key_outer_partial_bytes=120 * 16 * 2 * 256)
+
+
+def _count_hard_rows(monkeypatch):
+    """Counts the rows that each key-outer pass takes (the patched ``hard_rows``)."""
+    counts = []
+    original = key_outer_module.hard_rows
+
+    def counted(p, limit):
+        hard = original(p, limit)
+        counts.append((int(hard.sum()), hard.numel()))
+        return hard
+
+    monkeypatch.setattr(key_outer_module, "hard_rows", counted)
+    return counts
+
+
+@pytest.mark.parametrize("case,dtype,tuning", [
+    (KEY_OUTER_CASE, torch.float32, KEY_OUTER_TUNING),
+    (KEY_OUTER_CASE, torch.float16, KEY_OUTER_TUNING),
+    (CASES[1], torch.float32, Tuning(main_walk_limit_per_slot=0.5)),
+], ids=["gq16_fp32", "gq16_fp16", "packed_with_sink_fp32"])
+def test_key_outer_forward_and_dq_match_reference(case, dtype, tuning, monkeypatch):
+    """Tiles whose union holds more than ``main_walk_limit_per_slot * top_k`` blocks take the
+    forward and dQ key-outer (per-slot partials merged by log-sum-exp, summed in slot order),
+    here over several windows of rows, the other tiles walking: the reference's quantities,
+    every element written (new buffers poisoned) and bitwise the same twice."""
+    counts = _count_hard_rows(monkeypatch)
+    got, expected, _ = kernel_and_reference(case, dtype, seed=4, tuning=tuning)
+    assert len(counts) == 2 and all(0 < hard < total for hard, total in counts), counts
+    for name in QUANTITY_NAMES:
+        error = rel_rms_error(got[name], expected[name])
+        assert error < TOLERANCE[dtype], (name, error)
+    _poison_new_buffers(monkeypatch)
+    again, _, _ = kernel_and_reference(case, dtype, seed=4, tuning=tuning)
+    for name in QUANTITY_NAMES:
+        assert torch.equal(again[name], got[name]), name
+
+
+def test_key_outer_rows_of_query_ranges_add_up_to_the_full_run(monkeypatch):
+    """The key-outer passes on query ranges (rows named relative to ``query_start``): out and
+    dq are the full run's rows."""
+    counts = _count_hard_rows(monkeypatch)
+    inputs, cu_seqlens = random_inputs(KEY_OUTER_CASE, torch.float32, "cpu", seed=8)
+    out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(9))
+    options = dict(KEY_OUTER_CASE.options, return_indices=True)
+    tuned = tuned_msa_attention(KEY_OUTER_TUNING)
+    full, _ = run_with_grads(tuned, inputs, cu_seqlens, out_grad, 1.0, **options)
+    ranges = ((0, 150), (150, 331))
+    parts = run_query_ranges(tuned, inputs, cu_seqlens, out_grad, 1.0, ranges, **options)
+    assert all(hard > 0 for hard, _ in counts), counts
+    for (first, end), (part, _) in zip(ranges, parts):
+        for name in ("out", "dq"):
+            torch.testing.assert_close(part[name][first:end], full[name][first:end],
+                                       rtol=1e-5, atol=1e-6, msg=f"{name} of {first}..{end}")
+
+
+def test_walk_limit_follows_the_tuning():
+    """0 turns the split off, as does a limit no union can pass or warmup's every block."""
+    case = CASES[0]
+    inputs, cu = random_inputs(case, torch.float32, "cpu", seed=1)
+    q, k = (t.detach().reshape(-1, *t.shape[-2:]) for t in inputs[:2])
+    ids = torch.zeros(q.shape[0], 2, 3, dtype=torch.int32)
+    ids[:, :, 1:] = -1
+    cu = torch.tensor([0, 200, 400], dtype=torch.int32)
+
+    def limit(per_slot, all_causal=False):
+        problem = SparseAttentionProblem(q, k, ids, cu, 64, 0.1, all_causal=all_causal,
+                                         tuning=Tuning(main_walk_limit_per_slot=per_slot))
+        return key_outer_module.walk_limit(problem)
+
+    slots = SparseAttentionProblem(q, k, ids, cu, 64, 0.1).query_work.union.shape[-1]
+    assert limit(0.0) == 0 and limit(1.0) == 3 and limit(0.5) == 1
+    assert limit(slots / 3) == 0 and limit(1.0, all_causal=True) == 0

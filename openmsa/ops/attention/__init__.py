@@ -5,8 +5,11 @@ backward: the dispatch between the Triton kernels (``forward``, ``backward``) an
 Each token brings only ``GQ = H / Hi`` query rows, too few for the tensor cores, so rows are
 stacked from several tokens: forward and dQ are query-outer (a program per query tile of
 ``TOK`` tokens x ``GQ`` heads walks the tile's distinct kept blocks), dK and dV key-outer (a
-program per segment of the pairs that kept one key block). ``use_hopper=False`` forces the
-Triton kernels (benchmarks compare the two).
+program per segment of the pairs that kept one key block). Where ``Tuning``'s
+``main_walk_limit_per_slot`` is set, the tiles whose union holds more blocks than that limit
+(selections whose neighbours keep different blocks) take forward and dQ key-outer as well
+(``key_outer``): the walk leaves their rows, which the key-outer pass writes. ``use_hopper=False``
+forces the Triton kernels (benchmarks compare the two).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ..segments import reduce_segments
 from . import sm90_backward, sm90_forward
 from .backward import attention_delta, triton_dkdv_parts, triton_dq
 from .forward import index_log_sum_exp, index_log_sum_exp_key_outer, triton_forward
+from .key_outer import key_outer_dq, key_outer_forward, walk_limit
 
 __all__ = ["attention_backward", "attention_delta", "attention_dkdv", "attention_dq",
            "index_log_sum_exp", "index_log_sum_exp_key_outer", "sparse_attention_fwd"]
@@ -40,17 +44,26 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
     and a key-outer pass by each tile's union.
     Warmup on these kernels (every causal block) without row maxima keeps the fused Triton
     forward, its one walk serving both branches (the split walk there is not yet measured).
-    ``num_warps``, ``num_stages``: the Triton launch's."""
+    ``num_warps``, ``num_stages``: the Triton launch's. The rows of tiles past
+    ``key_outer.walk_limit(p)`` come from the key-outer forward (either kernel's walk leaves
+    them; the Triton one still walks their index branch)."""
     given = p.with_index and index_max is not None
     split = given or not p.with_index or not p.all_causal
+    limit = walk_limit(p)
     if use_hopper is not False and split and sm90.supported(q, k, v, p):
-        out, lse = sm90_forward.sparse_attention_fwd(q, k, v, p, p.scale * LOG2_E)
+        out, lse = sm90_forward.sparse_attention_fwd(q, k, v, p, p.scale * LOG2_E, limit)
+        if limit:
+            key_outer_forward(q, k, v, p, limit, out, lse)
         if not p.with_index:
             return out, lse, None
         if INDEX_LSE_SPLIT and index_max is not None and not deterministic:
             return out, lse, index_log_sum_exp_key_outer(index_q, index_k, index_max, p)
         return out, lse, index_log_sum_exp(index_q, index_k, index_max, p)
-    return triton_forward(q, k, v, index_q, index_k, p, index_max, num_warps, num_stages)
+    out, lse, lse_index = triton_forward(q, k, v, index_q, index_k, p, index_max, num_warps,
+                                         num_stages, limit)
+    if limit:
+        key_outer_forward(q, k, v, p, limit, out, lse)
+    return out, lse, lse_index
 
 
 def _hopper_dq(q, k, v, dout, p: SparseAttentionProblem, use_hopper: bool | None) -> bool:
@@ -62,10 +75,16 @@ def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
                  use_hopper: bool | None = None, **launch_options):
     """dq, query-outer: on a Hopper GPU the Gluon kernel where it supports the inputs, else (or
     with ``use_hopper=False``) the Triton kernel (``launch_options``: its num_warps,
-    num_stages)."""
+    num_stages); the rows of tiles past ``key_outer.walk_limit(p)`` key-outer."""
+    limit = walk_limit(p)
     if _hopper_dq(q, k, v, dout, p, use_hopper):
-        return sm90_backward.attention_dq(q, k, v, dout, lse, delta, p, p.scale * LOG2_E)
-    return triton_dq(q, k, v, dout, lse, delta, p, **launch_options)
+        dq = sm90_backward.attention_dq(q, k, v, dout, lse, delta, p, p.scale * LOG2_E,
+                                        walk_limit=limit)
+    else:
+        dq = triton_dq(q, k, v, dout, lse, delta, p, walk_limit=limit, **launch_options)
+    if limit:
+        key_outer_dq(q, k, v, dout, lse, delta, p, limit, dq)
+    return dq
 
 
 def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
@@ -73,7 +92,8 @@ def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
     """dq, dk, dv of the main attention: delta, the query-outer dQ, the key-outer dK/dV. The
     Gluon dQ computes the deltas itself (one pass over out and dout less)."""
     dout = dout.contiguous()
-    if _hopper_dq(q, k, v, dout, p, use_hopper) and out.stride(2) == 1:
+    if (_hopper_dq(q, k, v, dout, p, use_hopper) and out.stride(2) == 1
+            and not walk_limit(p)):  # (the key-outer dQ reads the deltas of its rows)
         delta = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
         dq = sm90_backward.attention_dq(q, k, v, dout, lse, delta, p, p.scale * LOG2_E,
                                         out=out)

@@ -28,9 +28,10 @@ def _sparse_attn_dq_kernel(
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
     INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
-    UNION_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+    UNION_SLOTS: tl.constexpr, PRECISION: tl.constexpr, WALK_LIMIT: tl.constexpr = 0,
 ):
-    """Query-outer dQ: the forward's walk with the three backward products."""
+    """Query-outer dQ: the forward's walk with the three backward products. WALK_LIMIT > 0:
+    a tile whose union holds more blocks leaves its rows to the key-outer dQ."""
     entry = tl.program_id(0).to(tl.int64)
     index_head = tl.program_id(1).to(tl.int64)
     if tl.load(SCHEDULE + 2 * entry) < 0:
@@ -49,6 +50,9 @@ def _sparse_attn_dq_kernel(
     dq = tl.zeros((ROWS, HEAD_DIM), tl.float32)
     blocks, members_of, walk_length = _walk_list(UNION, UNION_MEMBERS, UNION_COUNT, entry,
                                                  index_head, HI, UNION_SLOTS)
+    if WALK_LIMIT > 0:
+        if walk_length > WALK_LIMIT:
+            return
     for u in range(0, walk_length):
         block, members, needs_mask = _walk_block(blocks, members_of, u, first_position,
                                                  all_members, BLOCK)
@@ -164,13 +168,15 @@ def attention_delta(out, dout, p: SparseAttentionProblem):
 
 
 def triton_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
-              num_warps=DQ_CONFIG["num_warps"], num_stages=DQ_CONFIG["num_stages"]):
-    """dq on the Triton kernel, query-outer (q's dtype)."""
+              num_warps=DQ_CONFIG["num_warps"], num_stages=DQ_CONFIG["num_stages"],
+              walk_limit: int = 0):
+    """dq on the Triton kernel, query-outer (q's dtype); ``walk_limit`` > 0: the rows of
+    tiles whose union holds more blocks are left unwritten (key-outer's)."""
     dq = torch.empty_like(q)
     launch(_sparse_attn_dq_kernel, p.query_grid(),
         q, k, v, dout, lse, delta, dq, *p.query_work_args(), *strides(q, k, v, dout, dq),
-        p.scale, p.scale * LOG2_E, **p.query_constants(), num_warps=num_warps,
-        num_stages=num_stages)
+        p.scale, p.scale * LOG2_E, **p.query_constants(), WALK_LIMIT=walk_limit,
+        num_warps=num_warps, num_stages=num_stages)
     return dq
 
 

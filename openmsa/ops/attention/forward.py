@@ -36,6 +36,7 @@ def _sparse_attn_fwd_kernel(
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
     UNION_SLOTS: tl.constexpr, WITH_MAIN: tl.constexpr, WITH_INDEX: tl.constexpr,
     INDEX_MAX_GIVEN: tl.constexpr, PRECISION: tl.constexpr, WALK_LIMIT: tl.constexpr = 0,
+    MAIN_WALK_LIMIT: tl.constexpr = 0,
 ):
     """Query-outer forward: one program per (query tile, index head) walks the distinct blocks
     its tokens kept (flash-attention online softmax); a row sees a block only if its own token
@@ -45,7 +46,8 @@ def _sparse_attn_fwd_kernel(
     kept index score is INDEX_MAX (selection's), so the index sum needs no running maximum: its
     terms add up elementwise and are reduced once, after the walk. WALK_LIMIT > 0: a tile
     whose union holds more blocks returns at once, writing nothing (the key-outer pass takes
-    its tokens)."""
+    its tokens). MAIN_WALK_LIMIT > 0: such a tile leaves its main rows (out, lse2) unwritten
+    for the key-outer forward (attention.key_outer) and walks the index branch alone."""
     entry = tl.program_id(0).to(tl.int64)
     index_head = tl.program_id(1).to(tl.int64)
     if tl.load(SCHEDULE + 2 * entry) < 0:  # padding entry
@@ -74,12 +76,18 @@ def _sparse_attn_fwd_kernel(
     if WALK_LIMIT > 0:
         if walk_length > WALK_LIMIT:
             return
+    main_here = True
+    if MAIN_WALK_LIMIT > 0:
+        main_here = walk_length <= MAIN_WALK_LIMIT
+        if not WITH_INDEX:
+            if walk_length > MAIN_WALK_LIMIT:
+                return
     for u in range(0, walk_length):
         block, members, needs_mask = _walk_block(blocks, members_of, u, first_position,
                                                  all_members, BLOCK)
         key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
         row_member, tok_member = _members(members, row_valid, tok_valid, TOK, TOKP, ROWS)
-        if WITH_MAIN:
+        if WITH_MAIN and main_here:
             k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
             v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
@@ -116,7 +124,7 @@ def _sparse_attn_fwd_kernel(
                 index_sum = (index_sum * tl.exp(index_max - safe_index_max)
                              + tl.sum(tl.exp(z - safe_index_max[:, None]), axis=1))
                 index_max = new_index_max
-    if WITH_MAIN:
+    if WITH_MAIN and main_here:
         running_sum = tl.where(row_valid, running_sum, 1.0)
         tl.store(OUT + row_token[:, None] * stride_o_t + row_head[:, None] * stride_o_h
                  + dims[None, :], (acc / running_sum[:, None]).to(OUT.dtype.element_ty),
@@ -132,11 +140,12 @@ def _sparse_attn_fwd_kernel(
 
 
 def triton_forward(q, k, v, index_q, index_k, p: SparseAttentionProblem, index_max=None,
-                   num_warps=None, num_stages=None):
+                   num_warps=None, num_stages=None, walk_limit: int = 0):
     """The Triton forward: out [T, H, D] (q's dtype), lse2 [T, H] and, with the index branch,
     its log-sum-exp [T, Hi] (natural log over the kept tokens; else None), both fp32.
     ``index_max``: fp32 [T, Hi], each row's largest kept index score when known, or None.
-    ``num_warps``, ``num_stages``: the launch's (default FWD_CONFIG)."""
+    ``num_warps``, ``num_stages``: the launch's (default FWD_CONFIG). ``walk_limit`` > 0: the
+    main rows of tiles whose union holds more blocks are left unwritten (key-outer's)."""
     given = p.with_index and index_max is not None
     out = torch.empty_like(q)
     lse = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
@@ -147,7 +156,8 @@ def triton_forward(q, k, v, index_q, index_k, p: SparseAttentionProblem, index_m
         q, k, v, iq, ik, out, lse, lse_index, index_max if given else lse,
         *p.query_work_args(), *strides(q, k, v, out, iq, ik), p.scale * LOG2_E, p.index_scale,
         **p.query_constants(), WITH_MAIN=True, WITH_INDEX=p.with_index,
-        INDEX_MAX_GIVEN=given, num_warps=num_warps or FWD_CONFIG["num_warps"],
+        INDEX_MAX_GIVEN=given, MAIN_WALK_LIMIT=walk_limit,
+        num_warps=num_warps or FWD_CONFIG["num_warps"],
         num_stages=num_stages or FWD_CONFIG["num_stages"])
     return out, lse, (lse_index if p.with_index else None)
 

@@ -145,21 +145,26 @@ def _sparse_attn_dq_hopper_kernel(
     HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
     BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, UNION_SLOTS: gl.constexpr,
     WRITE_DELTA: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    WALK_LIMIT: gl.constexpr,
 ):
     """dQ, query-outer and warp-specialized as the forward: the forward's loader
     (``_block_loads``) and two warpgroups of 64 rows each (``_dq_query_rows``). With
     WRITE_DELTA the deltas (sum_d dO * O) are computed here from OUT and written to DELTA for
-    the dK/dV kernel, instead of read from it."""
+    the dK/dV kernel, instead of read from it. WALK_LIMIT > 0: a tile whose union holds more
+    blocks is left to the key-outer dQ."""
     entry = gl.program_id(0)
     index_head = gl.program_id(1)
     sequence = gl.load(SCHEDULE + 2 * entry)
     if sequence < 0:  # padding entry
         return
+    blocks, members_of, walk_length = _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry,
+                                               index_head, HI, UNION_SLOTS)
+    if WALK_LIMIT > 0:
+        if walk_length > WALK_LIMIT:
+            return
     tile = _tile_of(CU_SEQLENS, sequence, gl.load(SCHEDULE + 2 * entry + 1), query_start,
                     query_end, TOK)
     seq_start = tile[0]
-    blocks, members_of, walk_length = _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry,
-                                               index_head, HI, UNION_SLOTS)
     kv_col = (index_head // KV_GROUP) * HEAD_DIM
     rows_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, HEAD_DIM],
                                                                    Q.dtype.element_ty)
@@ -184,11 +189,13 @@ def _sparse_attn_dq_hopper_kernel(
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float, out=None):
+def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float, out=None,
+                 walk_limit: int = 0):
     """dq of the main branch (q's dtype); ``supported(q, k, v, p)`` must hold and dout's last
     dimension be contiguous. Given ``out`` (last dimension contiguous), the kernel computes the
     deltas (``attention.backward.attention_delta``'s) itself and writes them into ``delta`` ([T, H]
-    fp32), which it then does not read."""
+    fp32), which it then does not read. ``walk_limit`` > 0: the rows of tiles whose union
+    holds more blocks are left unwritten (key-outer's)."""
     dq = torch.empty_like(q)
     work = p.query_work
     shared = p.shared
@@ -201,7 +208,8 @@ def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float, out=None):
         dq.stride(0), dq.stride(1), p.scale, scale_log2, HI=shared["HI"], GQ=shared["GQ"],
         KV_GROUP=shared["KV_GROUP"], TOK=p.query_tokens, BLOCK=p.block_size,
         HEAD_DIM=p.head_dim, UNION_SLOTS=work.union.shape[-1], WRITE_DELTA=out is not None,
-        CONSUMER_REGS=DQ_REGISTERS[0], LOADER_REGS=DQ_REGISTERS[1], num_warps=4,
+        CONSUMER_REGS=DQ_REGISTERS[0], LOADER_REGS=DQ_REGISTERS[1], WALK_LIMIT=walk_limit,
+        num_warps=4,
         maxnreg=_maxnreg(3, DQ_REGISTERS))
     return dq
 

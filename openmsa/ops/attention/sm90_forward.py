@@ -118,11 +118,12 @@ def _sparse_attn_fwd_hopper_kernel(
     query_start, query_end, stride_q_t, stride_q_h, stride_o_t, stride_o_h, scale_log2,
     HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
     BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, UNION_SLOTS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, WALK_LIMIT: gl.constexpr,
 ):
     """The forward warp-specialized: one warp loads the walk's K and V blocks (``_block_loads``)
     and each warpgroup computes 64 of the tile's 128 rows (``_fwd_query_rows``; the first is the
-    launch's 4 warps, the second a worker partition), with no barrier between the two."""
+    launch's 4 warps, the second a worker partition), with no barrier between the two.
+    WALK_LIMIT > 0: a tile whose union holds more blocks is left to the key-outer forward."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = 128
     io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
@@ -132,6 +133,11 @@ def _sparse_attn_fwd_hopper_kernel(
     sequence = gl.load(SCHEDULE + 2 * entry)
     if sequence < 0:  # padding entry
         return
+    blocks, members_of, walk_length = _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry,
+                                               index_head, HI, UNION_SLOTS)
+    if WALK_LIMIT > 0:
+        if walk_length > WALK_LIMIT:
+            return
     tile = _tile_of(CU_SEQLENS, sequence, gl.load(SCHEDULE + 2 * entry + 1), query_start,
                     query_end, TOK)
     (seq_start, seq_len, first_position, first_query, end_query, all_members,
@@ -144,8 +150,6 @@ def _sparse_attn_fwd_hopper_kernel(
     q_smem = gl.allocate_shared_memory(
         Q.dtype.element_ty, [ROWS, HEAD_DIM],
         gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], Q.dtype.element_ty), q)
-    blocks, members_of, walk_length = _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry,
-                                               index_head, HI, UNION_SLOTS)
     kv_col = (index_head // KV_GROUP) * HEAD_DIM
     k_smem, v_smem, k_full, k_empty, v_full, v_empty = _block_rings(k_desc, v_desc, BLOCK,
                                                                     HEAD_DIM)
@@ -162,9 +166,10 @@ def _sparse_attn_fwd_hopper_kernel(
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def sparse_attention_fwd(q, k, v, p, scale_log2: float):
+def sparse_attention_fwd(q, k, v, p, scale_log2: float, walk_limit: int = 0):
     """out [Tq, H, D] and lse2 [Tq, H] of the main branch; ``supported(q, k, v, p)`` must
-    hold."""
+    hold. ``walk_limit`` > 0: the rows of tiles whose union holds more blocks are left
+    unwritten (key-outer's)."""
     out = torch.empty_like(q)
     lse = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
     work = p.query_work
@@ -176,6 +181,7 @@ def sparse_attention_fwd(q, k, v, p, scale_log2: float):
         out.stride(1), scale_log2, HI=shared["HI"], GQ=shared["GQ"],
         KV_GROUP=shared["KV_GROUP"], TOK=p.query_tokens, BLOCK=p.block_size,
         HEAD_DIM=p.head_dim, UNION_SLOTS=work.union.shape[-1],
-        CONSUMER_REGS=FORWARD_REGISTERS[0], LOADER_REGS=FORWARD_REGISTERS[1], num_warps=4,
+        CONSUMER_REGS=FORWARD_REGISTERS[0], LOADER_REGS=FORWARD_REGISTERS[1],
+        WALK_LIMIT=walk_limit, num_warps=4,
         maxnreg=_maxnreg(3, FORWARD_REGISTERS))
     return out, lse

@@ -1,0 +1,119 @@
+"""The main attention's forward and dQ with the tiles of long walks taken key-outer
+(``attention.key_outer``), at several walk limits, on every selection kind (GPU only).
+
+    python benchmarks/bench_key_outer.py --out DIR [--seqlens 8192,32768,131072]
+        [--limits 0,1.5,2,3,4]
+
+A limit L sends the query tiles whose union holds more than L x top_k blocks key-outer; 0 walks
+every tile (the kernels before). H64/Hkv4/Hi4/Hik1, D = Di = 128, top 16 of 128, bf16, B = 1.
+Per row: the selection's neighbours' Jaccard and 8-token union, the share of rows taken
+key-outer, the main attention's forward and backward (dQ, dK/dV) alone on a problem whose work
+lists are built beforehand, the whole training step (selection, main attention, KL; forward and
+backward) through ``msa_attention``'s kernels at that limit, dense SDPA's step in the same run,
+and how far out and dq lie from the walk's (relative RMS). Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import triton
+
+from openmsa.bench.run import dense_baseline
+from openmsa.bench.selection import SELECTION_KINDS, index_inputs, selection_statistics
+from openmsa.bench.timing import median_ms
+from openmsa.ops.attention import attention_backward, key_outer, sparse_attention_fwd
+from openmsa.ops.configs import Tuning
+from openmsa.ops.layout import batch_cu_seqlens
+from openmsa.ops.problem import SparseAttentionProblem
+from openmsa.ops.select import select_blocks_fwd
+from openmsa.testing import rel_rms_error, tuned_msa_attention
+
+HEADS, KV_HEADS, INDEX_HEADS, DIM, TOP_K, BLOCK = 64, 4, 4, 128, 16, 128
+
+
+def measure(seqlen: int, kind: str, limits, dense: dict) -> list[dict]:
+    generator = torch.Generator(device="cuda").manual_seed(seqlen)
+    q, k, v = (torch.randn(seqlen, h, DIM, device="cuda", generator=generator).bfloat16()
+               for h in (HEADS, KV_HEADS, KV_HEADS))
+    index_q, index_k = index_inputs(kind, seqlen, INDEX_HEADS, DIM, generator)
+    dout = torch.randn_like(q)
+    cu = batch_cu_seqlens(1, seqlen, "cuda")
+    scale = DIM ** -0.5
+    ids, _ = select_blocks_fwd(index_q, index_k, cu, top_k=TOP_K, block_size=BLOCK,
+                               index_softmax_scale=scale, num_local_blocks=1,
+                               num_sink_blocks=0, return_max=True)
+    statistics = selection_statistics(ids)
+    inputs = [t[None].clone().requires_grad_() for t in (q, k, v, index_q, index_k)]
+    one = torch.ones((), device="cuda")
+    if not dense:
+        dense.update(dense_baseline(*inputs[:3], dout[None], median_ms))
+    rows, walked = [], None
+    for limit in limits:
+        tuning = Tuning(main_walk_limit_per_slot=limit)
+        problem = SparseAttentionProblem(q, k, ids, cu, BLOCK, scale, tuning=tuning)
+        problem.block_work  # the step builds it for dK/dV anyway
+        blocks = key_outer.walk_limit(problem)
+        hard = key_outer.hard_rows(problem, blocks).float().mean().item() if blocks else 0.0
+        out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
+        dq = attention_backward(q, k, v, out, dout, lse, problem)[0]
+        if walked is None:
+            walked = (out, dq)
+        step = tuned_msa_attention(tuning)
+
+        def msa_step():
+            result, kl = step(*inputs, top_k=TOP_K, block_size=BLOCK)
+            torch.autograd.grad((result, kl), inputs, (dout[None], one))
+
+        row = dict(seqlen=seqlen, selection=kind, limit_per_slot=limit, walk_limit_blocks=blocks,
+                   hard_row_share=hard, **statistics,
+                   fwd_ms=median_ms(lambda: sparse_attention_fwd(q, k, v, None, None, problem)),
+                   bwd_ms=median_ms(lambda: attention_backward(q, k, v, out, dout, lse,
+                                                               problem)),
+                   step_ms=median_ms(msa_step),
+                   out_vs_walk=rel_rms_error(out.float(), walked[0].float()),
+                   dq_vs_walk=rel_rms_error(dq.float(), walked[1].float()), **dense)
+        if "dense_fwd_bwd_ms" in dense:
+            row["step_x_dense"] = dense["dense_fwd_bwd_ms"] / row["step_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seqlens", default="8192,32768,131072")
+    parser.add_argument("--kinds", default=",".join(SELECTION_KINDS))
+    parser.add_argument("--limits", default="0,1.5,2,3,4")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    limits = [float(x) for x in args.limits.split(",")]
+    rows = []
+    for seqlen in map(int, args.seqlens.split(",")):
+        dense: dict = {}
+        for kind in args.kinds.split(","):
+            rows += measure(seqlen, kind, limits, dense)
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=triton.__version__, date=time.strftime("%Y-%m-%d"), args=vars(args),
+                  config=f"H{HEADS}/Hkv{KV_HEADS}/Hi{INDEX_HEADS}/Hik1 D=Di={DIM} top {TOP_K} "
+                  f"of {BLOCK}, bf16, B=1", rows=rows)
+    with open(os.path.join(args.out, "bench_key_outer.json"), "w") as handle:
+        json.dump(result, handle, indent=2)
+    print(f"\nkey-outer forward and dQ by walk limit, {result['gpu']}, {result['config']}")
+    print(f"{'S':>7} {'selection':>9} {'Jacc':>5} {'union8':>6} {'limit':>5} {'hard':>5} "
+          f"{'fwd ms':>8} {'bwd ms':>8} {'step ms':>8} {'x dense':>7} {'out/dq vs walk':>16}")
+    for r in rows:
+        print(f"{r['seqlen']:>7} {r['selection']:>9} {r['jaccard']:>5.2f} {r['union_8']:>6.1f} "
+              f"{r['limit_per_slot']:>5.1f} {r['hard_row_share']:>5.2f} {r['fwd_ms']:>8.2f} "
+              f"{r['bwd_ms']:>8.2f} {r['step_ms']:>8.2f} {r.get('step_x_dense', 0):>6.2f}x "
+              f"{r['out_vs_walk']:>7.1e}/{r['dq_vs_walk']:>7.1e}")
+
+
+if __name__ == "__main__":
+    main()

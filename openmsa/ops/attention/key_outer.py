@@ -1,0 +1,368 @@
+"""The main attention's forward and dQ, key-outer, for the query tiles whose walk would be long.
+
+A query-outer tile (``TOK`` tokens x ``GQ`` heads) walks the union of its tokens' kept blocks,
+and each block's product costs the whole tile's rows however few of its tokens kept it: on
+selections whose neighbours keep different blocks (a union of many times ``top_k``) most of
+the work is discarded. Here the tiles whose union holds more than a limit of blocks ("hard"
+tiles) are taken key-outer instead, on the key-block -> queries list that dK/dV walk: a program
+per segment of one key block's pairs gathers ``TOK`` pairs' rows at a time, every row of which
+kept the block, so the cost follows the kept pairs.
+
+Forward: each (row, kept block) writes its partial output (normalized over that block) and
+its log-sum-exp into the row's slot (the block's position in the row's ids), and a combine
+step merges a row's ``top_k`` slots by their log-sum-exps. dQ: each (row, kept block) writes
+its fp32 partial, and a sum adds a row's slots in slot order. No atomics: both are
+deterministic. The slots of a window of query rows at a time live in memory
+(``Tuning.key_outer_partial_bytes`` bounds them), so the passes run once per window.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..configs import KEY_OUTER_COMBINE_ROWS, KEY_OUTER_CONFIG
+from ..launch import launch, strides
+from ..problem import LOG2_E, SparseAttentionProblem
+from ..tiles import _block_keys, _load_rows, _query_tile, _segment
+
+__all__ = ["key_outer_dq", "key_outer_forward", "walk_limit"]
+
+
+def walk_limit(p: SparseAttentionProblem) -> int:
+    """The most blocks a query tile's walk takes before its rows go key-outer; 0: every tile
+    walks (warmup keeps every causal block, so its tiles never go; nor where no union can pass
+    the limit)."""
+    per_slot = p.tuning.main_walk_limit_per_slot
+    if per_slot <= 0 or p.all_causal:
+        return 0
+    limit = max(1, int(per_slot * p.top_k))
+    return limit if limit < p.query_work.union.shape[-1] else 0
+
+
+@triton.jit
+def _hard_rows_kernel(HARD, SCHEDULE, UNION_COUNT, CU_SEQLENS, query_start, query_end, limit,
+                      HI: tl.constexpr, GQ: tl.constexpr, TOK: tl.constexpr,
+                      TOKP: tl.constexpr, ROWS: tl.constexpr):
+    """HARD[row, index head] = 1 for the rows of each (query tile, index head) whose union holds
+    more than ``limit`` blocks, 0 for the others."""
+    entry = tl.program_id(0).to(tl.int64)
+    index_head = tl.program_id(1).to(tl.int64)
+    if tl.load(SCHEDULE + 2 * entry) < 0:  # padding entry
+        return
+    (_, _, _, _, _, _, _, _, tok_valid, tok_token, _) = _query_tile(
+        SCHEDULE, CU_SEQLENS, entry, index_head, query_start, query_end, GQ, TOK, TOKP, ROWS)
+    hard = tl.load(UNION_COUNT + entry * HI + index_head) > limit
+    tl.store(HARD + tok_token * HI + index_head,
+             tl.zeros((TOKP,), tl.int8) + hard.to(tl.int8), mask=tok_valid)
+
+
+def hard_rows(p: SparseAttentionProblem, limit: int) -> torch.Tensor:
+    """int8 [Tq, Hi]: 1 where a row's tile goes key-outer at walk limit ``limit``."""
+    hard = torch.zeros(p.total, p.num_index_heads, dtype=torch.int8,
+                       device=p.block_ids.device)
+    constants = p.query_constants()
+    _hard_rows_kernel[p.query_grid()](
+        hard, p.query_work.schedule, p.query_work.union_count, p.cu_seqlens, p.query_start,
+        p.query_start + p.total, limit, HI=p.num_index_heads, GQ=p.gq, TOK=constants["TOK"],
+        TOKP=constants["TOKP"], ROWS=constants["ROWS"])
+    return hard
+
+
+@triton.jit
+def _first_at_least(PAIR_TOKEN, first, last, value, STEPS: tl.constexpr):
+    """The first pair in [first, last) whose query row is >= value (rows ascend there)."""
+    low = first
+    high = last
+    for _ in tl.static_range(STEPS):
+        middle = (low + high) // 2
+        active = low < high
+        below = tl.load(PAIR_TOKEN + middle, mask=active, other=0) < value
+        low = tl.where(active & below, middle + 1, low)
+        high = tl.where(active & ~below, middle, high)
+    return low
+
+
+@triton.jit
+def _window_pairs(PAIR_TOKEN, first, last, window_start, window_end, STEPS: tl.constexpr):
+    """The segment's pairs [first, last) whose rows lie in the window [window_start, window_end)."""
+    low = _first_at_least(PAIR_TOKEN, first, last, window_start, STEPS)
+    return low, _first_at_least(PAIR_TOKEN, low, last, window_end, STEPS)
+
+
+@triton.jit
+def _hard_pair_rows(PAIR_TOKEN, HARD, IDS, first_pair, end, block, index_head, stride_ids_t,
+                    stride_ids_h, HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
+                    TOK: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr):
+    """The TOK pairs from ``first_pair`` (before ``end``) that are hard rows, head-major as the
+    dK/dV kernel's rows (row = g * TOK + t): each row's query row, validity, head g and the
+    slot of ``block`` in its ids. Also whether any pair is valid."""
+    pairs = tl.arange(0, TOK)
+    pair_valid = first_pair + pairs < end
+    pair_row = tl.load(PAIR_TOKEN + first_pair + pairs, mask=pair_valid, other=0).to(tl.int64)
+    pair_valid &= tl.load(HARD + pair_row * HI + index_head, mask=pair_valid, other=0) != 0
+    slots = tl.arange(0, TOP_K_PAD)
+    ids = tl.load(IDS + pair_row[:, None] * stride_ids_t + index_head * stride_ids_h
+                  + slots[None, :], mask=pair_valid[:, None] & (slots < TOP_K)[None, :],
+                  other=-1)
+    slot = tl.sum(tl.where(ids == block, slots[None, :], 0), axis=1)
+    row_token = tl.reshape(tl.broadcast_to(pair_row[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
+    row_valid = tl.reshape(tl.broadcast_to(pair_valid[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
+    row_slot = tl.reshape(tl.broadcast_to(slot[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
+    head = tl.arange(0, GQ_PAD * TOK) // TOK
+    return row_token, row_valid & (head < GQ), head, row_slot, tl.max(pair_valid.to(tl.int32))
+
+
+@triton.jit
+def _fwd_key_outer_kernel(
+    Q, K, V, IDS, HARD, OUT_PART, LSE_PART,
+    SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+    BLOCK_LOCAL, CU_SEQLENS, query_start, window_start, window_end,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_ids_t, stride_ids_h, scale_log2,
+    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
+    TOK: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr, SEGMENT_PAIRS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One segment of a key block's pairs, the window's hard rows: per row, the softmax over
+    the block's visible keys, its output (normalized) and log-sum-exp (base 2) into the row's
+    slot of OUT_PART [window rows, HI, TOP_K, GQ, D] and LSE_PART [..., GQ]."""
+    segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
+        SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
+        CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
+    if segment < 0:
+        return
+    low, high = _window_pairs(PAIR_TOKEN, first, last, window_start, window_end, SEARCH_STEPS)
+    if low >= high:
+        return
+    kv_head = index_head // KV_GROUP
+    key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
+    k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
+    v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM)
+    for first_pair in range(low, high, TOK):
+        row_token, row_valid, head, row_slot, any_valid = _hard_pair_rows(
+            PAIR_TOKEN, HARD, IDS, first_pair, high, block, index_head, stride_ids_t,
+            stride_ids_h, HI, GQ, GQ_PAD, TOK, TOP_K, TOP_K_PAD)
+        if any_valid > 0:
+            q = tl.load(Q + row_token[:, None] * stride_q_t
+                        + (index_head * GQ + head)[:, None] * stride_q_h + dims[None, :],
+                        mask=row_valid[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            # Pairs ascend by row: only when the first lies inside the block can any need the
+            # causal mask (which also hides keys past the sequence's end).
+            if tl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
+                query_pos = row_token - query_base
+                scores = tl.where(key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None]),
+                                  scores, float("-inf"))
+            row_max = tl.max(scores, axis=1)
+            safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+            probs = tl.exp2(scores - safe_max[:, None])
+            row_sum = tl.sum(probs, axis=1)
+            out = tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+            out = out / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+            slot = ((row_token - window_start) * HI + index_head) * TOP_K + row_slot
+            offsets = slot * GQ + head
+            tl.store(OUT_PART + offsets[:, None] * HEAD_DIM + dims[None, :],
+                     out.to(OUT_PART.dtype.element_ty), mask=row_valid[:, None])
+            tl.store(LSE_PART + offsets, safe_max + tl.log2(tl.where(row_valid, row_sum, 1.0)),
+                     mask=row_valid)
+
+
+@triton.jit
+def _slot_rows(IDS, HARD, window_start, window_end, stride_ids_t, stride_ids_h,
+               HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
+               TOKENS: tl.constexpr):
+    """A combine program's rows: TOKENS query rows x GQ heads of index head program_id(1)
+    (row-major: i = t * GQ_PAD + g), their validity (hard rows of the window), query row, head
+    g, the first of their slots' offsets and their ids' address."""
+    index_head = tl.program_id(1).to(tl.int64)
+    lanes = tl.arange(0, TOKENS * GQ_PAD)
+    token = window_start + tl.program_id(0).to(tl.int64) * TOKENS + lanes // GQ_PAD
+    head = lanes % GQ_PAD
+    valid = (token < window_end) & (head < GQ)
+    valid &= tl.load(HARD + token * HI + index_head, mask=valid, other=0) != 0
+    first_slot = ((token - window_start) * HI + index_head)
+    return (valid, token, head, index_head, first_slot,
+            IDS + token * stride_ids_t + index_head * stride_ids_h)
+
+
+@triton.jit
+def _combine_kernel(IDS, HARD, OUT_PART, LSE_PART, OUT, LSE, window_start, window_end,
+                    stride_ids_t, stride_ids_h, stride_o_t, stride_o_h,
+                    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
+                    TOP_K: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr):
+    """The hard rows' out and lse2 from their kept slots' partials, merged by log-sum-exp."""
+    valid, token, head, index_head, first_slot, ids = _slot_rows(
+        IDS, HARD, window_start, window_end, stride_ids_t, stride_ids_h, HI, GQ, GQ_PAD, TOKENS)
+    dims = tl.arange(0, HEAD_DIM)
+    lse_max = tl.full((TOKENS * GQ_PAD,), float("-inf"), tl.float32)
+    for s in tl.static_range(TOP_K):
+        kept = valid & (tl.load(ids + s, mask=valid, other=-1) >= 0)
+        lse_s = tl.load(LSE_PART + (first_slot * TOP_K + s) * GQ + head, mask=kept,
+                        other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse_s)
+    safe_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.zeros((TOKENS * GQ_PAD,), tl.float32)
+    acc = tl.zeros((TOKENS * GQ_PAD, HEAD_DIM), tl.float32)
+    for s in tl.static_range(TOP_K):
+        kept = valid & (tl.load(ids + s, mask=valid, other=-1) >= 0)
+        offsets = (first_slot * TOP_K + s) * GQ + head
+        weight = tl.exp2(tl.load(LSE_PART + offsets, mask=kept, other=float("-inf")) - safe_max)
+        part = tl.load(OUT_PART + offsets[:, None] * HEAD_DIM + dims[None, :],
+                       mask=kept[:, None], other=0.0)
+        total += weight
+        acc += weight[:, None] * part.to(tl.float32)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    out_head = index_head * GQ + head
+    tl.store(OUT + token[:, None] * stride_o_t + out_head[:, None] * stride_o_h + dims[None, :],
+             out.to(OUT.dtype.element_ty), mask=valid[:, None])
+    lse = tl.where(total > 0, safe_max + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
+    tl.store(LSE + token * (HI * GQ) + out_head, lse, mask=valid)
+
+
+@triton.jit
+def _dq_key_outer_kernel(
+    Q, K, V, DOUT, LSE, DELTA, IDS, HARD, DQ_PART,
+    SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+    BLOCK_LOCAL, CU_SEQLENS, query_start, window_start, window_end,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_do_t, stride_do_h, stride_ids_t, stride_ids_h, scale_log2,
+    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
+    TOK: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr, SEGMENT_PAIRS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One segment of a key block's pairs, the window's hard rows: each row's dQ over the
+    block (unscaled, fp32) into its slot of DQ_PART [window rows, HI, TOP_K, GQ, D]."""
+    segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
+        SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
+        CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
+    if segment < 0:
+        return
+    low, high = _window_pairs(PAIR_TOKEN, first, last, window_start, window_end, SEARCH_STEPS)
+    if low >= high:
+        return
+    kv_head = index_head // KV_GROUP
+    key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
+    k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
+    v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM)
+    for first_pair in range(low, high, TOK):
+        row_token, row_valid, head, row_slot, any_valid = _hard_pair_rows(
+            PAIR_TOKEN, HARD, IDS, first_pair, high, block, index_head, stride_ids_t,
+            stride_ids_h, HI, GQ, GQ_PAD, TOK, TOP_K, TOP_K_PAD)
+        if any_valid > 0:
+            row_head = index_head * GQ + head
+            q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
+                        + dims[None, :], mask=row_valid[:, None], other=0.0)
+            dout = tl.load(DOUT + row_token[:, None] * stride_do_t
+                           + row_head[:, None] * stride_do_h + dims[None, :],
+                           mask=row_valid[:, None], other=0.0)
+            lse = tl.load(LSE + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
+            delta = tl.load(DELTA + row_token * (HI * GQ) + row_head, mask=row_valid,
+                            other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            probs = tl.exp2(scores - lse[:, None])
+            if tl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
+                query_pos = row_token - query_base
+                probs = tl.where(key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None]),
+                                 probs, 0.0)
+            dprobs = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
+            dscores = probs * (dprobs - delta[:, None])
+            dq = tl.dot(dscores.to(k.dtype), k, input_precision=PRECISION)
+            offsets = ((row_token - window_start) * HI + index_head) * TOP_K + row_slot
+            tl.store(DQ_PART + (offsets * GQ + head)[:, None] * HEAD_DIM + dims[None, :], dq,
+                     mask=row_valid[:, None])
+
+
+@triton.jit
+def _dq_sum_kernel(IDS, HARD, DQ_PART, DQ, window_start, window_end, stride_ids_t,
+                   stride_ids_h, stride_dq_t, stride_dq_h, scale, HI: tl.constexpr,
+                   GQ: tl.constexpr, GQ_PAD: tl.constexpr, TOP_K: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr):
+    """The hard rows' dq: ``scale`` x the sum of their kept slots' partials, in slot order."""
+    valid, token, head, index_head, first_slot, ids = _slot_rows(
+        IDS, HARD, window_start, window_end, stride_ids_t, stride_ids_h, HI, GQ, GQ_PAD, TOKENS)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros((TOKENS * GQ_PAD, HEAD_DIM), tl.float32)
+    for s in tl.static_range(TOP_K):
+        kept = valid & (tl.load(ids + s, mask=valid, other=-1) >= 0)
+        offsets = (first_slot * TOP_K + s) * GQ + head
+        acc += tl.load(DQ_PART + offsets[:, None] * HEAD_DIM + dims[None, :],
+                       mask=kept[:, None], other=0.0)
+    out_head = index_head * GQ + head
+    tl.store(DQ + token[:, None] * stride_dq_t + out_head[:, None] * stride_dq_h
+             + dims[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=valid[:, None])
+
+
+def _windows(p: SparseAttentionProblem, bytes_per_slot: int):
+    """Query-row windows [start, end) whose slots fit ``Tuning.key_outer_partial_bytes``."""
+    per_row = p.num_index_heads * p.top_k * p.gq * bytes_per_slot
+    rows = max(1, p.tuning.key_outer_partial_bytes // per_row)
+    return rows, [(start, min(start + rows, p.total)) for start in range(0, p.total, rows)]
+
+
+def _key_outer_constants(p: SparseAttentionProblem):
+    shared = p.shared
+    work = p.block_work
+    return dict(HI=shared["HI"], GQ=shared["GQ"], GQ_PAD=shared["GQ_PAD"],
+                KV_GROUP=shared["KV_GROUP"], TOK=p.query_tokens, BLOCK=p.block_size,
+                HEAD_DIM=p.head_dim, TOP_K=p.top_k, TOP_K_PAD=triton.next_power_of_2(p.top_k),
+                SEGMENT_PAIRS=work.segment_pairs,
+                SEARCH_STEPS=work.segment_pairs.bit_length() + 1,
+                PRECISION=shared["PRECISION"])
+
+
+def _combine_grid(p: SparseAttentionProblem, rows: int):
+    # The interpreter's cost is per program: wide ones there.
+    rows_per_program = KEY_OUTER_COMBINE_ROWS if p.block_ids.is_cuda else 1024
+    tokens = max(1, rows_per_program // p.shared["GQ_PAD"])
+    return tokens, (triton.cdiv(rows, tokens), p.num_index_heads)
+
+
+def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse):
+    """Writes ``out`` [Tq, H, D] and ``lse`` (lse2, [Tq, H]) of the rows whose tiles' unions
+    hold more than ``limit`` blocks (the walk left them), window by window."""
+    hard = hard_rows(p, limit)
+    ids = p.block_ids
+    rows, windows = _windows(p, q.element_size() * p.head_dim + 4)
+    out_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
+                           dtype=q.dtype, device=q.device)
+    lse_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, dtype=torch.float32,
+                           device=q.device)
+    constants = _key_outer_constants(p)
+    tokens, _ = _combine_grid(p, rows)
+    for start, end in windows:
+        launch(_fwd_key_outer_kernel, (p.block_work.segments.shape[0],),
+               q, k, v, ids, hard, out_part, lse_part, *p.key_work_args(), start, end,
+               *strides(q, k, v, ids), p.scale * LOG2_E, **constants, **KEY_OUTER_CONFIG)
+        _combine_kernel[_combine_grid(p, end - start)[1]](
+            ids, hard, out_part, lse_part, out, lse, start, end, *strides(ids, out),
+            HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"], TOP_K=p.top_k,
+            HEAD_DIM=p.head_dim, TOKENS=tokens)
+    return out, lse
+
+
+def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: int, dq):
+    """Writes ``dq``'s rows whose tiles' unions hold more than ``limit`` blocks (the walk left
+    them), window by window."""
+    hard = hard_rows(p, limit)
+    ids = p.block_ids
+    rows, windows = _windows(p, 4 * p.head_dim)
+    dq_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
+                          dtype=torch.float32, device=q.device)
+    constants = _key_outer_constants(p)
+    tokens, _ = _combine_grid(p, rows)
+    for start, end in windows:
+        launch(_dq_key_outer_kernel, (p.block_work.segments.shape[0],),
+               q, k, v, dout, lse, delta, ids, hard, dq_part, *p.key_work_args(), start, end,
+               *strides(q, k, v, dout, ids), p.scale * LOG2_E, **constants,
+               **KEY_OUTER_CONFIG)
+        _dq_sum_kernel[_combine_grid(p, end - start)[1]](
+            ids, hard, dq_part, dq, start, end, *strides(ids, dq), p.scale,
+            HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"], TOP_K=p.top_k,
+            HEAD_DIM=p.head_dim, TOKENS=tokens)
+    return dq
