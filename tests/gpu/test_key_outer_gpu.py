@@ -24,8 +24,9 @@ CASES = [
             num_index_heads=2, options=dict(top_k=8, block_size=64, num_sink_blocks=1,
                                             num_local_blocks=2)),
 ]
-# Two blocks per kept slot; windows of partials of 64 MiB (several a pass).
-TUNING = Tuning(main_walk_limit_per_slot=2.0, key_outer_partial_bytes=64 << 20)
+# One block per kept slot (at 4k tokens a union holds at most 32 blocks); windows of partials of
+# 64 MiB (several a pass).
+TUNING = Tuning(main_walk_limit_per_slot=1.0, key_outer_partial_bytes=64 << 20)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -4,9 +4,9 @@ A query-outer tile (``TOK`` tokens x ``GQ`` heads) walks the union of its tokens
 and each block's product costs the whole tile's rows however few of its tokens kept it: on
 selections whose neighbours keep different blocks (a union of many times ``top_k``) most of
 the work is discarded. Here the tiles whose union holds more than a limit of blocks ("hard"
-tiles) are taken key-outer instead, on the key-block -> queries list that dK/dV walk: a program
-per segment of one key block's pairs gathers ``TOK`` pairs' rows at a time, every row of which
-kept the block, so the cost follows the kept pairs.
+tiles) are taken key-outer instead, on a key-block -> queries list of their pairs alone (built
+as dK/dV's): a program per segment of one key block's pairs gathers ``TOK`` pairs' rows at a
+time, every row of which kept the block, so the cost follows the kept pairs.
 
 Forward: each (row, kept block) writes its partial output (normalized over that block) and
 its log-sum-exp into the row's slot (the block's position in the row's ids), and a combine
@@ -25,6 +25,7 @@ import triton.language as tl
 from ..configs import KEY_OUTER_COMBINE_ROWS, KEY_OUTER_CONFIG
 from ..launch import launch, strides
 from ..problem import LOG2_E, SparseAttentionProblem
+from ..worklists import build_block_work
 from ..tiles import _block_keys, _load_rows, _query_tile, _segment
 
 __all__ = ["key_outer_dq", "key_outer_forward", "walk_limit"]
@@ -92,16 +93,15 @@ def _window_pairs(PAIR_TOKEN, first, last, window_start, window_end, STEPS: tl.c
 
 
 @triton.jit
-def _hard_pair_rows(PAIR_TOKEN, HARD, IDS, first_pair, end, block, index_head, stride_ids_t,
-                    stride_ids_h, HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
-                    TOK: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr):
-    """The TOK pairs from ``first_pair`` (before ``end``) that are hard rows, head-major as the
-    dK/dV kernel's rows (row = g * TOK + t): each row's query row, validity, head g and the
-    slot of ``block`` in its ids. Also whether any pair is valid."""
+def _pair_rows_and_slots(PAIR_TOKEN, IDS, first_pair, end, block, index_head, stride_ids_t,
+                         stride_ids_h, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
+                         TOK: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr):
+    """The TOK pairs from ``first_pair`` (before ``end``), head-major as the dK/dV kernel's rows
+    (row = g * TOK + t): each row's query row, validity, head g and the slot of ``block`` in
+    its ids."""
     pairs = tl.arange(0, TOK)
     pair_valid = first_pair + pairs < end
     pair_row = tl.load(PAIR_TOKEN + first_pair + pairs, mask=pair_valid, other=0).to(tl.int64)
-    pair_valid &= tl.load(HARD + pair_row * HI + index_head, mask=pair_valid, other=0) != 0
     slots = tl.arange(0, TOP_K_PAD)
     ids = tl.load(IDS + pair_row[:, None] * stride_ids_t + index_head * stride_ids_h
                   + slots[None, :], mask=pair_valid[:, None] & (slots < TOP_K)[None, :],
@@ -111,12 +111,12 @@ def _hard_pair_rows(PAIR_TOKEN, HARD, IDS, first_pair, end, block, index_head, s
     row_valid = tl.reshape(tl.broadcast_to(pair_valid[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
     row_slot = tl.reshape(tl.broadcast_to(slot[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
     head = tl.arange(0, GQ_PAD * TOK) // TOK
-    return row_token, row_valid & (head < GQ), head, row_slot, tl.max(pair_valid.to(tl.int32))
+    return row_token, row_valid & (head < GQ), head, row_slot
 
 
 @triton.jit
 def _fwd_key_outer_kernel(
-    Q, K, V, IDS, HARD, OUT_PART, LSE_PART,
+    Q, K, V, IDS, WINDOW_HARD, window, OUT_PART, LSE_PART,
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start, window_start, window_end,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
@@ -129,6 +129,8 @@ def _fwd_key_outer_kernel(
     """One segment of a key block's pairs, the window's hard rows: per row, the softmax over
     the block's visible keys, its output (normalized) and log-sum-exp (base 2) into the row's
     slot of OUT_PART [window rows, HI, TOP_K, GQ, D] and LSE_PART [..., GQ]."""
+    if tl.load(WINDOW_HARD + window) == 0:  # no hard row in the window
+        return
     segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
         CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
@@ -143,32 +145,31 @@ def _fwd_key_outer_kernel(
     v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
     for first_pair in range(low, high, TOK):
-        row_token, row_valid, head, row_slot, any_valid = _hard_pair_rows(
-            PAIR_TOKEN, HARD, IDS, first_pair, high, block, index_head, stride_ids_t,
-            stride_ids_h, HI, GQ, GQ_PAD, TOK, TOP_K, TOP_K_PAD)
-        if any_valid > 0:
-            q = tl.load(Q + row_token[:, None] * stride_q_t
-                        + (index_head * GQ + head)[:, None] * stride_q_h + dims[None, :],
-                        mask=row_valid[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            # Pairs ascend by row: only when the first lies inside the block can any need the
-            # causal mask (which also hides keys past the sequence's end).
-            if tl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
-                query_pos = row_token - query_base
-                scores = tl.where(key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None]),
-                                  scores, float("-inf"))
-            row_max = tl.max(scores, axis=1)
-            safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
-            probs = tl.exp2(scores - safe_max[:, None])
-            row_sum = tl.sum(probs, axis=1)
-            out = tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
-            out = out / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
-            slot = ((row_token - window_start) * HI + index_head) * TOP_K + row_slot
-            offsets = slot * GQ + head
-            tl.store(OUT_PART + offsets[:, None] * HEAD_DIM + dims[None, :],
-                     out.to(OUT_PART.dtype.element_ty), mask=row_valid[:, None])
-            tl.store(LSE_PART + offsets, safe_max + tl.log2(tl.where(row_valid, row_sum, 1.0)),
-                     mask=row_valid)
+        row_token, row_valid, head, row_slot = _pair_rows_and_slots(
+            PAIR_TOKEN, IDS, first_pair, high, block, index_head, stride_ids_t, stride_ids_h,
+            GQ, GQ_PAD, TOK, TOP_K, TOP_K_PAD)
+        q = tl.load(Q + row_token[:, None] * stride_q_t
+                    + (index_head * GQ + head)[:, None] * stride_q_h + dims[None, :],
+                    mask=row_valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        # Pairs ascend by row: only when the first lies inside the block can any need the
+        # causal mask (which also hides keys past the sequence's end).
+        if tl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
+            query_pos = row_token - query_base
+            scores = tl.where(key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None]),
+                              scores, float("-inf"))
+        row_max = tl.max(scores, axis=1)
+        safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+        probs = tl.exp2(scores - safe_max[:, None])
+        row_sum = tl.sum(probs, axis=1)
+        out = tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        out = out / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+        slot = ((row_token - window_start) * HI + index_head) * TOP_K + row_slot
+        offsets = slot * GQ + head
+        tl.store(OUT_PART + offsets[:, None] * HEAD_DIM + dims[None, :],
+                 out.to(OUT_PART.dtype.element_ty), mask=row_valid[:, None])
+        tl.store(LSE_PART + offsets, safe_max + tl.log2(tl.where(row_valid, row_sum, 1.0)),
+                 mask=row_valid)
 
 
 @triton.jit
@@ -190,11 +191,14 @@ def _slot_rows(IDS, HARD, window_start, window_end, stride_ids_t, stride_ids_h,
 
 
 @triton.jit
-def _combine_kernel(IDS, HARD, OUT_PART, LSE_PART, OUT, LSE, window_start, window_end,
+def _combine_kernel(IDS, HARD, WINDOW_HARD, window, OUT_PART, LSE_PART, OUT, LSE,
+                    window_start, window_end,
                     stride_ids_t, stride_ids_h, stride_o_t, stride_o_h,
                     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
                     TOP_K: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr):
     """The hard rows' out and lse2 from their kept slots' partials, merged by log-sum-exp."""
+    if tl.load(WINDOW_HARD + window) == 0:
+        return
     valid, token, head, index_head, first_slot, ids = _slot_rows(
         IDS, HARD, window_start, window_end, stride_ids_t, stride_ids_h, HI, GQ, GQ_PAD, TOKENS)
     dims = tl.arange(0, HEAD_DIM)
@@ -225,7 +229,7 @@ def _combine_kernel(IDS, HARD, OUT_PART, LSE_PART, OUT, LSE, window_start, windo
 
 @triton.jit
 def _dq_key_outer_kernel(
-    Q, K, V, DOUT, LSE, DELTA, IDS, HARD, DQ_PART,
+    Q, K, V, DOUT, LSE, DELTA, IDS, WINDOW_HARD, window, DQ_PART,
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start, window_start, window_end,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
@@ -237,6 +241,8 @@ def _dq_key_outer_kernel(
 ):
     """One segment of a key block's pairs, the window's hard rows: each row's dQ over the
     block (unscaled, fp32) into its slot of DQ_PART [window rows, HI, TOP_K, GQ, D]."""
+    if tl.load(WINDOW_HARD + window) == 0:  # no hard row in the window
+        return
     segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
         CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
@@ -251,39 +257,41 @@ def _dq_key_outer_kernel(
     v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
     for first_pair in range(low, high, TOK):
-        row_token, row_valid, head, row_slot, any_valid = _hard_pair_rows(
-            PAIR_TOKEN, HARD, IDS, first_pair, high, block, index_head, stride_ids_t,
-            stride_ids_h, HI, GQ, GQ_PAD, TOK, TOP_K, TOP_K_PAD)
-        if any_valid > 0:
-            row_head = index_head * GQ + head
-            q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
-                        + dims[None, :], mask=row_valid[:, None], other=0.0)
-            dout = tl.load(DOUT + row_token[:, None] * stride_do_t
-                           + row_head[:, None] * stride_do_h + dims[None, :],
-                           mask=row_valid[:, None], other=0.0)
-            lse = tl.load(LSE + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
-            delta = tl.load(DELTA + row_token * (HI * GQ) + row_head, mask=row_valid,
-                            other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            probs = tl.exp2(scores - lse[:, None])
-            if tl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
-                query_pos = row_token - query_base
-                probs = tl.where(key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None]),
-                                 probs, 0.0)
-            dprobs = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
-            dscores = probs * (dprobs - delta[:, None])
-            dq = tl.dot(dscores.to(k.dtype), k, input_precision=PRECISION)
-            offsets = ((row_token - window_start) * HI + index_head) * TOP_K + row_slot
-            tl.store(DQ_PART + (offsets * GQ + head)[:, None] * HEAD_DIM + dims[None, :], dq,
-                     mask=row_valid[:, None])
+        row_token, row_valid, head, row_slot = _pair_rows_and_slots(
+            PAIR_TOKEN, IDS, first_pair, high, block, index_head, stride_ids_t, stride_ids_h,
+            GQ, GQ_PAD, TOK, TOP_K, TOP_K_PAD)
+        row_head = index_head * GQ + head
+        q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
+                    + dims[None, :], mask=row_valid[:, None], other=0.0)
+        dout = tl.load(DOUT + row_token[:, None] * stride_do_t
+                       + row_head[:, None] * stride_do_h + dims[None, :],
+                       mask=row_valid[:, None], other=0.0)
+        lse = tl.load(LSE + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
+        delta = tl.load(DELTA + row_token * (HI * GQ) + row_head, mask=row_valid,
+                        other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        probs = tl.exp2(scores - lse[:, None])
+        if tl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
+            query_pos = row_token - query_base
+            probs = tl.where(key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None]),
+                             probs, 0.0)
+        dprobs = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
+        dscores = probs * (dprobs - delta[:, None])
+        dq = tl.dot(dscores.to(k.dtype), k, input_precision=PRECISION)
+        offsets = ((row_token - window_start) * HI + index_head) * TOP_K + row_slot
+        tl.store(DQ_PART + (offsets * GQ + head)[:, None] * HEAD_DIM + dims[None, :], dq,
+                 mask=row_valid[:, None])
 
 
 @triton.jit
-def _dq_sum_kernel(IDS, HARD, DQ_PART, DQ, window_start, window_end, stride_ids_t,
+def _dq_sum_kernel(IDS, HARD, WINDOW_HARD, window, DQ_PART, DQ, window_start, window_end,
+                   stride_ids_t,
                    stride_ids_h, stride_dq_t, stride_dq_h, scale, HI: tl.constexpr,
                    GQ: tl.constexpr, GQ_PAD: tl.constexpr, TOP_K: tl.constexpr,
                    HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr):
     """The hard rows' dq: ``scale`` x the sum of their kept slots' partials, in slot order."""
+    if tl.load(WINDOW_HARD + window) == 0:
+        return
     valid, token, head, index_head, first_slot, ids = _slot_rows(
         IDS, HARD, window_start, window_end, stride_ids_t, stride_ids_h, HI, GQ, GQ_PAD, TOKENS)
     dims = tl.arange(0, HEAD_DIM)
@@ -298,22 +306,38 @@ def _dq_sum_kernel(IDS, HARD, DQ_PART, DQ, window_start, window_end, stride_ids_
              + dims[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=valid[:, None])
 
 
-def _windows(p: SparseAttentionProblem, bytes_per_slot: int):
-    """Query-row windows [start, end) whose slots fit ``Tuning.key_outer_partial_bytes``."""
+def _windows(p: SparseAttentionProblem, bytes_per_slot: int, hard: torch.Tensor):
+    """Query-row windows [start, end) whose slots fit ``Tuning.key_outer_partial_bytes``, and
+    each window's count of hard (row, index head)s (int32 on the device: a window without any
+    costs its launches only, nothing waits for the GPU)."""
     per_row = p.num_index_heads * p.top_k * p.gq * bytes_per_slot
     rows = max(1, p.tuning.key_outer_partial_bytes // per_row)
-    return rows, [(start, min(start + rows, p.total)) for start in range(0, p.total, rows)]
+    windows = [(start, min(start + rows, p.total)) for start in range(0, p.total, rows)]
+    padded = torch.nn.functional.pad(hard, (0, 0, 0, len(windows) * rows - p.total))
+    counts = padded.view(len(windows), -1).sum(1, dtype=torch.int32)
+    return rows, windows, counts
 
 
-def _key_outer_constants(p: SparseAttentionProblem):
+def _hard_work(p: SparseAttentionProblem, limit: int):
+    """The hard rows (``hard_rows``) and the key-block -> queries list of their pairs alone, as
+    the key-outer kernels' arguments: every gathered row then computes (no pair of a walked
+    row rides along), at the cost of one more list build."""
+    hard = hard_rows(p, limit)
+    pairs = p.tuning.segment_pairs_for(p.total, p.num_index_heads, p.top_k)
+    work = build_block_work(torch.where(hard[:, :, None] != 0, p.block_ids, -1), p.cu_seqlens,
+                            p.block_size, pairs, p.query_start, p.num_keys,
+                            p._top_k_segment_order(pairs))
+    arguments = (work.segments, work.segment_order, work.pair_token, work.bucket_start,
+                 work.bucket_count, work.block_sequence, work.block_local, p.cu_seqlens,
+                 p.query_start)
     shared = p.shared
-    work = p.block_work
-    return dict(HI=shared["HI"], GQ=shared["GQ"], GQ_PAD=shared["GQ_PAD"],
-                KV_GROUP=shared["KV_GROUP"], TOK=p.query_tokens, BLOCK=p.block_size,
-                HEAD_DIM=p.head_dim, TOP_K=p.top_k, TOP_K_PAD=triton.next_power_of_2(p.top_k),
-                SEGMENT_PAIRS=work.segment_pairs,
-                SEARCH_STEPS=work.segment_pairs.bit_length() + 1,
-                PRECISION=shared["PRECISION"])
+    constants = dict(HI=shared["HI"], GQ=shared["GQ"], GQ_PAD=shared["GQ_PAD"],
+                     KV_GROUP=shared["KV_GROUP"], TOK=p.query_tokens, BLOCK=p.block_size,
+                     HEAD_DIM=p.head_dim, TOP_K=p.top_k,
+                     TOP_K_PAD=triton.next_power_of_2(p.top_k), SEGMENT_PAIRS=pairs,
+                     SEARCH_STEPS=pairs.bit_length() + 1, PRECISION=shared["PRECISION"])
+    ids = p.block_ids if p.block_ids.stride(-1) == 1 else p.block_ids.contiguous()
+    return hard, ids, arguments, work.segments.shape[0], constants
 
 
 def _combine_grid(p: SparseAttentionProblem, rows: int):
@@ -326,43 +350,38 @@ def _combine_grid(p: SparseAttentionProblem, rows: int):
 def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse):
     """Writes ``out`` [Tq, H, D] and ``lse`` (lse2, [Tq, H]) of the rows whose tiles' unions
     hold more than ``limit`` blocks (the walk left them), window by window."""
-    hard = hard_rows(p, limit)
-    ids = p.block_ids
-    rows, windows = _windows(p, q.element_size() * p.head_dim + 4)
-    out_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
-                           dtype=q.dtype, device=q.device)
-    lse_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, dtype=torch.float32,
-                           device=q.device)
-    constants = _key_outer_constants(p)
+    hard, ids, arguments, segments, constants = _hard_work(p, limit)
+    rows, windows, window_hard = _windows(p, q.element_size() * p.head_dim + 4, hard)
+    slots = rows * p.num_index_heads * p.top_k * p.gq
+    out_part = torch.empty(slots, p.head_dim, dtype=q.dtype, device=q.device)
+    lse_part = torch.empty(slots, dtype=torch.float32, device=q.device)
     tokens, _ = _combine_grid(p, rows)
-    for start, end in windows:
-        launch(_fwd_key_outer_kernel, (p.block_work.segments.shape[0],),
-               q, k, v, ids, hard, out_part, lse_part, *p.key_work_args(), start, end,
+    for window, (start, end) in enumerate(windows):
+        launch(_fwd_key_outer_kernel, (segments,),
+               q, k, v, ids, window_hard, window, out_part, lse_part, *arguments, start, end,
                *strides(q, k, v, ids), p.scale * LOG2_E, **constants, **KEY_OUTER_CONFIG)
         _combine_kernel[_combine_grid(p, end - start)[1]](
-            ids, hard, out_part, lse_part, out, lse, start, end, *strides(ids, out),
-            HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"], TOP_K=p.top_k,
-            HEAD_DIM=p.head_dim, TOKENS=tokens)
+            ids, hard, window_hard, window, out_part, lse_part, out, lse, start, end,
+            *strides(ids, out), HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"],
+            TOP_K=p.top_k, HEAD_DIM=p.head_dim, TOKENS=tokens)
     return out, lse
 
 
 def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: int, dq):
     """Writes ``dq``'s rows whose tiles' unions hold more than ``limit`` blocks (the walk left
     them), window by window."""
-    hard = hard_rows(p, limit)
-    ids = p.block_ids
-    rows, windows = _windows(p, 4 * p.head_dim)
+    hard, ids, arguments, segments, constants = _hard_work(p, limit)
+    rows, windows, window_hard = _windows(p, 4 * p.head_dim, hard)
     dq_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
                           dtype=torch.float32, device=q.device)
-    constants = _key_outer_constants(p)
     tokens, _ = _combine_grid(p, rows)
-    for start, end in windows:
-        launch(_dq_key_outer_kernel, (p.block_work.segments.shape[0],),
-               q, k, v, dout, lse, delta, ids, hard, dq_part, *p.key_work_args(), start, end,
-               *strides(q, k, v, dout, ids), p.scale * LOG2_E, **constants,
+    for window, (start, end) in enumerate(windows):
+        launch(_dq_key_outer_kernel, (segments,),
+               q, k, v, dout, lse, delta, ids, window_hard, window, dq_part, *arguments, start,
+               end, *strides(q, k, v, dout, ids), p.scale * LOG2_E, **constants,
                **KEY_OUTER_CONFIG)
         _dq_sum_kernel[_combine_grid(p, end - start)[1]](
-            ids, hard, dq_part, dq, start, end, *strides(ids, dq), p.scale,
+            ids, hard, window_hard, window, dq_part, dq, start, end, *strides(ids, dq), p.scale,
             HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"], TOP_K=p.top_k,
             HEAD_DIM=p.head_dim, TOKENS=tokens)
     return dq
