@@ -43,10 +43,11 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
     options = dict(num_warps=NUM_WARPS)
     if kernel == "dq":  # as the backward launches it: computing the deltas, warp-specialized
         constants.update(WRITE_DELTA=True, CONSUMER_REGS=DQ_REGISTERS[0],
-                         LOADER_REGS=DQ_REGISTERS[1])
+                         LOADER_REGS=DQ_REGISTERS[1], WALK_LIMIT=0)
         options = dict(num_warps=4, maxnreg=_maxnreg(3, DQ_REGISTERS))
     if kernel == "forward":  # warp-specialized (sparse_attention_fwd's launch)
-        constants.update(CONSUMER_REGS=FORWARD_REGISTERS[0], LOADER_REGS=FORWARD_REGISTERS[1])
+        constants.update(CONSUMER_REGS=FORWARD_REGISTERS[0], LOADER_REGS=FORWARD_REGISTERS[1],
+                         WALK_LIMIT=0)
         options = dict(num_warps=4, maxnreg=_maxnreg(3, FORWARD_REGISTERS))
     if kernel == "dkdv":  # 32-row steps, warp-specialized (attention_dkdv_parts' launch)
         consumer, gather = KEY_STEP_REGISTERS
