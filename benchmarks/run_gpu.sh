@@ -6,7 +6,8 @@
 #   OPENMSA_TRAIN_LAYERS layers, default 2, every layer selecting against layer 0 selecting for
 #   all, without and with --share-index-kl, side by side, for each seed of OPENMSA_TRAIN_SEEDS,
 #   default 0), decode-kernels
-#   (bench_decode_kernels.py: the decode kernels' launches and the step's stages), bench
+#   (bench_decode_kernels.py: the decode kernels' launches and the step's stages), key-outer
+#   (bench_key_outer.py: the main attention's tiles of long walks key-outer, by walk limit), bench
 #   (the user-facing commands `openmsa train --preset gpu` and `openmsa bench`, every selection
 #   kind; fla's NSA baseline where fla-core is importable), cli (= train,bench)
 # OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
@@ -18,7 +19,7 @@ set -u
 out=${1:?usage: run_gpu.sh OUTDIR [all|PART,PART...]}
 parts=",${2:-all},"
 wants() {
-  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels)$ ]] \
+  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer)$ ]] \
     && return 0
   [[ "$parts" == *",$1,"* ]] || { [[ "$parts" == *",cli,"* ]] && [[ "$1" =~ ^(train|bench)$ ]]; }
 }
@@ -57,6 +58,9 @@ if wants decode; then
   python3 -m openmsa.cli bench --decode --seqlens 128k --index-precision fp8 \
     --selections coherent --prefill-seqlens "" --out "$out/bench_decode_fp8" 2>&1 \
     | tee "$out/openmsa_bench_decode_fp8.log" | tail -4
+fi
+if wants key-outer; then
+  python3 benchmarks/bench_key_outer.py --out "$out" 2>&1 | tee "$out/bench_key_outer.log" | tail -30
 fi
 if wants train; then
   python3 -m openmsa.cli train --preset gpu --out "$out/train" 2>&1 | tee "$out/openmsa_train.log" | tail -3

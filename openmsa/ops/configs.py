@@ -31,10 +31,9 @@ INDEX_TILE_TOKENS = 64
 INDEX_KEY_OUTER_PAIRS = 64
 INDEX_KEY_OUTER_CONFIG = dict(num_warps=4, num_stages=2)
 INDEX_WALK_LIMIT_PER_SLOT = 3
-# Whether the forward runs that split. Off: the key-outer pass alone was measured (2.6-2.7 ms at
-# 128k on every selection kind, against the walk's 1.0 / 3.2 / 20.9 ms on coherent / mid /
-# random), the split not yet; it goes on once bench_index_lse.py shows it no slower than the
-# walk on coherent selections (docs/EXPERIMENTS.md).
+# Whether the forward runs that split. Off: measured slower than the walk alone on coherent and
+# mid selections (at 128k 4.5 / 3.8 ms against 1.0 / 3.2; random 3.5 against 20.8), the key-outer
+# pass reading every pair's row first (docs/EXPERIMENTS.md).
 INDEX_LSE_SPLIT = False
 # The key-outer forward and dQ of the tiles whose walk would be long (attention.key_outer): the
 # launch of their per-segment kernels, and the rows (query rows x heads) of a combine program.
@@ -89,7 +88,9 @@ class Tuning:
     kl_pairs: pairs per step of the key-outer KL kernel (its teacher is [block, kl_pairs]).
     main_walk_limit_per_slot: the main attention's forward and dQ take a query tile's rows
         key-outer (``attention.key_outer``) when the tile's union holds more than this many
-        blocks per kept slot (x top_k); 0: every tile walks its union.
+        blocks per kept slot (x top_k); 0 (the default): every tile walks its union. At 4 the
+        H200's step at 128k ran 1.21x faster on random selections and 1.3% slower on coherent
+        ones (benchmarks/records/key-outer.json), so it stays off.
     key_outer_partial_bytes: the most memory the key-outer forward's or dQ's per-slot
         partials take at once (they run over windows of query rows that fit).
     """

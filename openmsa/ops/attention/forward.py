@@ -6,8 +6,8 @@ tokens kept, flash-attention style; a row sees a block only if its own token kep
 Neighbouring tokens of a trained index branch keep nearly the same blocks, so the walk is close
 to ``top_k`` blocks. The index log-sum-exp alone, when each row's largest kept score is known,
 can also run split between that walk and a key-outer pass (``index_log_sum_exp_key_outer``),
-whose cost follows the kept pairs, not the tiles' unions (``configs.INDEX_LSE_SPLIT``: off
-until measured).
+whose cost follows the kept pairs, not the tiles' unions (``configs.INDEX_LSE_SPLIT``: off,
+measured slower than the walk on coherent selections).
 """
 
 from __future__ import annotations
