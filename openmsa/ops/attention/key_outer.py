@@ -86,10 +86,20 @@ def _first_at_least(PAIR_TOKEN, first, last, value, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _window_pairs(PAIR_TOKEN, first, last, window_start, window_end, STEPS: tl.constexpr):
-    """The segment's pairs [first, last) whose rows lie in the window [window_start, window_end)."""
+def _window_segment(SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT,
+                    BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start, window_start,
+                    window_end, HI: tl.constexpr, SEGMENT_PAIRS: tl.constexpr,
+                    STEPS: tl.constexpr):
+    """This program's segment (``tiles._segment``) cut to the pairs [low, high) whose rows lie
+    in the window [window_start, window_end) (none for a padding segment), its index head, local
+    block, sequence start and length, and the query row of the sequence's position 0."""
+    segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
+        SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
+        CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
+    last = tl.where(segment < 0, first, last)
     low = _first_at_least(PAIR_TOKEN, first, last, window_start, STEPS)
-    return low, _first_at_least(PAIR_TOKEN, low, last, window_end, STEPS)
+    high = _first_at_least(PAIR_TOKEN, low, last, window_end, STEPS)
+    return low, high, index_head, block, seq_start, seq_len, query_base
 
 
 @triton.jit
@@ -131,12 +141,10 @@ def _fwd_key_outer_kernel(
     slot of OUT_PART [window rows, HI, TOP_K, GQ, D] and LSE_PART [..., GQ]."""
     if tl.load(WINDOW_HARD + window) == 0:  # no hard row in the window
         return
-    segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
-        SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
-        CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
-    if segment < 0:
-        return
-    low, high = _window_pairs(PAIR_TOKEN, first, last, window_start, window_end, SEARCH_STEPS)
+    low, high, index_head, block, seq_start, seq_len, query_base = _window_segment(
+        SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+        BLOCK_LOCAL, CU_SEQLENS, query_start, window_start, window_end, HI, SEGMENT_PAIRS,
+        SEARCH_STEPS)
     if low >= high:
         return
     kv_head = index_head // KV_GROUP
@@ -243,12 +251,10 @@ def _dq_key_outer_kernel(
     block (unscaled, fp32) into its slot of DQ_PART [window rows, HI, TOP_K, GQ, D]."""
     if tl.load(WINDOW_HARD + window) == 0:  # no hard row in the window
         return
-    segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
-        SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
-        CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
-    if segment < 0:
-        return
-    low, high = _window_pairs(PAIR_TOKEN, first, last, window_start, window_end, SEARCH_STEPS)
+    low, high, index_head, block, seq_start, seq_len, query_base = _window_segment(
+        SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+        BLOCK_LOCAL, CU_SEQLENS, query_start, window_start, window_end, HI, SEGMENT_PAIRS,
+        SEARCH_STEPS)
     if low >= high:
         return
     kv_head = index_head // KV_GROUP
