@@ -39,9 +39,9 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
     largest block score, when selection keeps the best block), or None.
     The Gluon kernel has no index branch: with one, the index log-sum-exp runs beside it on
     the Triton kernel's index part alone (with a running maximum when no row maxima are given:
-    fp8 selection, given ids); with ``configs.INDEX_LSE_SPLIT`` (off: slower on coherent selections) and row
-    maxima, unless ``deterministic`` (atomic sums land in any order), split between that walk
-    and a key-outer pass by each tile's union.
+    fp8 selection, given ids); with ``configs.INDEX_LSE_SPLIT`` (off: slower on coherent
+    selections) and row maxima, unless ``deterministic`` (atomic sums land in any order),
+    split between that walk and a key-outer pass by each tile's union.
     Warmup on these kernels (every causal block) without row maxima keeps the fused Triton
     forward, its one walk serving both branches (the split walk there is not yet measured).
     ``num_warps``, ``num_stages``: the Triton launch's. The rows of tiles past

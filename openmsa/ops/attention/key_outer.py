@@ -25,8 +25,8 @@ import triton.language as tl
 from ..configs import KEY_OUTER_COMBINE_ROWS, KEY_OUTER_CONFIG
 from ..launch import launch, strides
 from ..problem import LOG2_E, SparseAttentionProblem
-from ..worklists import build_block_work
 from ..tiles import _block_keys, _load_rows, _query_tile, _segment
+from ..worklists import build_block_work
 
 __all__ = ["key_outer_dq", "key_outer_forward", "walk_limit"]
 
@@ -103,6 +103,16 @@ def _window_segment(SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_CO
 
 
 @triton.jit
+def _block_kv(K, V, seq_start, seq_len, block, kv_head, stride_k_t, stride_k_h, stride_v_t,
+              stride_v_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The block's key positions and validity, and its K and V rows of ``kv_head``."""
+    key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
+    k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
+    v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
+    return key_pos, key_valid, k, v
+
+
+@triton.jit
 def _pair_rows_and_slots(PAIR_TOKEN, IDS, first_pair, end, block, index_head, stride_ids_t,
                          stride_ids_h, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
                          TOK: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr):
@@ -147,10 +157,9 @@ def _fwd_key_outer_kernel(
         SEARCH_STEPS)
     if low >= high:
         return
-    kv_head = index_head // KV_GROUP
-    key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
-    k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
-    v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
+    key_pos, key_valid, k, v = _block_kv(K, V, seq_start, seq_len, block,
+                                         index_head // KV_GROUP, stride_k_t, stride_k_h,
+                                         stride_v_t, stride_v_h, BLOCK, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
     for first_pair in range(low, high, TOK):
         row_token, row_valid, head, row_slot = _pair_rows_and_slots(
@@ -200,8 +209,7 @@ def _slot_rows(IDS, HARD, window_start, window_end, stride_ids_t, stride_ids_h,
 
 @triton.jit
 def _combine_kernel(IDS, HARD, WINDOW_HARD, window, OUT_PART, LSE_PART, OUT, LSE,
-                    window_start, window_end,
-                    stride_ids_t, stride_ids_h, stride_o_t, stride_o_h,
+                    window_start, window_end, stride_ids_t, stride_ids_h, stride_o_t, stride_o_h,
                     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
                     TOP_K: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr):
     """The hard rows' out and lse2 from their kept slots' partials, merged by log-sum-exp."""
@@ -257,10 +265,9 @@ def _dq_key_outer_kernel(
         SEARCH_STEPS)
     if low >= high:
         return
-    kv_head = index_head // KV_GROUP
-    key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
-    k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
-    v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
+    key_pos, key_valid, k, v = _block_kv(K, V, seq_start, seq_len, block,
+                                         index_head // KV_GROUP, stride_k_t, stride_k_h,
+                                         stride_v_t, stride_v_h, BLOCK, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
     for first_pair in range(low, high, TOK):
         row_token, row_valid, head, row_slot = _pair_rows_and_slots(
@@ -291,8 +298,7 @@ def _dq_key_outer_kernel(
 
 @triton.jit
 def _dq_sum_kernel(IDS, HARD, WINDOW_HARD, window, DQ_PART, DQ, window_start, window_end,
-                   stride_ids_t,
-                   stride_ids_h, stride_dq_t, stride_dq_h, scale, HI: tl.constexpr,
+                   stride_ids_t, stride_ids_h, stride_dq_t, stride_dq_h, scale, HI: tl.constexpr,
                    GQ: tl.constexpr, GQ_PAD: tl.constexpr, TOP_K: tl.constexpr,
                    HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr):
     """The hard rows' dq: ``scale`` x the sum of their kept slots' partials, in slot order."""
@@ -346,11 +352,11 @@ def _hard_work(p: SparseAttentionProblem, limit: int):
     return hard, ids, arguments, work.segments.shape[0], constants
 
 
-def _combine_grid(p: SparseAttentionProblem, rows: int):
-    # The interpreter's cost is per program: wide ones there.
+def _combine_tokens(p: SparseAttentionProblem) -> int:
+    """Query rows per program of the combine and the dQ sum (x GQ_PAD heads each); the
+    interpreter's cost is per program, so wide ones there."""
     rows_per_program = KEY_OUTER_COMBINE_ROWS if p.block_ids.is_cuda else 1024
-    tokens = max(1, rows_per_program // p.shared["GQ_PAD"])
-    return tokens, (triton.cdiv(rows, tokens), p.num_index_heads)
+    return max(1, rows_per_program // p.shared["GQ_PAD"])
 
 
 def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse):
@@ -361,12 +367,12 @@ def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse):
     slots = rows * p.num_index_heads * p.top_k * p.gq
     out_part = torch.empty(slots, p.head_dim, dtype=q.dtype, device=q.device)
     lse_part = torch.empty(slots, dtype=torch.float32, device=q.device)
-    tokens, _ = _combine_grid(p, rows)
+    tokens = _combine_tokens(p)
     for window, (start, end) in enumerate(windows):
         launch(_fwd_key_outer_kernel, (segments,),
                q, k, v, ids, window_hard, window, out_part, lse_part, *arguments, start, end,
                *strides(q, k, v, ids), p.scale * LOG2_E, **constants, **KEY_OUTER_CONFIG)
-        _combine_kernel[_combine_grid(p, end - start)[1]](
+        _combine_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
             ids, hard, window_hard, window, out_part, lse_part, out, lse, start, end,
             *strides(ids, out), HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"],
             TOP_K=p.top_k, HEAD_DIM=p.head_dim, TOKENS=tokens)
@@ -380,13 +386,13 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
     rows, windows, window_hard = _windows(p, 4 * p.head_dim, hard)
     dq_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
                           dtype=torch.float32, device=q.device)
-    tokens, _ = _combine_grid(p, rows)
+    tokens = _combine_tokens(p)
     for window, (start, end) in enumerate(windows):
         launch(_dq_key_outer_kernel, (segments,),
                q, k, v, dout, lse, delta, ids, window_hard, window, dq_part, *arguments, start,
                end, *strides(q, k, v, dout, ids), p.scale * LOG2_E, **constants,
                **KEY_OUTER_CONFIG)
-        _dq_sum_kernel[_combine_grid(p, end - start)[1]](
+        _dq_sum_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
             ids, hard, window_hard, window, dq_part, dq, start, end, *strides(ids, dq), p.scale,
             HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"], TOP_K=p.top_k,
             HEAD_DIM=p.head_dim, TOKENS=tokens)
