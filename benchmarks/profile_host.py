@@ -7,7 +7,9 @@ For each case and selection kind: the eager step's median (as ``openmsa bench`` 
 same step replayed from a CUDA graph (the GPU's time alone), the host's time to enqueue one step
 (the GPU idle when it starts), and dense SDPA's step in the same run. For ``--profile-case``
 (coherent): a cProfile of eager steps (functions by their own time) and the kernels of one step
-(torch profiler). Writes host.json, cprofile.txt and kernels.txt to ``--out``.
+(torch profiler). Writes host.json, cprofile-SHAPE-S.txt and kernels-SHAPE-S.txt to ``--out``.
+``--loop-case shape:S --loop-steps N`` only runs N eager steps (coherent), for a sampling
+profiler started around the script (``py-spy record -- python benchmarks/profile_host.py ...``).
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def profile(shape: str, seqlen: int, out_dir: str) -> None:
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("tottime").print_stats(45)
     stats.sort_stats("cumulative").print_stats(60)
-    with open(os.path.join(out_dir, "cprofile.txt"), "w") as f:
+    with open(os.path.join(out_dir, f"cprofile-{shape}-{seqlen}.txt"), "w") as f:
         f.write(f"30 eager steps, {shape} S={seqlen}, coherent\n" + text.getvalue())
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
                                             torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -108,7 +110,7 @@ def profile(shape: str, seqlen: int, out_dir: str) -> None:
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    with open(os.path.join(out_dir, "kernels.txt"), "w") as f:
+    with open(os.path.join(out_dir, f"kernels-{shape}-{seqlen}.txt"), "w") as f:
         f.write(f"one eager step, {shape} S={seqlen}, coherent: {len(kernels)} GPU events\n")
         for event in kernels:
             f.write(f"{event.device_time:9.1f} us  {event.name[:110]}\n")
@@ -123,8 +125,17 @@ def main() -> None:
                         default=parse_cases("h64:4096,h64:8192,h16:8192,h16:16384"))
     parser.add_argument("--selections", default="coherent,random")
     parser.add_argument("--profile-case", type=parse_cases, default=parse_cases("h16:8192"))
+    parser.add_argument("--loop-case", type=parse_cases, default=None)
+    parser.add_argument("--loop-steps", type=int, default=2000)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.loop_case:
+        for shape, seqlen in args.loop_case:
+            _, _, step = step_of(shape, seqlen, "coherent")
+            for _ in range(args.loop_steps):
+                step()
+            torch.cuda.synchronize()
+        return
     rows = []
     for shape, seqlen in args.cases:
         dense = {}

@@ -78,6 +78,12 @@ class Tuning:
 
     segment_pairs: (token, index head) pairs per key-outer program (dK/dV, the KL): bounds a
         program's work when many queries keep the same block.
+    short_segment_pairs, short_segments_per_sm, short_segments_min_heads: problems with fewer
+        than ``short_segments_per_sm`` segments of ``segment_pairs`` per SM (short contexts:
+        few key blocks) and at least ``short_segments_min_heads`` heads per index head cut
+        their segments at ``short_segment_pairs``: with so few programs the last wave decides
+        the dK/dV and KL kernels' time, and finer segments fill it. Narrower groups (a cheaper
+        pair) measured no faster so (docs/BENCHMARKS.md, "Segment size at short contexts").
     long_segment_pairs, long_segments_min_pairs: from ``long_segments_min_pairs`` (token, index
         head, slot) entries on, segments hold ``long_segment_pairs``: each segment's fp32 dK and
         dV partials take ``block x D`` floats, and longer segments bound their memory at 1M
@@ -96,6 +102,9 @@ class Tuning:
     """
 
     segment_pairs: int = 1024
+    short_segment_pairs: int = 512
+    short_segments_per_sm: int = 8
+    short_segments_min_heads: int = 8
     long_segment_pairs: int = 2048
     long_segments_min_pairs: int = 1 << 24
     rows_order_min_segments_per_sm: int = 6
@@ -103,10 +112,17 @@ class Tuning:
     main_walk_limit_per_slot: float = 0.0
     key_outer_partial_bytes: int = 2 << 30
 
-    def segment_pairs_for(self, num_queries: int, num_index_heads: int, slots: int) -> int:
-        """Pairs per key-outer segment for the (token, index head, slot) entries of a problem."""
-        if num_queries * num_index_heads * slots >= self.long_segments_min_pairs:
+    def segment_pairs_for(self, num_queries: int, num_index_heads: int, slots: int,
+                          heads_per_index_head: int = 1, multiprocessors: int = 1) -> int:
+        """Pairs per key-outer segment for the (token, index head, slot) entries of a problem
+        with ``heads_per_index_head`` main heads per index head, on a GPU of
+        ``multiprocessors`` SMs (1 on the CPU)."""
+        entries = num_queries * num_index_heads * slots
+        if entries >= self.long_segments_min_pairs:
             return self.long_segment_pairs
+        if (heads_per_index_head >= self.short_segments_min_heads
+                and entries < self.short_segments_per_sm * self.segment_pairs * multiprocessors):
+            return self.short_segment_pairs
         return self.segment_pairs
 
 

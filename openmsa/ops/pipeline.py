@@ -26,7 +26,7 @@ from .configs import DEFAULT_TUNING, Tuning
 from .dense import dense_attention_backward, dense_attention_forward, dense_log_sum_exp
 from .kl import index_branch_kl, scaled_kl_gradients
 from .layout import all_causal_block_ids
-from .problem import SparseAttentionProblem, query_tile_shape
+from .problem import SparseAttentionProblem, query_tile_shape, segment_pairs
 from .select import select_blocks_fwd
 from .validate import query_positions_from_offsets
 from .worklists import BlockWork, QueryTileWork, block_work_sizes, build_causal_query_tile_work
@@ -36,7 +36,8 @@ def block_work_shape(q, k, num_index_heads: int, cu_seqlens, slots: int, block_s
                      tuning: Tuning = DEFAULT_TUNING):
     """(pairs, global blocks, segments) of the key-block list, from the shapes alone, and its
     pairs per segment: as ``SparseAttentionProblem`` builds it."""
-    pairs_per_segment = tuning.segment_pairs_for(q.shape[0], num_index_heads, slots)
+    pairs_per_segment = segment_pairs(tuning, q.shape[0], q.shape[1], num_index_heads, slots,
+                                      q.device)
     sizes = block_work_sizes(q.shape[0], num_index_heads, slots, k.shape[0],
                              cu_seqlens.shape[0] - 1, block_size, pairs_per_segment)
     return sizes, pairs_per_segment

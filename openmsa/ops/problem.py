@@ -22,6 +22,27 @@ from .worklists import (MAX_TILE_TOKENS, BlockWork, QueryTileWork, build_block_w
 LOG2_E = math.log2(math.e)
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The SM count of a CUDA device (1 elsewhere): the work lists' sizes depend on it."""
+    if device.type != "cuda":
+        return 1
+    return _cuda_multiprocessors(torch.cuda.current_device() if device.index is None
+                                 else device.index)
+
+
+def segment_pairs(tuning: Tuning, num_queries: int, num_heads: int, num_index_heads: int,
+                  slots: int, device: torch.device) -> int:
+    """Pairs per key-outer segment of a problem (``Tuning.segment_pairs_for``), from its shapes
+    and device alone: the forward's lists and the backward's reading of them agree."""
+    return tuning.segment_pairs_for(num_queries, num_index_heads, slots,
+                                    num_heads // num_index_heads, multiprocessors(device))
+
+
 def _precision(tensor) -> str:
     """fp32 inputs keep full precision in the MMAs (no TF32); 16-bit inputs are exact anyway."""
     return "ieee" if tensor.dtype == torch.float32 else "tf32"
@@ -100,7 +121,7 @@ class SparseAttentionProblem:
     @functools.cached_property
     def block_work(self) -> BlockWork:
         """The key-block -> queries list (dK/dV and the KL): built on first use."""
-        pairs = self.tuning.segment_pairs_for(self.total, self.num_index_heads, self.top_k)
+        pairs = self.segment_pairs()
         if self.all_causal:
             return build_causal_block_work(self.cu_seqlens, self.total, self.num_index_heads,
                                            self.block_size, self.top_k, pairs,
@@ -109,11 +130,14 @@ class SparseAttentionProblem:
                                 self.query_start, self.num_keys,
                                 self._top_k_segment_order(pairs))
 
+    def segment_pairs(self) -> int:
+        """Pairs per segment of this problem's key-block lists."""
+        return segment_pairs(self.tuning, self.total, self.num_heads, self.num_index_heads,
+                             self.top_k, self.block_ids.device)
+
     def _top_k_segment_order(self, pairs_per_segment: int) -> str:
         """``build_block_work``'s segment order for this problem's size on its device."""
-        device = self.block_ids.device
-        sms = (torch.cuda.get_device_properties(device).multi_processor_count
-               if device.type == "cuda" else 1)
+        sms = multiprocessors(self.block_ids.device)
         pairs = self.total * self.num_index_heads * self.top_k
         threshold = self.tuning.rows_order_min_segments_per_sm * pairs_per_segment * sms
         return "rows" if pairs >= threshold else "pairs"

@@ -237,6 +237,46 @@ def test_long_problems_take_longer_segments():
         assert rel_rms_error(got[name], expected[name]) < TOLERANCE[torch.float32], name
 
 
+def test_short_problems_with_wide_groups_take_shorter_segments():
+    """Below ``short_segments_per_sm`` segments per SM, problems with at least
+    ``short_segments_min_heads`` heads per index head cut segments at ``short_segment_pairs``;
+    the forward's list and the backward's reading of it (sizes from the shapes alone) agree,
+    and the gradients still match the reference."""
+    rule = Tuning(segment_pairs=64, short_segment_pairs=8, short_segments_per_sm=4,
+                  short_segments_min_heads=2)
+    assert rule.segment_pairs_for(10, 2, 3, heads_per_index_head=2, multiprocessors=2) == 8
+    assert rule.segment_pairs_for(10, 2, 3, heads_per_index_head=1, multiprocessors=2) == 64
+    # 4 x 64 x 2 = 512 entries are enough segments per SM: the usual size.
+    assert rule.segment_pairs_for(64, 2, 4, heads_per_index_head=2, multiprocessors=2) == 64
+    assert rule.segment_pairs_for(63, 2, 4, heads_per_index_head=2, multiprocessors=2) == 8
+    assert DEFAULT_TUNING.segment_pairs_for(1 << 16, 4, 16, heads_per_index_head=16,
+                                            multiprocessors=132) == 1024
+    for tokens, pairs in ((1 << 12, 512), (1 << 14, 512), (1 << 15, 1024)):
+        assert DEFAULT_TUNING.segment_pairs_for(tokens, 4, 16, heads_per_index_head=16,
+                                                multiprocessors=132) == pairs
+        assert DEFAULT_TUNING.segment_pairs_for(tokens, 4, 16, heads_per_index_head=4,
+                                                multiprocessors=132) == 1024
+    case = CASES[1]  # 2 heads per index head
+    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=9)
+    packed = [packed_tokens(t.detach()) for t in inputs]
+    ids = torch.full((packed[0].shape[0], case.num_index_heads, 3), -1, dtype=torch.int32)
+    ids[:, :, 0] = 0
+    big = Tuning(segment_pairs=64, short_segment_pairs=8, short_segments_per_sm=10**6,
+                 short_segments_min_heads=2)
+    for tuning, expected_pairs in ((big, 8), (Tuning(segment_pairs=64, short_segment_pairs=8,
+                                                     short_segments_per_sm=10**6,
+                                                     short_segments_min_heads=3), 64)):
+        problem = SparseAttentionProblem(packed[0], packed[1], ids, cu_seqlens, 64, 1.0,
+                                         tuning=tuning)
+        assert problem.segment_pairs() == expected_pairs
+    got, expected, _ = kernel_and_reference(case, torch.float32, seed=9, tuning=big)
+    whole, _, _ = kernel_and_reference(case, torch.float32, seed=9)
+    for name in QUANTITY_NAMES:
+        assert rel_rms_error(got[name], expected[name]) < TOLERANCE[torch.float32], name
+    for name in ("dk", "dv", "dindex_k"):
+        assert not torch.equal(got[name], whole[name]), name  # other partial sums: other bits
+
+
 def test_segment_orders_give_bitwise_equal_gradients():
     """The key-outer programs' order (most pairs first, or by query row) changes nothing but
     timing: each segment writes its own partials, summed in a fixed order."""

@@ -335,7 +335,7 @@ def _hard_work(p: SparseAttentionProblem, limit: int):
     the key-outer kernels' arguments: every gathered row then computes (no pair of a walked
     row rides along), at the cost of one more list build."""
     hard = hard_rows(p, limit)
-    pairs = p.tuning.segment_pairs_for(p.total, p.num_index_heads, p.top_k)
+    pairs = p.segment_pairs()
     work = build_block_work(torch.where(hard[:, :, None] != 0, p.block_ids, -1), p.cu_seqlens,
                             p.block_size, pairs, p.query_start, p.num_keys,
                             p._top_k_segment_order(pairs))
