@@ -2,12 +2,15 @@
 
     python benchmarks/profile_host.py --out DIR [--cases h64:4096,h64:8192,h16:8192,h16:16384]
                                       [--selections coherent,random] [--profile-case h16:8192]
+                                      [--launch-cases h16:8192,h64:4096]
 
 For each case and selection kind: the eager step's median (as ``openmsa bench`` times it), the
 same step replayed from a CUDA graph (the GPU's time alone), the host's time to enqueue one step
 (the GPU idle when it starts), and dense SDPA's step in the same run. For ``--profile-case``
 (coherent): a cProfile of eager steps (functions by their own time) and the kernels of one step
 (torch profiler). Writes host.json, cprofile-SHAPE-S.txt and kernels-SHAPE-S.txt to ``--out``.
+``--launch-cases``: the host's time inside Triton's launch call, by kernel, over 50 eager steps
+(coherent), and the host's time of the forward alone (launches.json).
 ``--loop-case shape:S --loop-steps N`` only runs N eager steps (coherent), for a sampling
 profiler started around the script (``py-spy record -- python benchmarks/profile_host.py ...``).
 """
@@ -15,6 +18,7 @@ profiler started around the script (``py-spy record -- python benchmarks/profile
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import json
@@ -24,6 +28,7 @@ import statistics
 import time
 
 import torch
+from triton.runtime.jit import JITFunction
 
 from openmsa import msa_attention
 from openmsa.bench.run import dense_baseline, make_inputs
@@ -117,6 +122,38 @@ def profile(shape: str, seqlen: int, out_dir: str) -> None:
         f.write(table)
 
 
+def launch_costs(shape: str, seqlen: int, steps: int = 50) -> dict:
+    """Host milliseconds per eager step inside ``JITFunction.run`` (Triton's and Gluon's launch
+    path: argument binding, cache lookup, tensor descriptors, the launch), by kernel."""
+    inputs, _, step = step_of(shape, seqlen, "coherent")
+    forward_host = host_ms(lambda: msa_attention(*inputs, top_k=16, block_size=128), steps)
+    step_host = host_ms(step, steps)
+    spent = collections.defaultdict(lambda: [0, 0.0])
+    run = JITFunction.run
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            entry = spent[self.fn.__name__]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - start
+
+    JITFunction.run = timed
+    try:
+        host_ms(step, steps)
+    finally:
+        JITFunction.run = run
+    kernels = {name: dict(launches=count / steps, host_us=round(seconds / steps * 1e6, 1))
+               for name, (count, seconds) in sorted(spent.items(), key=lambda e: -e[1][1])}
+    row = dict(shape=shape, seqlen=seqlen, step_host_ms=step_host, forward_host_ms=forward_host,
+               launches=sum(k["launches"] for k in kernels.values()),
+               launch_host_ms=sum(k["host_us"] for k in kernels.values()) / 1e3, kernels=kernels)
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,6 +162,7 @@ def main() -> None:
                         default=parse_cases("h64:4096,h64:8192,h16:8192,h16:16384"))
     parser.add_argument("--selections", default="coherent,random")
     parser.add_argument("--profile-case", type=parse_cases, default=parse_cases("h16:8192"))
+    parser.add_argument("--launch-cases", type=parse_cases, default=[])
     parser.add_argument("--loop-case", type=parse_cases, default=None)
     parser.add_argument("--loop-steps", type=int, default=2000)
     args = parser.parse_args()
@@ -136,6 +174,11 @@ def main() -> None:
                 step()
             torch.cuda.synchronize()
         return
+    if args.launch_cases:
+        launches = [launch_costs(shape, seqlen) for shape, seqlen in args.launch_cases]
+        with open(os.path.join(args.out, "launches.json"), "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                           rows=launches), f, indent=1)
     rows = []
     for shape, seqlen in args.cases:
         dense = {}
