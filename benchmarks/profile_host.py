@@ -6,7 +6,9 @@
 
 For each case and selection kind: the eager step's median (as ``openmsa bench`` times it), the
 same step replayed from a CUDA graph (the GPU's time alone), the host's time to enqueue one step
-(the GPU idle when it starts), and dense SDPA's step in the same run. For ``--profile-case``
+(the GPU idle when it starts), the eager step and its host time through the registered
+``openmsa::msa_forward`` operator (the route under torch.compile and dispatch modes), and dense
+SDPA's step in the same run. For ``--profile-case``
 (coherent): a cProfile of eager steps (functions by their own time) and the kernels of one step
 (torch profiler). Writes host.json, cprofile-SHAPE-S.txt and kernels-SHAPE-S.txt to ``--out``.
 ``--launch-cases``: the host's time inside Triton's launch call, by kernel, over 50 eager steps
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import io
 import json
@@ -31,6 +34,8 @@ import torch
 from triton.runtime.jit import JITFunction
 
 from openmsa import msa_attention
+from openmsa.ops import msa as msa_module
+from openmsa.ops.custom_ops import msa_forward
 from openmsa.bench.run import dense_baseline, make_inputs
 from openmsa.bench.selection import selection_statistics
 from openmsa.bench.timing import graphed, median_ms
@@ -73,6 +78,17 @@ def host_ms(step, calls: int = 30) -> float:
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def registered_operator():
+    """msa_attention through the registered ``openmsa::msa_forward`` operator while inside."""
+    chooser = msa_module.msa_operator
+    msa_module.msa_operator = lambda *inputs: msa_forward
+    try:
+        yield
+    finally:
+        msa_module.msa_operator = chooser
+
+
 def measure(shape: str, seqlen: int, selection: str, dense: dict) -> dict:
     inputs, dout, step = step_of(shape, seqlen, selection)
     step()
@@ -80,6 +96,11 @@ def measure(shape: str, seqlen: int, selection: str, dense: dict) -> dict:
     row["step_ms"] = median_ms(step)
     row["step_cuda_graph_ms"] = median_ms(graphed(step))
     row["host_ms"] = host_ms(step)
+    # The same step through the registered operator (as under torch.compile or a dispatch
+    # mode), against the eager route msa_attention takes: the operators' dispatch cost.
+    with registered_operator():
+        row["step_registered_operator_ms"] = median_ms(step)
+        row["host_registered_operator_ms"] = host_ms(step)
     with torch.no_grad():
         _, _, ids = msa_attention(*inputs, top_k=16, block_size=128, return_indices=True)
     row.update(selection_statistics(ids[0].permute(1, 0, 2)))
@@ -189,12 +210,14 @@ def main() -> None:
     with open(os.path.join(args.out, "host.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f,
                   indent=1)
-    print("shape S selection | Jaccard union8 | step graph host ms | dense ms | x dense (graph)")
+    print("shape S selection | Jaccard union8 | step graph host ms | registered operator: "
+          "step host ms | dense ms | x dense (graph)")
     for r in rows:
         print(f"{r['shape']} {r['seqlen']} {r['selection']} | {r['jaccard']:.2f} "
               f"{r['union_8']:.1f} | {r['step_ms']:.2f} {r['step_cuda_graph_ms']:.2f} "
-              f"{r['host_ms']:.2f} | {r['dense_step_ms']:.2f} | {r['x_dense']:.2f} "
-              f"({r['x_dense_graph']:.2f})")
+              f"{r['host_ms']:.2f} | {r['step_registered_operator_ms']:.2f} "
+              f"{r['host_registered_operator_ms']:.2f} | {r['dense_step_ms']:.2f} | "
+              f"{r['x_dense']:.2f} ({r['x_dense_graph']:.2f})")
 
 
 if __name__ == "__main__":

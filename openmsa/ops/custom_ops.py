@@ -6,17 +6,20 @@ fake implementations and autograd, nothing else (the work is ``openmsa.ops.pipel
 ``openmsa::sparse_forward`` and ``openmsa::sparse_backward`` do the same for the main attention
 alone (``pipeline.sparse_forward``: ``sparse_attention`` and layers sharing a selection). Each
 has a fake implementation (output shapes from input shapes alone), so ``torch.compile`` traces
-through ``msa_attention`` and ``sparse_attention`` without graph breaks. The work lists the forward builds are outputs, so the
-backward reuses them instead of building them again.
+through ``msa_attention`` and ``sparse_attention`` without graph breaks. The work lists the
+forward builds are outputs, so the backward reuses them instead of building them again.
+Eager ``msa_attention`` calls run the same pipeline through a plain autograd Function instead
+(``msa_operator`` chooses): the operators' Python dispatch costs short steps host time.
 """
 
 import functools
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from . import pipeline
-from .configs import Tuning
+from .configs import DEFAULT_TUNING, Tuning
 from .problem import query_tile_shape
 from .worklists import QueryTileWork, query_tile_entries
 
@@ -159,9 +162,10 @@ msa_forward.register_autograd(_backward_with(msa_backward), setup_context=_setup
 
 def tuned_msa_forward(tuning: Tuning):
     """``msa_forward`` with other work-list and key-outer sizes (``configs.Tuning``), through a
-    plain autograd Function instead of the registered operators: tests run the kernels at
-    sizes the defaults reach only on long sequences (several segments per key block, several
-    steps per segment)."""
+    plain autograd Function instead of the registered operators: the same pipeline without the
+    operators' Python dispatch (``msa_operator``), and for tests the kernels at sizes the
+    defaults reach only on long sequences (several segments per key block, several steps per
+    segment)."""
     formula = _backward_with(functools.partial(pipeline.backward, tuning=tuning))
 
     class TunedMSAForward(torch.autograd.Function):
@@ -176,6 +180,24 @@ def tuned_msa_forward(tuning: Tuning):
             return formula(ctx, *grads)
 
     return TunedMSAForward.apply
+
+
+eager_msa_forward = tuned_msa_forward(DEFAULT_TUNING)
+
+
+def msa_operator(*inputs: torch.Tensor):
+    """The forward operator ``msa_attention`` runs on ``inputs`` (its tensors): the registered
+    ``msa_forward`` wherever a tracer or a mode must see one operator (torch.compile and
+    export, fake or meta tensors, a TorchDispatchMode such as FakeTensorMode or
+    FlopCounterMode, tensor subclasses), else ``eager_msa_forward``: the same pipeline and
+    kernels through a plain autograd Function, which skips the operators' Python dispatch
+    (argument defaults, schema and aliasing checks: about 0.1-0.2 ms a call on the host, which
+    short eager steps wait for)."""
+    if (torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
+            or any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta
+                   for t in inputs)):
+        return msa_forward
+    return eager_msa_forward
 
 
 @torch.library.custom_op("openmsa::sparse_forward", mutates_args=())

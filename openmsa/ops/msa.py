@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .custom_ops import msa_forward, sparse_forward
+from .custom_ops import msa_operator, sparse_forward
 from .dense import use_cudnn_dense
 from .interpreter import INTERPRETING, check_interpreter
 from .layout import (ids_from_token_major, ids_to_token_major,
@@ -143,14 +143,16 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         out, kl, block_ids = naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens,
                                                block_indices)
         return _return(out, kl if kl_value else kl - kl.detach(), block_ids, return_indices)
-    return msa_kernels(msa_forward, q, k, v, index_q, index_k, problem, cu_seqlens, max_seqlen,
-                       block_indices, kl_value, deterministic, return_indices)
+    return msa_kernels(msa_operator(q, k, v, index_q, index_k), q, k, v, index_q, index_k,
+                       problem, cu_seqlens, max_seqlen, block_indices, kl_value, deterministic,
+                       return_indices)
 
 
 def msa_kernels(operator, q, k, v, index_q, index_k, problem, cu_seqlens, max_seqlen,
                 block_indices, kl_value: bool, deterministic: bool, return_indices: bool):
     """``msa_attention`` on validated inputs, on the kernels of ``operator``
-    (``custom_ops.msa_forward``, or a ``custom_ops.tuned_msa_forward`` for tests)."""
+    (``custom_ops.msa_operator``'s choice, or a ``custom_ops.tuned_msa_forward`` for
+    tests)."""
     _check_gpu_head_dims(q.device, q=problem.head_dim, index_q=problem.index_head_dim)
     cu = packed_offsets(cu_seqlens, problem.batch, problem.num_keys, q.device)
     ids = None if block_indices is None else ids_to_token_major(block_indices, problem.packed)

@@ -148,3 +148,40 @@ def test_launch_falls_back_to_one_stage_when_shared_memory_runs_out():
     launch(Kernel(), (1,), num_warps=8, num_stages=2, one_stage=remembered, TOK=64)  # known
     launch(Kernel(), (1,), num_warps=8, num_stages=2, one_stage=remembered, TOK=8)  # another
     assert launches == [2, 1, 1, 2, 1]
+
+
+def test_eager_calls_run_the_pipeline_without_the_operator_dispatch():
+    """Eager calls take the autograd Function (no operator dispatch); fake and meta tensors, an
+    active dispatch mode and tensor subclasses take the registered operator. Both routes give
+    bitwise the same outputs and gradients."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from openmsa.ops.custom_ops import eager_msa_forward, msa_operator
+
+    q, k, v, index_q, index_k, cu_seqlens = packed_problem()
+    inputs = (q, k, v, index_q, index_k)
+    assert msa_operator(*inputs) is eager_msa_forward
+    assert msa_operator(*(torch.nn.Parameter(t.detach()) for t in inputs)) is eager_msa_forward
+    assert msa_operator(*(t.to("meta") for t in inputs)) is msa_forward
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(t) for t in inputs]
+        assert msa_operator(*fakes) is msa_forward
+    with FlopCounterMode(display=False):
+        assert msa_operator(*inputs) is msa_forward
+
+    class Subclass(torch.Tensor):
+        pass
+
+    assert msa_operator(q.detach().as_subclass(Subclass), *inputs[1:]) is msa_forward
+
+    def run(operator):
+        out_grad = torch.randn(150, 4, 64, generator=torch.Generator().manual_seed(3))
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        out, kl, *_ = operator(*leaves, cu_seqlens, None, 2, 64, 0.125, 0.125, 1, 0, False,
+                               80, True, True, 0, None, 0, True)
+        grads = torch.autograd.grad((out, kl), leaves, (out_grad, torch.tensor(0.7)))
+        return [out, kl, *grads]
+
+    for got, expected in zip(run(eager_msa_forward), run(msa_forward)):
+        assert torch.equal(got, expected)
