@@ -23,6 +23,7 @@ log-sum-exp always run the Triton kernels.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from triton.experimental import gluon
@@ -272,14 +273,20 @@ def key_step_tokens(heads_per_token: int) -> int | None:
     return KEY_STEP_ROWS // padded if padded <= KEY_STEP_ROWS else None
 
 
+@functools.lru_cache(maxsize=None)
+def _block_layout(block_size: int, dim: int, bf16: bool):
+    """The shared-memory layout of a ``[block_size, dim]`` box (computed once: every launch of
+    the Hopper kernels builds descriptors, on the host's critical path at short contexts)."""
+    element = gl.bfloat16 if bf16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([block_size, dim], element)
+
+
 def _block_descriptor(t: torch.Tensor, block_size: int) -> TensorDescriptor:
     """``[T, heads, D]`` as 2D ``[T, heads * D]`` in ``[block_size, D]`` boxes: one key block
     of one head per TMA."""
     total, heads, dim = t.shape
-    element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([block_size, dim], element)
     return TensorDescriptor(t, [total, heads * dim], [t.stride(0), 1], [block_size, dim],
-                            layout)
+                            _block_layout(block_size, dim, t.dtype == torch.bfloat16))
 
 
 def _maxnreg(warpgroups: int, workers: tuple) -> int:
