@@ -6,8 +6,9 @@
 A key block's (token, index head) pairs are cut into segments of ``Tuning.segment_pairs``, one
 program each. At short contexts a step has few key blocks (32 x Hi at 4k) and few segments, so
 the last wave of programs decides the dK/dV and KL kernels' time. For each case, selection kind
-and segment size (a number: every problem cut so; ``shipped``: ``Tuning()``'s rule, which cuts
-short problems of wide groups at ``short_segment_pairs``): the training step replayed from a
+and variant (``--segment-pairs``: a number: every problem cut so; ``shipped``: ``Tuning()``'s
+rule, which cuts short problems of wide groups at ``short_segment_pairs``; or other fields of
+``configs.Tuning``, such as ``kl_pairs=32``): the training step replayed from a
 CUDA graph (GPU time alone), the dK/dV, KL, dQ and forward kernels' times (torch profiler, one
 replay), the selection's Jaccard and union, and dense SDPA's step in the same run. Prints a
 table last and writes segments.json to ``--out``.
@@ -52,10 +53,15 @@ def kernel_times(replay) -> dict:
     return {f"{name}_us": round(value, 1) for name, value in times.items()}
 
 
-def tuning_of(pairs: str) -> Tuning:
-    if pairs == "shipped":
+def tuning_of(variant: str) -> Tuning:
+    """``shipped``; a number N (every problem cut at N pairs); or ``field=value[+field=value]``
+    of ``configs.Tuning`` (integers), the other fields shipped: ``kl_pairs=32``."""
+    if variant == "shipped":
         return Tuning()
-    return Tuning(segment_pairs=int(pairs), short_segment_pairs=int(pairs))
+    if variant.isdigit():
+        return Tuning(segment_pairs=int(variant), short_segment_pairs=int(variant))
+    fields = dict(item.split("=", 1) for item in variant.split("+"))
+    return Tuning(**{name: int(value) for name, value in fields.items()})
 
 
 def measure(shape: str, seqlen: int, kind: str, pairs: str, dense: dict) -> dict:
@@ -88,7 +94,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", type=parse_cases,
                         default=parse_cases("h64:4096,h64:8192,h16:8192,h16:16384,h64:32768"))
-    parser.add_argument("--segment-pairs", default="shipped,1024,512,256")
+    parser.add_argument("--segment-pairs", default="shipped,1024,512,256",
+                        help="variants, comma-separated: shipped, a segment size, or "
+                             "field=value[+field=value] of configs.Tuning")
     parser.add_argument("--kinds", default="coherent,mid,random")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -101,7 +109,7 @@ def main() -> None:
     with open(os.path.join(args.out, "segments.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f,
                   indent=1)
-    print("shape S kind pairs | Jaccard union8 | step(graph) dkdv kl dq fwd | dense | x dense")
+    print("shape S kind variant | Jaccard union8 | step(graph) dkdv kl dq fwd | dense | x dense")
     for r in rows:
         print(f"{r['shape']} {r['seqlen']} {r['selection']} {r['segment_pairs']} | "
               f"{r['jaccard']:.2f} {r['union_8']:.1f} | {r['step_graph_ms']:.3f} ms "

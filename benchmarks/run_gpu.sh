@@ -9,7 +9,8 @@
 #   (bench_decode_kernels.py: the decode kernels' launches and the step's stages), key-outer
 #   (bench_key_outer.py: the main attention's tiles of long walks key-outer, by walk limit), bench
 #   (the user-facing commands `openmsa train --preset gpu` and `openmsa bench`, every selection
-#   kind; fla's NSA baseline where fla-core is importable), cli (= train,bench)
+#   kind; fla's NSA baseline where fla-core is importable), cli (= train,bench), short
+#   (profile_host.py and bench_segments.py at 4k-16k: host against GPU time, segment sizes)
 # OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
 # over calls of a time-limited machine.
 # Where only a few result files can be copied back, write to a scratch folder and tar it:
@@ -19,7 +20,7 @@ set -u
 out=${1:?usage: run_gpu.sh OUTDIR [all|PART,PART...]}
 parts=",${2:-all},"
 wants() {
-  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer)$ ]] \
+  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer|short)$ ]] \
     && return 0
   [[ "$parts" == *",$1,"* ]] || { [[ "$parts" == *",cli,"* ]] && [[ "$1" =~ ^(train|bench)$ ]]; }
 }
@@ -84,6 +85,14 @@ if wants sharing-train; then
   done
   wait "${pids[@]}"
   tail -n 2 "$out"/train_layers"${layers}"_share*.log
+fi
+if wants short; then
+  python3 benchmarks/profile_host.py --out "$out/host" --cases h64:4096,h64:8192,h16:8192,h16:16384 \
+    --selections coherent,mid,random --launch-cases h16:8192 2>&1 | tee "$out/profile_host.log" \
+    | tail -13
+  python3 benchmarks/bench_segments.py --out "$out/segments" \
+    --cases h64:4096,h64:8192,h64:16384,h16:8192 --segment-pairs shipped,1024 2>&1 \
+    | tee "$out/bench_segments.log" | tail -25
 fi
 if wants bench; then
   python3 -m openmsa.cli bench --seqlens 4k,16k,32k,64k,128k --out "$out/bench_h64" 2>&1 \
