@@ -4,6 +4,7 @@ tensor-core products). Used by tests/ops/test_sm90.py and benchmarks/inspect_ker
 
     python tools/sm90_compile.py [forward|dq|dkdv|kl] [HEAD_DIM BLOCK DTYPE HEADS_PER_TOKEN]
     python tools/sm90_compile.py select [input|fp8] [TILE_ROWS WARPS STAGES IMPRECISE_ACC|none]
+    python tools/sm90_compile.py key-outer [forward|dq] [STAGES ...]
 """
 
 from __future__ import annotations
@@ -175,6 +176,38 @@ def compile_decode_for_sm90(new_tokens: int = 1, heads_per_key_head: int = 4,
     return (*scores, top_blocks, attention, merge)
 
 
+def compile_key_outer_for_sm90(kernel: str = "forward", num_stages: int = 2,
+                               num_warps: int = 8):
+    """The key-outer forward or dQ kernel (``attention.key_outer``), bf16, H64/Hi4 (16 heads a
+    pair), D = 128, blocks of 128, top 16, compiled for sm_90a with ``num_stages``: whether
+    Triton's pipeliner turns its gathers into asynchronous copies, and the shared memory that
+    costs (a launch past the GPU's shared memory falls back to one stage: ``launch``)."""
+    from triton.compiler import ASTSource
+
+    from openmsa.ops.attention.key_outer import _dq_key_outer_kernel, _fwd_key_outer_kernel
+
+    fn = {"forward": _fwd_key_outer_kernel, "dq": _dq_key_outer_kernel}[kernel]
+    constants = dict(HI=4, GQ=16, GQ_PAD=16, KV_GROUP=1, TOK=8, BLOCK=128, HEAD_DIM=128,
+                     TOP_K=16, TOP_K_PAD=16, SEGMENT_PAIRS=1024, SEARCH_STEPS=12,
+                     PRECISION="tf32")
+    floats = ("LSE_PART", "LSE", "DELTA", "DQ_PART")
+    types = {}
+    for name in fn.arg_names:
+        if name in constants:
+            types[name] = "constexpr"
+        elif name in ("Q", "K", "V", "DOUT", "OUT_PART"):
+            types[name] = "*bf16"
+        elif name.isupper():
+            types[name] = "*fp32" if name in floats else "*i32"
+        else:
+            types[name] = "fp32" if name == "scale_log2" else "i32"
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+               if types[name].startswith("*") or name.startswith("stride")}
+    source = ASTSource(fn=fn, signature=types, constexprs=constants, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
 def ptxas_report(ptx: str) -> dict:
     """What Triton's bundled ptxas says of a kernel's PTX for sm_90a: registers, spilled bytes,
     whether it serialized the asynchronous products (a slow loop), and its whole text."""
@@ -206,6 +239,16 @@ if __name__ == "__main__" and sys.argv[1:2] == ["select"]:
           f"registers, {report['spill_bytes']} bytes spilled, {compiled.metadata.shared} bytes "
           f"of shared memory, products "
           f"{'serialized' if report['serialized'] else 'asynchronous'}")
+elif __name__ == "__main__" and sys.argv[1:2] == ["key-outer"]:
+    # python tools/sm90_compile.py key-outer [forward|dq] [STAGES ...]
+    kernel = sys.argv[2] if len(sys.argv) > 2 else "forward"
+    for stages in map(int, sys.argv[3:] or ["1", "2", "3"]):
+        compiled = compile_key_outer_for_sm90(kernel, stages)
+        report = ptxas_report(compiled.asm["ptx"])
+        copies = compiled.asm["ttgir"].count("async_copy_global_to_local")
+        print(f"key-outer {kernel}, {stages} stages: {report['registers']} registers, "
+              f"{report['spill_bytes']} bytes spilled, {compiled.metadata.shared} bytes of "
+              f"shared memory, {copies} asynchronous copies in its TTGIR")
 elif __name__ == "__main__":
     name = sys.argv[1] if len(sys.argv) > 1 else "forward"
     shape = sys.argv[2:6]
