@@ -23,14 +23,13 @@ import sys
 
 import torch
 
-from openmsa.bench.run import dense_baseline, make_inputs
-from openmsa.bench.selection import selection_statistics
+from openmsa.bench.run import make_inputs
 from openmsa.bench.timing import captured, median_ms
 from openmsa.ops.configs import Tuning
 from openmsa.testing import tuned_msa_attention
 
 sys.path.insert(0, os.path.dirname(__file__))
-from profile_host import SHAPES, parse_cases  # noqa: E402
+from profile_host import SHAPES, add_selection_and_dense, parse_cases  # noqa: E402
 
 KERNELS = {"dkdv": "_sparse_attn_dkdv", "dq": "_sparse_attn_dq", "kl": "_kl_",
            "fwd": "_sparse_attn_fwd_hopper", "select": "_select_fwd"}
@@ -77,12 +76,7 @@ def measure(shape: str, seqlen: int, kind: str, pairs: str, dense: dict) -> dict
     row = dict(shape=shape, seqlen=seqlen, selection=kind, segment_pairs=pairs,
                step_graph_ms=median_ms(graph.replay))
     row.update(kernel_times(graph.replay))
-    with torch.no_grad():
-        _, _, ids = attention(*inputs, top_k=16, block_size=128, return_indices=True)
-    row.update(selection_statistics(ids[0].permute(1, 0, 2)))
-    if not dense:
-        dense.update(dense_baseline(*inputs[:3], dout, median_ms))
-    row["dense_step_ms"] = dense["dense_fwd_bwd_ms"]
+    add_selection_and_dense(row, attention, inputs, dout, dense)
     row["x_dense_graph"] = row["dense_step_ms"] / row["step_graph_ms"]
     print(json.dumps(row), flush=True)
     return row

@@ -89,6 +89,17 @@ def registered_operator():
         msa_module.msa_operator = chooser
 
 
+def add_selection_and_dense(row: dict, attention, inputs, dout, dense: dict) -> None:
+    """The row's measured Jaccard and union (of ``attention``'s selection) and dense SDPA's
+    step (timed once per case: ``dense`` keeps it)."""
+    with torch.no_grad():
+        _, _, ids = attention(*inputs, top_k=16, block_size=128, return_indices=True)
+    row.update(selection_statistics(ids[0].permute(1, 0, 2)))
+    if not dense:
+        dense.update(dense_baseline(*inputs[:3], dout, median_ms))
+    row["dense_step_ms"] = dense["dense_fwd_bwd_ms"]
+
+
 def measure(shape: str, seqlen: int, selection: str, dense: dict) -> dict:
     inputs, dout, step = step_of(shape, seqlen, selection)
     step()
@@ -101,12 +112,7 @@ def measure(shape: str, seqlen: int, selection: str, dense: dict) -> dict:
     with registered_operator():
         row["step_registered_operator_ms"] = median_ms(step)
         row["host_registered_operator_ms"] = host_ms(step)
-    with torch.no_grad():
-        _, _, ids = msa_attention(*inputs, top_k=16, block_size=128, return_indices=True)
-    row.update(selection_statistics(ids[0].permute(1, 0, 2)))
-    if not dense:
-        dense.update(dense_baseline(*inputs[:3], dout, median_ms))
-    row["dense_step_ms"] = dense["dense_fwd_bwd_ms"]
+    add_selection_and_dense(row, msa_attention, inputs, dout, dense)
     row["x_dense"] = row["dense_step_ms"] / row["step_ms"]
     row["x_dense_graph"] = row["dense_step_ms"] / row["step_cuda_graph_ms"]
     print(json.dumps(row), flush=True)
