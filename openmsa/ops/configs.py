@@ -83,7 +83,7 @@ class Tuning:
         few key blocks) and at least ``short_segments_min_heads`` heads per index head cut
         their segments at ``short_segment_pairs``: with so few programs the last wave decides
         the dK/dV and KL kernels' time, and finer segments fill it. Narrower groups (a cheaper
-        pair) measured no faster so (docs/BENCHMARKS.md, "Segment size at short contexts").
+        pair) measured no faster so (docs/BENCHMARKS.md, "Short contexts (4k-16k)").
     long_segment_pairs, long_segments_min_pairs: from ``long_segments_min_pairs`` (token, index
         head, slot) entries on, segments hold ``long_segment_pairs``: each segment's fp32 dK and
         dV partials take ``block x D`` floats, and longer segments bound their memory at 1M
