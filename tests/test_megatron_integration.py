@@ -1,5 +1,6 @@
 """openmsa inside Megatron-core's GPTModel (local layer spec) on the CPU: one gloo process,
-tensor and context parallel size 1, the reference backend in float32.
+tensor and context parallel size 1, the reference backend in float32, batch and packed (THD)
+input.
 
 Megatron-core assumes CUDA in two places a CPU run reaches (the rotary frequencies move to
 ``torch.cuda.current_device()``, and attention forks the CUDA RNG tracker); the fixture points
@@ -21,6 +22,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.tensor_parallel import random as megatron_random  # noqa: E402
 from megatron.core.transformer import dot_product_attention  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
@@ -158,11 +160,58 @@ def test_unsupported_settings_are_refused_by_name(megatron_on_cpu):
         with pytest.raises(ValueError, match=f"^config.{name}: expected 1"):
             openmsa_megatron.MSACoreAttention(_config(**{name: 2}), 1, None, "self")
     model = _gpt(_msa_spec())
-    tokens, positions, mask = _batch()
     core = model.decoder.layers[0].self_attention.core_attention
-    with pytest.raises(ValueError, match="^packed_seq_params: expected None"):
-        core(*(torch.zeros(SEQLEN, 2, 4, 64) for _ in range(3)), None,
-             packed_seq_params=object())
+    offsets = torch.tensor([0, 130, 200], dtype=torch.int32)
+    refused = {"qkv_format": dict(qkv_format="sbhd"),
+               "cu_seqlens_q": dict(cu_seqlens_q=None),
+               "cu_seqlens_kv": dict(cu_seqlens_kv=torch.tensor([0, 100, 200],
+                                                                dtype=torch.int32)),
+               "cu_seqlens_q_padded": dict(cu_seqlens_q_padded=torch.tensor(
+                   [0, 136, 200], dtype=torch.int32))}
+    for name, change in refused.items():
+        params = PackedSeqParams(**dict(dict(qkv_format="thd", cu_seqlens_q=offsets,
+                                             cu_seqlens_kv=offsets), **change))
+        with pytest.raises(ValueError, match=f"^packed_seq_params.{name}: expected"):
+            core(*(torch.zeros(SEQLEN, 4, 64) for _ in range(3)), None,
+                 packed_seq_params=params)
+
+
+def test_packed_sequences_run_as_if_alone(megatron_on_cpu):
+    """Two sequences (130 and 70 tokens, blocks of 64, top 2) packed in Megatron's THD format:
+    each token's logits are those of its sequence run alone, each layer's KL is the two
+    sequences' KLs averaged over all tokens, and the main parameters' gradients of a loss
+    summed over tokens are the two runs' gradients added."""
+    model = _gpt(_msa_spec(top_k=2, kl_weight=0.0))
+    lengths = (130, 70)
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(VOCAB, (1, sum(lengths)), generator=generator)
+    weights = torch.randn(1, sum(lengths), VOCAB, generator=generator)
+    offsets = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+
+    def run(tokens, positions, weights, **options):
+        model.zero_grad()
+        logits = model(tokens, positions, None, **options)
+        (logits * weights).sum().backward()
+        kls = [layer.self_attention.core_attention.last_kl for layer in model.decoder.layers]
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()
+                 if p.grad is not None}
+        return logits.detach(), torch.stack(kls), grads
+
+    packed, packed_kl, packed_grads = run(tokens, positions, weights, packed_seq_params=params)
+    alone = [run(tokens[:, a:b], positions[:, a:b], weights[:, a:b])
+             for a, b in ((0, lengths[0]), (lengths[0], sum(lengths)))]
+    torch.testing.assert_close(packed, torch.cat([logits for logits, _, _ in alone], 1),
+                               rtol=1e-5, atol=1e-5)
+    expected_kl = sum(n * kl for n, (_, kl, _) in zip(lengths, alone)) / sum(lengths)
+    torch.testing.assert_close(packed_kl, expected_kl, rtol=1e-5, atol=1e-7)
+    assert packed_kl.min() > 0
+    assert packed_grads.keys() == alone[0][2].keys()
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(grad, alone[0][2][name] + alone[1][2][name], rtol=1e-4,
+                                   atol=1e-5)
 
 
 def test_a_missing_megatron_core_is_named(monkeypatch):

@@ -15,8 +15,11 @@ Each layer's last KL value is kept in ``last_kl`` for logging (``megatron_msa_kl
 
 Warmup: ``openmsa.set_msa_warmup(model, True)`` / ``MSAWarmupSchedule`` switch these layers too.
 
-This first version runs tensor- and context-parallel size 1 and unpacked input; other settings
-are refused with a clear error rather than run wrong (``docs/PRODUCTION.md``, Megatron-core).
+Packed sequences: ``PackedSeqParams`` in THD format (``cu_seqlens_q``, equal to the key offsets,
+without padding inside the packing) run as ``msa_attention``'s ``cu_seqlens``: each sequence
+attends, selects and counts in the KL as if alone. This version runs tensor- and
+context-parallel size 1; other settings are refused with a clear error rather than run wrong
+(``docs/PRODUCTION.md``, Megatron-core).
 ``megatron-core`` is an optional dependency: importing this module without it says so.
 """
 
@@ -96,40 +99,80 @@ class MSACoreAttention(MegatronModule):
         self.index_inputs = None  # (detached hidden [s, b, h], rotary freqs or None)
         self.last_kl = None
 
-    def _index_branch(self):
+    def _index_branch(self, cu_seqlens=None):
+        """index_q ``[s, b, Hi, Di]`` and index_k ``[s, b, 1, Di]`` with the layer's RoPE; packed
+        (``cu_seqlens``: Megatron's THD format, batch 1) ``[t, Hi, Di]`` and ``[t, 1, Di]``,
+        positions counted from each sequence's start as Megatron's RoPE counts them."""
         hidden, rotary = self.index_inputs
         seqlen, batch = hidden.shape[:2]
         index_q = self.index_q_proj(hidden).view(seqlen, batch, self.num_query_groups,
                                                  self.head_dim)
         index_k = self.index_k_proj(hidden).view(seqlen, batch, 1, self.head_dim)
+        if cu_seqlens is not None:
+            index_q, index_k = index_q.squeeze(1), index_k.squeeze(1)
         if rotary is not None:
-            index_q = apply_rotary_pos_emb(index_q, rotary[0], config=self.config)
-            index_k = apply_rotary_pos_emb(index_k, rotary[1], config=self.config)
+            index_q = apply_rotary_pos_emb(index_q, rotary[0], config=self.config,
+                                           cu_seqlens=cu_seqlens)
+            index_k = apply_rotary_pos_emb(index_k, rotary[1], config=self.config,
+                                           cu_seqlens=cu_seqlens)
         return index_q, index_k
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is not None:
-            raise ValueError("packed_seq_params: expected None (packed sequences are not yet "
-                             "supported by openmsa.integrations.megatron), received them")
+        cu_seqlens, max_seqlen = _packed_offsets(packed_seq_params)
         if attention_bias is not None:
             raise ValueError("attention_bias: expected None (MSA attends causally over its "
                              "kept blocks), received a tensor")
         if self.index_inputs is None:
             raise ValueError("MSACoreAttention: no index inputs (it runs inside "
                              "MSASelfAttention, which hands them over)")
-        index_q, index_k = self._index_branch()
+        index_q, index_k = self._index_branch(cu_seqlens)
         self.index_inputs = None
         dtype = value.dtype  # RoPE's fp32 factors may promote under autocast
-        q, k, v, index_q, index_k = (t.to(dtype).transpose(0, 1)
-                                     for t in (query, key, value, index_q, index_k))
+        tensors = (query, key, value, index_q, index_k)
+        if cu_seqlens is None:  # [s, b, ...] -> [b, s, ...]
+            tensors = (t.transpose(0, 1) for t in tensors)
+        q, k, v, index_q, index_k = (t.to(dtype) for t in tensors)
         out, kl = msa_attention(q, k, v, index_q, index_k, softmax_scale=self.softmax_scale,
-                                warmup=self.warmup, **self.options)
+                                warmup=self.warmup, cu_seqlens=cu_seqlens,
+                                max_seqlen=max_seqlen, **self.options)
         self.last_kl = kl.detach()
-        out = out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+        if cu_seqlens is None:
+            out = out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+        else:  # [t, H, D] -> [t, H * D]; Megatron adds the batch dimension back
+            out = out.reshape(query.shape[0], -1)
         if torch.is_grad_enabled() and self.kl_weight and kl.requires_grad:
             out = KLIntoBackward.apply(out, kl, self.kl_weight)
         return out
+
+
+def _packed_offsets(packed_seq_params):
+    """(cu_seqlens, max_seqlen) of Megatron's packed-sequence parameters (THD format), or
+    (None, None) without them. Self-attention: the query and key offsets must agree; padded
+    offsets (padding tokens inside the packing) are refused, as they would count padding
+    tokens as queries of the KL."""
+    if packed_seq_params is None:
+        return None, None
+    params = packed_seq_params
+    if params.qkv_format != "thd":
+        raise ValueError(f"packed_seq_params.qkv_format: expected 'thd', received "
+                         f"{params.qkv_format!r}")
+    offsets = params.cu_seqlens_q
+    if offsets is None:
+        raise ValueError("packed_seq_params.cu_seqlens_q: expected the packed sequences' "
+                         "offsets, received None")
+    for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        other = getattr(params, name, None)
+        if other is None or other is offsets:
+            continue
+        if other.shape != offsets.shape or not torch.equal(other, offsets):
+            expected = ("cu_seqlens_q (self-attention)" if name == "cu_seqlens_kv"
+                        else "None or cu_seqlens_q (padding inside the packing is not "
+                             "supported: padding tokens would count in the KL)")
+            raise ValueError(f"packed_seq_params.{name}: expected {expected}, received "
+                             f"{other.tolist()} against cu_seqlens_q {offsets.tolist()}")
+    max_seqlen = params.max_seqlen_q if isinstance(params.max_seqlen_q, int) else None
+    return offsets, max_seqlen
 
 
 class MSASelfAttention(SelfAttention):
