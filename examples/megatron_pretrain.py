@@ -27,21 +27,25 @@ import torch.distributed as dist
 
 def build_model(seqlen: int, layers: int = 2, hidden: int = 256, heads: int = 4, groups: int = 2,
                 top_k: int = 4, block_size: int = 128, vocab: int | None = None,
-                backend: str = "auto"):
+                backend: str = "auto", share_index_every: int = 1):
     """A GPTModel with MSA self-attention, head dim 64; ``vocab`` (default: as many tokens as
-    ``recall_batch`` needs at ``seqlen``)."""
+    ``recall_batch`` needs at ``seqlen``); ``share_index_every=N``: every N-th layer selects
+    for the N - 1 after it (linked here)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from openmsa.integrations.megatron import get_gpt_layer_msa_spec
+    from openmsa.integrations.megatron import get_gpt_layer_msa_spec, link_index_sharing
 
     config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                                num_query_groups=groups, kv_channels=64,
                                attention_dropout=0.0, hidden_dropout=0.0,
                                use_cpu_initialization=True)
-    spec = get_gpt_layer_msa_spec(top_k=top_k, block_size=block_size, backend=backend)
-    return GPTModel(config, spec, vocab_size=vocab or seqlen // 2, max_sequence_length=seqlen,
-                    position_embedding_type="rope", rotary_base=1_000_000)
+    spec = get_gpt_layer_msa_spec(top_k=top_k, block_size=block_size, backend=backend,
+                                  share_index_every=share_index_every)
+    model = GPTModel(config, spec, vocab_size=vocab or seqlen // 2, max_sequence_length=seqlen,
+                     position_embedding_type="rope", rotary_base=1_000_000)
+    link_index_sharing(model)
+    return model
 
 
 def recall_batch(batch: int, seqlen: int, vocab: int, generator, device):
@@ -104,6 +108,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--share-index-every", type=int, default=1,
+                        help="every N-th layer selects blocks for the N - 1 after it")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("examples/megatron_pretrain.py: expected a CUDA GPU (Megatron-core "
@@ -120,7 +126,8 @@ def main() -> None:
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
-    model = build_model(args.seqlen, layers=args.layers, top_k=args.top_k).cuda()
+    model = build_model(args.seqlen, layers=args.layers, top_k=args.top_k,
+                        share_index_every=args.share_index_every).cuda()
     losses = train(model, args.steps, args.warmup_steps, args.batch, args.seqlen, "cuda",
                    log_every=max(1, args.steps // 10))
     print(f"recall loss: first 10 steps {sum(losses[:10]) / 10:.3f}, last 10 steps "

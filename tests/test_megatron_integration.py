@@ -239,8 +239,70 @@ def test_pretraining_example_runs_its_pipeline_on_the_cpu(megatron_on_cpu):
         first = {int(k): int(v) for k, v in zip(row[:128:2], row[1:128:2])}
         for position in marks.nonzero().flatten().tolist():
             assert int(row[position + 1]) == first[int(row[position])]
-    model = example.build_model(256, layers=1, hidden=64, top_k=2, block_size=64,
-                                backend="reference")
-    losses = example.train(model, steps=4, warmup_steps=2, batch=2, seqlen=256, device="cpu")
-    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
-    assert openmsa_megatron.megatron_msa_kl(model) > 0
+    for layers, every in ((1, 1), (2, 2)):  # the second: layer 2 shares layer 1's selection
+        model = example.build_model(256, layers=layers, hidden=64, top_k=2, block_size=64,
+                                    backend="reference", share_index_every=every)
+        losses = example.train(model, steps=4, warmup_steps=2, batch=2, seqlen=256,
+                               device="cpu")
+        assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
+        assert openmsa_megatron.megatron_msa_kl(model) > 0
+
+
+def test_index_sharing_layers_attend_over_their_indexers_blocks(megatron_on_cpu):
+    """share_index_every=2 on 4 layers: layers 2 and 4 have no index projections and, once
+    linked, attend over the blocks layers 1 and 3 kept in the same forward (their core
+    attention equals sparse_attention on those ids); the model's KL is the indexers' mean; with
+    every block kept the model is Megatron's own attention; unlinked or misconfigured sharing
+    is refused by name."""
+    from openmsa import sparse_attention
+
+    config = _config(num_layers=4)
+    dense = _gpt(get_gpt_layer_local_spec(), config)
+    tokens, positions, mask = _batch()
+    model = _gpt(_msa_spec(top_k=2, share_index_every=2), config)
+    names = [name for name in model.state_dict() if "index_" in name]
+    assert names and all(".layers.0." in n or ".layers.2." in n for n in names), names
+    with pytest.raises(ValueError, match=r"\(layer 2\): shares an earlier layer's selection but "
+                                         r"is not linked"):
+        model(tokens, positions, mask)
+    assert openmsa_megatron.link_index_sharing(model) == 2
+    layers = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    seen = {}
+
+    def keep(number):
+        def hook(module, args, kwargs, output):
+            seen[number] = (args[:3], output)
+        return hook
+
+    for number in (2, 4):
+        layers[number - 1].register_forward_hook(keep(number), with_kwargs=True)
+    model(tokens, positions, mask)
+    for number, source in ((2, layers[0]), (4, layers[2])):
+        (query, key, value), output = seen[number]
+        expected = sparse_attention(*(t.transpose(0, 1) for t in (query, key, value)),
+                                    source.last_indices, block_size=64, backend="reference")
+        torch.testing.assert_close(output, expected.transpose(0, 1).reshape(output.shape),
+                                   rtol=0, atol=0)
+        assert layers[number - 1].last_kl is None
+    kl = openmsa_megatron.megatron_msa_kl(model)
+    torch.testing.assert_close(kl, (layers[0].last_kl + layers[2].last_kl) / 2)
+    # Every block kept: the shared selection is every block, so Megatron's attention.
+    every_block = _gpt(_msa_spec(top_k=4, share_index_every=2), config)
+    every_block.load_state_dict(dense.state_dict(), strict=False)
+    openmsa_megatron.link_index_sharing(every_block)
+    torch.testing.assert_close(every_block(tokens, positions, mask),
+                               dense(tokens, positions, mask), rtol=1e-5, atol=1e-5)
+    # Warmup: the sharing layers run dense too, so the model is Megatron's own attention.
+    dense.load_state_dict(model.state_dict(), strict=False)
+    set_msa_warmup(model, True)
+    torch.testing.assert_close(model(tokens, positions, mask), dense(tokens, positions, mask),
+                               rtol=1e-5, atol=1e-5)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="^share_index_every: expected an int >= 1"):
+            _msa_spec(share_index_every=bad)
+    # A pipeline stage holding a sharing layer without its indexer.
+    stage = torch.nn.ModuleList([openmsa_megatron.MSACoreAttention(
+        config, 4, None, "self", share_index_every=2)])
+    with pytest.raises(ValueError, match="^model: layer 4 shares an earlier layer's selection, "
+                                         "but no earlier MSA layer with an index branch"):
+        openmsa_megatron.link_index_sharing(stage)

@@ -13,6 +13,11 @@ auxiliary losses), times ``KLIntoBackward.backward_scale``, which a training loo
 factor its main loss is scaled by in the backward (loss scale / micro-batches; 1 by default).
 Each layer's last KL value is kept in ``last_kl`` for logging (``megatron_msa_kl(model)``).
 
+Index sharing (SPEC section 9): ``get_gpt_layer_msa_spec(share_index_every=N)`` gives layers
+1, 1 + N, ... an index branch; the others have none and attend over the nearest earlier such
+layer's kept blocks (``sparse_attention``, no KL), once ``link_index_sharing(model)`` has
+linked them after the model is built.
+
 Warmup: ``openmsa.set_msa_warmup(model, True)`` / ``MSAWarmupSchedule`` switch these layers too.
 
 Packed sequences: ``PackedSeqParams`` in THD format (``cu_seqlens_q``, equal to the key offsets,
@@ -28,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.msa import msa_attention
+from ..ops.msa import msa_attention, sparse_attention
 
 try:
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -73,7 +78,7 @@ class MSACoreAttention(MegatronModule):
                  pg_collection=None, *, top_k: int = 16, block_size: int = 128,
                  num_local_blocks: int = 1, num_sink_blocks: int = 0,
                  index_precision: str = "input", kl_weight: float = 1.0,
-                 backend: str = "auto", warmup: bool = False):
+                 backend: str = "auto", warmup: bool = False, share_index_every: int = 1):
         super().__init__(config=config)
         for name, size in (("tensor_model_parallel_size", config.tensor_model_parallel_size),
                            ("context_parallel_size", config.context_parallel_size)):
@@ -93,9 +98,19 @@ class MSACoreAttention(MegatronModule):
         self.options = dict(top_k=top_k, block_size=block_size,
                             num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
                             index_precision=index_precision, backend=backend)
-        self.index_q_proj = nn.Linear(config.hidden_size, self.num_query_groups * self.head_dim,
-                                      bias=False)
-        self.index_k_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        _check_share_index_every(share_index_every)
+        self.layer_number = layer_number
+        # Layers 1, 1 + N, 1 + 2N, ... (Megatron counts from 1) have an index branch; the
+        # others attend over the kept blocks of the nearest earlier one (SPEC section 9),
+        # linked by ``link_index_sharing``.
+        self.has_index_branch = (layer_number - 1) % share_index_every == 0
+        self.index_source = None  # a sharing layer's indexer, in a list (not a submodule)
+        self.hands_on_indices = False  # an indexer whose ids a later layer reads
+        self.last_indices = None
+        if self.has_index_branch:
+            self.index_q_proj = nn.Linear(config.hidden_size,
+                                          self.num_query_groups * self.head_dim, bias=False)
+            self.index_k_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.index_inputs = None  # (detached hidden [s, b, h], rotary freqs or None)
         self.last_kl = None
 
@@ -123,6 +138,8 @@ class MSACoreAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("attention_bias: expected None (MSA attends causally over its "
                              "kept blocks), received a tensor")
+        if not self.has_index_branch:
+            return self._shared_attention(query, key, value, cu_seqlens, max_seqlen)
         if self.index_inputs is None:
             raise ValueError("MSACoreAttention: no index inputs (it runs inside "
                              "MSASelfAttention, which hands them over)")
@@ -133,9 +150,12 @@ class MSACoreAttention(MegatronModule):
         if cu_seqlens is None:  # [s, b, ...] -> [b, s, ...]
             tensors = (t.transpose(0, 1) for t in tensors)
         q, k, v, index_q, index_k = (t.to(dtype) for t in tensors)
-        out, kl = msa_attention(q, k, v, index_q, index_k, softmax_scale=self.softmax_scale,
-                                warmup=self.warmup, cu_seqlens=cu_seqlens,
-                                max_seqlen=max_seqlen, **self.options)
+        wants_indices = self.hands_on_indices and not self.warmup
+        out, kl, *indices = msa_attention(
+            q, k, v, index_q, index_k, softmax_scale=self.softmax_scale, warmup=self.warmup,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, return_indices=wants_indices,
+            **self.options)
+        self.last_indices = indices[0] if indices else None
         self.last_kl = kl.detach()
         if cu_seqlens is None:
             out = out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
@@ -144,6 +164,71 @@ class MSACoreAttention(MegatronModule):
         if torch.is_grad_enabled() and self.kl_weight and kl.requires_grad:
             out = KLIntoBackward.apply(out, kl, self.kl_weight)
         return out
+
+
+    def _shared_attention(self, query, key, value, cu_seqlens, max_seqlen):
+        """A layer without an index branch: the main attention over its indexer's latest kept
+        blocks (dense in warmup), no KL."""
+        self.index_inputs = None
+        if self.index_source is None:
+            raise ValueError(f"MSACoreAttention (layer {self.layer_number}): shares an earlier "
+                             f"layer's selection but is not linked to it: call "
+                             f"openmsa.integrations.megatron.link_index_sharing(model) once "
+                             f"after building the model")
+        source = self.index_source[0]
+        ids = None
+        options = dict(block_size=self.options["block_size"], softmax_scale=self.softmax_scale,
+                       cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                       backend=self.options["backend"])
+        if self.warmup:
+            options.update(warmup=True, num_index_heads=self.num_query_groups)
+        else:
+            ids = source.last_indices
+            if ids is None:
+                raise ValueError(f"MSACoreAttention (layer {self.layer_number}): layer "
+                                 f"{source.layer_number}, whose selection it shares, ran no "
+                                 f"sparse forward just before (it was in warmup, or has not "
+                                 f"run)")
+        q, k, v = (t.to(value.dtype) for t in (query, key, value))
+        if cu_seqlens is None:
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        out = sparse_attention(q, k, v, ids, **options)
+        if cu_seqlens is None:
+            return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+        return out.reshape(query.shape[0], -1)
+
+
+def _check_share_index_every(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"share_index_every: expected an int >= 1, received {value!r}")
+
+
+def link_index_sharing(model: nn.Module) -> int:
+    """Links each MSA layer without an index branch (``share_index_every`` > 1) to the nearest
+    earlier layer of ``model`` with one, whose kept blocks it then attends over; returns how
+    many it linked. Call once after building the model. A sharing layer whose indexer is not
+    in ``model`` (pipeline parallelism splitting a group of layers) is refused by name."""
+    layers = sorted((m for m in model.modules() if isinstance(m, MSACoreAttention)),
+                    key=lambda m: m.layer_number)
+    indexers = {m.layer_number: m for m in layers if m.has_index_branch}
+    linked = 0
+    for layer in layers:
+        if layer.has_index_branch:
+            continue
+        earlier = [number for number in indexers if number < layer.layer_number]
+        if not earlier:
+            raise ValueError(f"model: layer {layer.layer_number} shares an earlier layer's "
+                             f"selection, but no earlier MSA layer with an index branch is in "
+                             f"this model (pipeline stages must start at an indexer layer)")
+        source = indexers[max(earlier)]
+        if (source.num_query_groups, source.options["block_size"]) != (
+                layer.num_query_groups, layer.options["block_size"]):
+            raise ValueError(f"model: layer {layer.layer_number} and its indexer layer "
+                             f"{source.layer_number} differ in query groups or block size")
+        source.hands_on_indices = True
+        layer.index_source = [source]
+        linked += 1
+    return linked
 
 
 def _packed_offsets(packed_seq_params):
@@ -196,9 +281,12 @@ class MSASelfAttention(SelfAttention):
 def get_gpt_layer_msa_spec(*, top_k: int = 16, block_size: int = 128, num_local_blocks: int = 1,
                            num_sink_blocks: int = 0, index_precision: str = "input",
                            kl_weight: float = 1.0, backend: str = "auto",
-                           qk_layernorm: bool = False) -> ModuleSpec:
+                           qk_layernorm: bool = False, share_index_every: int = 1) -> ModuleSpec:
     """``get_gpt_layer_local_spec(qk_layernorm=...)`` with MSA self-attention; the options are
-    ``msa_attention``'s, ``kl_weight`` the KL's weight in the loss."""
+    ``msa_attention``'s, ``kl_weight`` the KL's weight in the loss. ``share_index_every=N``:
+    layers 1, 1 + N, ... have an index branch and the others attend over the kept blocks of
+    the nearest earlier one (``link_index_sharing(model)`` after building the model)."""
+    _check_share_index_every(share_index_every)
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
     attention = spec.submodules.self_attention
     attention.module = MSASelfAttention
@@ -206,17 +294,18 @@ def get_gpt_layer_msa_spec(*, top_k: int = 16, block_size: int = 128, num_local_
         module=MSACoreAttention,
         params=dict(top_k=top_k, block_size=block_size, num_local_blocks=num_local_blocks,
                     num_sink_blocks=num_sink_blocks, index_precision=index_precision,
-                    kl_weight=kl_weight, backend=backend))
+                    kl_weight=kl_weight, backend=backend, share_index_every=share_index_every))
     return spec
 
 
 def megatron_msa_kl(model: nn.Module) -> torch.Tensor | None:
-    """The mean of the last KL values of ``model``'s MSA layers (detached, for logging), or
-    None before any forward."""
+    """The mean of the last KL values of ``model``'s MSA layers with an index branch (the
+    model's KL, SPEC section 9; detached, for logging), or None before any forward."""
     values = [m.last_kl for m in model.modules()
-              if isinstance(m, MSACoreAttention) and m.last_kl is not None]
+              if isinstance(m, MSACoreAttention) and m.has_index_branch
+              and m.last_kl is not None]
     return torch.stack(values).mean() if values else None
 
 
 __all__ = ["KLIntoBackward", "MSACoreAttention", "MSASelfAttention", "get_gpt_layer_msa_spec",
-           "megatron_msa_kl"]
+           "link_index_sharing", "megatron_msa_kl"]
