@@ -1,10 +1,12 @@
-"""openmsa inside Megatron-core's GPTModel (local layer spec) on the CPU: one gloo process,
-tensor and context parallel size 1, the reference backend in float32, batch and packed (THD)
-input.
+"""openmsa inside Megatron-core's GPTModel (local layer spec) on the CPU: one gloo process
+(two for context parallelism), tensor parallel size 1, the reference backend in float32, batch
+and packed (THD) input.
 
 Megatron-core assumes CUDA in two places a CPU run reaches (the rotary frequencies move to
 ``torch.cuda.current_device()``, and attention forks the CUDA RNG tracker); the fixture points
-the first at the CPU and gives the second a no-op fork, for these tests only."""
+the first at the CPU and gives the second a no-op fork, for these tests only. With context
+parallelism a third (the rank's rotary frequencies go through pinned memory) gets a CPU copy of
+that function in the worker processes."""
 
 import contextlib
 import importlib
@@ -156,9 +158,9 @@ def test_tiny_gpt_trains_and_its_loss_falls(megatron_on_cpu):
 def test_unsupported_settings_are_refused_by_name(megatron_on_cpu):
     with pytest.raises(ValueError, match="^config.attention_dropout: expected 0.0"):
         _gpt(_msa_spec(), _config(attention_dropout=0.1))
-    for name in ("tensor_model_parallel_size", "context_parallel_size"):
-        with pytest.raises(ValueError, match=f"^config.{name}: expected 1"):
-            openmsa_megatron.MSACoreAttention(_config(**{name: 2}), 1, None, "self")
+    with pytest.raises(ValueError, match="^config.tensor_model_parallel_size: expected 1"):
+        openmsa_megatron.MSACoreAttention(_config(tensor_model_parallel_size=2), 1, None,
+                                          "self")
     model = _gpt(_msa_spec())
     core = model.decoder.layers[0].self_attention.core_attention
     offsets = torch.tensor([0, 130, 200], dtype=torch.int32)
@@ -306,3 +308,99 @@ def test_index_sharing_layers_attend_over_their_indexers_blocks(megatron_on_cpu)
     with pytest.raises(ValueError, match="^model: layer 4 shares an earlier layer's selection, "
                                          "but no earlier MSA layer with an index branch"):
         openmsa_megatron.link_index_sharing(stage)
+
+
+def _cp_rank_rotary_on_cpu(pos_emb, seq_dim, cp_group):
+    """Megatron's ``get_pos_emb_on_this_cp_rank`` (chunks r and 2 x CP - 1 - r of the rotary
+    frequencies) without its pinned-memory copy to the GPU."""
+    size, rank = cp_group.size(), cp_group.rank()
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1,
+                          *pos_emb.shape[seq_dim + 1:])
+    chunks = chunks.index_select(seq_dim, torch.tensor([rank, 2 * size - rank - 1]))
+    return chunks.view(*chunks.shape[:seq_dim], -1, *chunks.shape[seq_dim + 2:])
+
+
+def _cp_worker(rank, world, init_file, failures, reference_file):
+    """One context-parallel rank: the same GPT (weights from the single-process run) on its
+    zig-zag shard; logits, KL and gradients summed over ranks against the reference."""
+    import torch.distributed as dist
+
+    from openmsa.context_parallel import zigzag_shard
+
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    torch.cuda.current_device = lambda: "cpu"
+    tracker = _NoForkTracker()
+    megatron_random.get_cuda_rng_tracker = lambda *a, **k: tracker
+    dot_product_attention.tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: tracker
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cp_rank_rotary_on_cpu
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
+        reference = torch.load(reference_file)
+        config = _config(num_layers=2, context_parallel_size=world)
+        model = _gpt(_msa_spec(top_k=2, share_index_every=2), config)
+        model.load_state_dict(reference["state"])
+        assert openmsa_megatron.link_index_sharing(model) == 1
+        tokens, positions, weights = (zigzag_shard(reference[name], dim=1)
+                                      for name in ("tokens", "positions", "weights"))
+        logits = model(tokens, positions, None)
+        torch.testing.assert_close(logits, zigzag_shard(reference["logits"], dim=1),
+                                   rtol=1e-5, atol=1e-5)
+        kl = model.decoder.layers[0].self_attention.core_attention.last_kl
+        torch.testing.assert_close(kl, reference["kl"], rtol=1e-5, atol=1e-7)
+        (logits * weights).sum().backward()
+        core = model.decoder.layers[0].self_attention.core_attention
+        offsets = torch.tensor([0, 60, 100], dtype=torch.int32)
+        core.index_inputs = (torch.zeros(100, 1, 64), None)
+        with pytest.raises(ValueError, match="^packed_seq_params: expected None with context "
+                                             "parallelism"):
+            core(*(torch.zeros(100, heads, 64) for heads in (4, 2, 2)), None,
+                 packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets,
+                                                   cu_seqlens_kv=offsets))
+        for name, parameter in model.named_parameters():
+            grad = parameter.grad.clone()
+            dist.all_reduce(grad)  # each rank's share of the whole sequence's gradient
+            expected = reference["grads"][name]
+            # fp32 sums in another order: tolerances relative to the gradient's scale.
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6 * scale + 1e-9,
+                                       msg=lambda message: f"{name}: {message}")
+    except Exception as error:  # reported to the parent, which fails the test
+        failures.put(f"rank {rank}: {type(error).__name__}: {error}"[:3000])
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_context_parallel_ranks_together_equal_one_process(megatron_on_cpu, tmp_path):
+    """Megatron's context-parallel group (2 gloo processes) drives openmsa's sequence mode: on
+    its zig-zag shard each rank's logits are the single-process run's, its KL is the whole
+    sequence's, and the ranks' gradients (index projections included, through the KL carried
+    into the backward) add up to the single-process ones; the second layer shares the first
+    one's selection across the ranks."""
+    import torch.multiprocessing as mp
+
+    config = _config(num_layers=2)
+    model = _gpt(_msa_spec(top_k=2, share_index_every=2), config)
+    openmsa_megatron.link_index_sharing(model)
+    tokens, positions, _ = _batch()
+    weights = torch.randn(*tokens.shape, VOCAB, generator=torch.Generator().manual_seed(9))
+    logits = model(tokens, positions, None)
+    (logits * weights).sum().backward()
+    reference = dict(state=model.state_dict(), tokens=tokens, positions=positions,
+                     weights=weights, logits=logits.detach(),
+                     kl=model.decoder.layers[0].self_attention.core_attention.last_kl,
+                     grads={name: p.grad for name, p in model.named_parameters()})
+    assert all(grad is not None for grad in reference["grads"].values())
+    reference_file = tmp_path / "reference.pt"
+    torch.save(reference, reference_file)
+    failures = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_cp_worker, args=(2, str(tmp_path / "cp_init"), failures,
+                                         str(reference_file)),
+                       nprocs=2, start_method="spawn")
+    messages = []
+    while not failures.empty():
+        messages.append(failures.get())
+    assert not messages, "\n".join(messages)

@@ -22,9 +22,15 @@ Warmup: ``openmsa.set_msa_warmup(model, True)`` / ``MSAWarmupSchedule`` switch t
 
 Packed sequences: ``PackedSeqParams`` in THD format (``cu_seqlens_q``, equal to the key offsets,
 without padding inside the packing) run as ``msa_attention``'s ``cu_seqlens``: each sequence
-attends, selects and counts in the KL as if alone. This version runs tensor- and
-context-parallel size 1; other settings are refused with a clear error rather than run wrong
-(``docs/PRODUCTION.md``, Megatron-core).
+attends, selects and counts in the KL as if alone.
+
+Context parallelism: Megatron's context-parallel group runs ``context_parallel_msa_attention``
+in sequence mode, whose zig-zag shards are Megatron's load-balanced ones; every rank's ``kl``
+is the whole sequence's and its gradient the rank's share, so ``KLIntoBackward.backward_scale``
+is, as for the main loss, what Megatron's schedule scales the loss by (context-parallel size /
+micro-batches). Packed input with context parallelism is refused (Megatron splits each packed
+sequence on its own). This version runs tensor-parallel size 1; other settings are refused with
+a clear error rather than run wrong (``docs/PRODUCTION.md``, Megatron-core).
 ``megatron-core`` is an optional dependency: importing this module without it says so.
 """
 
@@ -33,6 +39,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..context_parallel import (context_parallel_msa_attention,
+                                context_parallel_sparse_attention)
 from ..ops.msa import msa_attention, sparse_attention
 
 try:
@@ -80,11 +88,13 @@ class MSACoreAttention(MegatronModule):
                  index_precision: str = "input", kl_weight: float = 1.0,
                  backend: str = "auto", warmup: bool = False, share_index_every: int = 1):
         super().__init__(config=config)
-        for name, size in (("tensor_model_parallel_size", config.tensor_model_parallel_size),
-                           ("context_parallel_size", config.context_parallel_size)):
-            if size != 1:
-                raise ValueError(f"config.{name}: expected 1 (this version of "
-                                 f"openmsa.integrations.megatron), received {size}")
+        if config.tensor_model_parallel_size != 1:
+            raise ValueError(f"config.tensor_model_parallel_size: expected 1 (this version of "
+                             f"openmsa.integrations.megatron), received "
+                             f"{config.tensor_model_parallel_size}")
+        # Context parallelism: openmsa's sequence mode, whose zig-zag split (2 x CP chunks,
+        # rank r holding chunks r and 2 x CP - 1 - r) is Megatron's load-balanced one.
+        self.cp_group = getattr(pg_collection, "cp", None)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"config.attention_dropout: expected 0.0 (MSA has no attention "
@@ -151,10 +161,15 @@ class MSACoreAttention(MegatronModule):
             tensors = (t.transpose(0, 1) for t in tensors)
         q, k, v, index_q, index_k = (t.to(dtype) for t in tensors)
         wants_indices = self.hands_on_indices and not self.warmup
-        out, kl, *indices = msa_attention(
-            q, k, v, index_q, index_k, softmax_scale=self.softmax_scale, warmup=self.warmup,
-            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, return_indices=wants_indices,
-            **self.options)
+        options = dict(self.options, softmax_scale=self.softmax_scale, warmup=self.warmup,
+                       cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                       return_indices=wants_indices)
+        group = self._context_parallel_group(cu_seqlens)
+        if group is None:
+            out, kl, *indices = msa_attention(q, k, v, index_q, index_k, **options)
+        else:
+            out, kl, *indices = context_parallel_msa_attention(
+                q, k, v, index_q, index_k, group=group, mode="sequence", **options)
         self.last_indices = indices[0] if indices else None
         self.last_kl = kl.detach()
         if cu_seqlens is None:
@@ -165,6 +180,19 @@ class MSACoreAttention(MegatronModule):
             out = KLIntoBackward.apply(out, kl, self.kl_weight)
         return out
 
+
+    def _context_parallel_group(self, cu_seqlens):
+        """Megatron's context-parallel group when it has more than one rank, else None."""
+        if self.config.context_parallel_size == 1:
+            return None
+        if cu_seqlens is not None:
+            raise ValueError("packed_seq_params: expected None with context parallelism "
+                             "(Megatron splits each packed sequence on its own, openmsa's "
+                             "sequence mode the whole packing), received them")
+        if self.cp_group is None:
+            from megatron.core import parallel_state
+            self.cp_group = parallel_state.get_context_parallel_group()
+        return self.cp_group
 
     def _shared_attention(self, query, key, value, cu_seqlens, max_seqlen):
         """A layer without an index branch: the main attention over its indexer's latest kept
@@ -192,7 +220,12 @@ class MSACoreAttention(MegatronModule):
         q, k, v = (t.to(value.dtype) for t in (query, key, value))
         if cu_seqlens is None:
             q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        out = sparse_attention(q, k, v, ids, **options)
+        group = self._context_parallel_group(cu_seqlens)
+        if group is None:
+            out = sparse_attention(q, k, v, ids, **options)
+        else:
+            out = context_parallel_sparse_attention(q, k, v, ids, group=group, mode="sequence",
+                                                    **options)
         if cu_seqlens is None:
             return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
         return out.reshape(query.shape[0], -1)
