@@ -11,8 +11,10 @@ repeat of the keys, whose values the model must recall: the next-token loss on t
 part falls only when attention finds each key's first occurrence, so MSA's selection has to
 learn where to look. Dense warmup for the first ``--warmup-steps``, then sparse.
 
-GPU (bf16 autocast, the Triton kernels); this version runs one process (tensor and context
-parallel size 1).
+GPU (bf16 autocast, the Triton kernels); the script runs one process. The layer spec also runs
+under Megatron's tensor and context parallelism (docs/PRODUCTION.md, Megatron-core): a
+multi-process loop would add Megatron's data sharding, vocab-parallel loss and gradient
+reduction around the same model.
 """
 
 from __future__ import annotations

@@ -158,9 +158,11 @@ def test_tiny_gpt_trains_and_its_loss_falls(megatron_on_cpu):
 def test_unsupported_settings_are_refused_by_name(megatron_on_cpu):
     with pytest.raises(ValueError, match="^config.attention_dropout: expected 0.0"):
         _gpt(_msa_spec(), _config(attention_dropout=0.1))
-    with pytest.raises(ValueError, match="^config.tensor_model_parallel_size: expected 1"):
-        openmsa_megatron.MSACoreAttention(_config(tensor_model_parallel_size=2), 1, None,
-                                          "self")
+    with pytest.raises(ValueError, match="^config.num_query_groups: expected a multiple of "
+                                         "tensor_model_parallel_size"):
+        # Megatron itself allows fewer groups than ranks (it copies KV heads), MSA does not.
+        openmsa_megatron.MSACoreAttention(_config(num_query_groups=1,
+                                                  tensor_model_parallel_size=2), 1, None, "self")
     model = _gpt(_msa_spec())
     core = model.decoder.layers[0].self_attention.core_attention
     offsets = torch.tensor([0, 130, 200], dtype=torch.int32)
@@ -320,13 +322,10 @@ def _cp_rank_rotary_on_cpu(pos_emb, seq_dim, cp_group):
     return chunks.view(*chunks.shape[:seq_dim], -1, *chunks.shape[seq_dim + 2:])
 
 
-def _cp_worker(rank, world, init_file, failures, reference_file):
-    """One context-parallel rank: the same GPT (weights from the single-process run) on its
-    zig-zag shard; logits, KL and gradients summed over ranks against the reference."""
+def _parallel_worker(rank, world, init_file, failures, body, reference_file):
+    """One gloo process of a parallel run: the CPU shims of the fixture (and the context-
+    parallel rotary one), then ``body(rank, world, reference)``; errors go to the parent."""
     import torch.distributed as dist
-
-    from openmsa.context_parallel import zigzag_shard
-
     from megatron.core.models.common.embeddings import rotary_pos_embedding
 
     torch.cuda.current_device = lambda: "cpu"
@@ -337,36 +336,7 @@ def _cp_worker(rank, world, init_file, failures, reference_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
-        parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
-        reference = torch.load(reference_file)
-        config = _config(num_layers=2, context_parallel_size=world)
-        model = _gpt(_msa_spec(top_k=2, share_index_every=2), config)
-        model.load_state_dict(reference["state"])
-        assert openmsa_megatron.link_index_sharing(model) == 1
-        tokens, positions, weights = (zigzag_shard(reference[name], dim=1)
-                                      for name in ("tokens", "positions", "weights"))
-        logits = model(tokens, positions, None)
-        torch.testing.assert_close(logits, zigzag_shard(reference["logits"], dim=1),
-                                   rtol=1e-5, atol=1e-5)
-        kl = model.decoder.layers[0].self_attention.core_attention.last_kl
-        torch.testing.assert_close(kl, reference["kl"], rtol=1e-5, atol=1e-7)
-        (logits * weights).sum().backward()
-        core = model.decoder.layers[0].self_attention.core_attention
-        offsets = torch.tensor([0, 60, 100], dtype=torch.int32)
-        core.index_inputs = (torch.zeros(100, 1, 64), None)
-        with pytest.raises(ValueError, match="^packed_seq_params: expected None with context "
-                                             "parallelism"):
-            core(*(torch.zeros(100, heads, 64) for heads in (4, 2, 2)), None,
-                 packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets,
-                                                   cu_seqlens_kv=offsets))
-        for name, parameter in model.named_parameters():
-            grad = parameter.grad.clone()
-            dist.all_reduce(grad)  # each rank's share of the whole sequence's gradient
-            expected = reference["grads"][name]
-            # fp32 sums in another order: tolerances relative to the gradient's scale.
-            scale = expected.abs().max().item()
-            torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6 * scale + 1e-9,
-                                       msg=lambda message: f"{name}: {message}")
+        body(rank, world, torch.load(reference_file))
     except Exception as error:  # reported to the parent, which fails the test
         failures.put(f"rank {rank}: {type(error).__name__}: {error}"[:3000])
     finally:
@@ -374,16 +344,27 @@ def _cp_worker(rank, world, init_file, failures, reference_file):
         dist.destroy_process_group()
 
 
-def test_context_parallel_ranks_together_equal_one_process(megatron_on_cpu, tmp_path):
-    """Megatron's context-parallel group (2 gloo processes) drives openmsa's sequence mode: on
-    its zig-zag shard each rank's logits are the single-process run's, its KL is the whole
-    sequence's, and the ranks' gradients (index projections included, through the KL carried
-    into the backward) add up to the single-process ones; the second layer shares the first
-    one's selection across the ranks."""
+def _run_parallel(body, tmp_path, reference, world=2):
+    """``body`` on ``world`` gloo processes, each reading ``reference`` (saved here)."""
     import torch.multiprocessing as mp
 
-    config = _config(num_layers=2)
-    model = _gpt(_msa_spec(top_k=2, share_index_every=2), config)
+    reference_file = tmp_path / "reference.pt"
+    torch.save(reference, reference_file)
+    failures = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_parallel_worker, args=(world, str(tmp_path / "init_parallel"),
+                                               failures, body, str(reference_file)),
+                       nprocs=world, start_method="spawn")
+    messages = []
+    while not failures.empty():
+        messages.append(failures.get())
+    assert not messages, "\n".join(messages)
+
+
+def _reference_run():
+    """The single-process run the parallel ones are held against: a 2-layer MSA GPT whose
+    second layer shares the first one's selection, logits of a batch, the first layer's KL,
+    and every gradient of a loss summed over tokens (the KL carried into the backward)."""
+    model = _gpt(_msa_spec(top_k=2, share_index_every=2), _config(num_layers=2))
     openmsa_megatron.link_index_sharing(model)
     tokens, positions, _ = _batch()
     weights = torch.randn(*tokens.shape, VOCAB, generator=torch.Generator().manual_seed(9))
@@ -394,13 +375,99 @@ def test_context_parallel_ranks_together_equal_one_process(megatron_on_cpu, tmp_
                      kl=model.decoder.layers[0].self_attention.core_attention.last_kl,
                      grads={name: p.grad for name, p in model.named_parameters()})
     assert all(grad is not None for grad in reference["grads"].values())
-    reference_file = tmp_path / "reference.pt"
-    torch.save(reference, reference_file)
-    failures = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_cp_worker, args=(2, str(tmp_path / "cp_init"), failures,
-                                         str(reference_file)),
-                       nprocs=2, start_method="spawn")
-    messages = []
-    while not failures.empty():
-        messages.append(failures.get())
-    assert not messages, "\n".join(messages)
+    return reference
+
+
+def _assert_close_to_scale(got, expected, name):
+    # fp32 sums in another order: tolerances relative to the tensor's scale.
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6 * scale + 1e-9,
+                               msg=lambda message: f"{name}: {message}")
+
+
+def _context_parallel_body(rank, world, reference):
+    """A context-parallel rank: the reference GPT on its zig-zag shard; logits and KL against
+    the reference, gradients summed over the ranks too."""
+    import torch.distributed as dist
+
+    from openmsa.context_parallel import zigzag_shard
+
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
+    model = _gpt(_msa_spec(top_k=2, share_index_every=2),
+                 _config(num_layers=2, context_parallel_size=world))
+    model.load_state_dict(reference["state"])
+    assert openmsa_megatron.link_index_sharing(model) == 1
+    tokens, positions, weights = (zigzag_shard(reference[name], dim=1)
+                                  for name in ("tokens", "positions", "weights"))
+    logits = model(tokens, positions, None)
+    torch.testing.assert_close(logits, zigzag_shard(reference["logits"], dim=1),
+                               rtol=1e-5, atol=1e-5)
+    kl = model.decoder.layers[0].self_attention.core_attention.last_kl
+    torch.testing.assert_close(kl, reference["kl"], rtol=1e-5, atol=1e-7)
+    (logits * weights).sum().backward()
+    core = model.decoder.layers[0].self_attention.core_attention
+    offsets = torch.tensor([0, 60, 100], dtype=torch.int32)
+    core.index_inputs = (torch.zeros(100, 1, 64), None)
+    with pytest.raises(ValueError, match="^packed_seq_params: expected None with context "
+                                         "parallelism"):
+        core(*(torch.zeros(100, heads, 64) for heads in (4, 2, 2)), None,
+             packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets,
+                                               cu_seqlens_kv=offsets))
+    for name, parameter in model.named_parameters():
+        grad = parameter.grad.clone()
+        dist.all_reduce(grad)  # each rank's share of the whole sequence's gradient
+        _assert_close_to_scale(grad, reference["grads"][name], name)
+
+
+def test_context_parallel_ranks_together_equal_one_process(megatron_on_cpu, tmp_path):
+    """Megatron's context-parallel group (2 gloo processes) drives openmsa's sequence mode: on
+    its zig-zag shard each rank's logits are the single-process run's, its KL is the whole
+    sequence's, and the ranks' gradients (index projections included, through the KL carried
+    into the backward) add up to the single-process ones; the second layer shares the first
+    one's selection across the ranks."""
+    _run_parallel(_context_parallel_body, tmp_path, _reference_run())
+
+
+def _tensor_parallel_body(rank, world, reference):
+    """A tensor-parallel rank: the reference GPT's weights split as Megatron splits them
+    (every parameter marked tensor-parallel along its partition dimension: whole query groups
+    with their index query heads; the index key projection whole on every rank); its vocab
+    shard of the logits, the mean of the ranks' KLs, and its gradients (split or whole)
+    against the reference."""
+    import torch.distributed as dist
+
+    parallel_state.initialize_model_parallel(world, 1)
+    model = _gpt(_msa_spec(top_k=2, share_index_every=2),
+                 _config(num_layers=2, tensor_model_parallel_size=world))
+    split = {}
+    for name, parameter in model.named_parameters():
+        whole = reference["state"][name]
+        if getattr(parameter, "tensor_model_parallel", False):
+            whole = whole.chunk(world, parameter.partition_dim)[rank]
+        split[name] = whole
+    result = model.load_state_dict(split, strict=False)
+    assert not result.missing_keys or all("_extra_state" in k for k in result.missing_keys)
+    openmsa_megatron.link_index_sharing(model)
+    index_q = model.decoder.layers[0].self_attention.core_attention.index_q_proj.weight
+    assert index_q.shape[0] == 64 and getattr(index_q, "tensor_model_parallel", False)
+    logits = model(reference["tokens"], reference["positions"], None)
+    torch.testing.assert_close(logits, reference["logits"].chunk(world, -1)[rank],
+                               rtol=1e-5, atol=1e-5)
+    kl = model.decoder.layers[0].self_attention.core_attention.last_kl.clone()
+    dist.all_reduce(kl)
+    torch.testing.assert_close(kl / world, reference["kl"], rtol=1e-5, atol=1e-7)
+    (logits * reference["weights"].chunk(world, -1)[rank]).sum().backward()
+    for name, parameter in model.named_parameters():
+        expected = reference["grads"][name]
+        if getattr(parameter, "tensor_model_parallel", False):
+            expected = expected.chunk(world, parameter.partition_dim)[rank]
+        _assert_close_to_scale(parameter.grad, expected, name)
+
+
+def test_tensor_parallel_ranks_equal_one_process(megatron_on_cpu, tmp_path):
+    """Tensor-parallel size 2 (2 gloo processes, 2 query groups: one with its index head per
+    rank): the single-process GPT's weights split as Megatron splits them give each rank its
+    vocab shard of the single-process logits, KLs whose mean is the single-process KL, and
+    the single-process gradients (the shared index key projection's summed over the ranks);
+    the second layer shares the first one's selection on each rank."""
+    _run_parallel(_tensor_parallel_body, tmp_path, _reference_run())

@@ -29,8 +29,14 @@ in sequence mode, whose zig-zag shards are Megatron's load-balanced ones; every 
 is the whole sequence's and its gradient the rank's share, so ``KLIntoBackward.backward_scale``
 is, as for the main loss, what Megatron's schedule scales the loss by (context-parallel size /
 micro-batches). Packed input with context parallelism is refused (Megatron splits each packed
-sequence on its own). This version runs tensor-parallel size 1; other settings are refused with
-a clear error rather than run wrong (``docs/PRODUCTION.md``, Megatron-core).
+sequence on its own).
+
+Tensor parallelism: each rank owns whole query groups (``num_query_groups`` a multiple of the
+tensor-parallel size) with their index query heads (a column-parallel index projection); the
+one index key head is every rank's, its gradient summed over the ranks; each rank's KL is its
+index heads' mean and carries ``kl_weight / tensor-parallel size`` into the backward, so the
+gradients are those of the model's KL, the mean over all index heads
+(``docs/PRODUCTION.md``, Megatron-core).
 ``megatron-core`` is an optional dependency: importing this module without it says so.
 """
 
@@ -46,6 +52,8 @@ from ..ops.msa import msa_attention, sparse_attention
 try:
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -88,19 +96,22 @@ class MSACoreAttention(MegatronModule):
                  index_precision: str = "input", kl_weight: float = 1.0,
                  backend: str = "auto", warmup: bool = False, share_index_every: int = 1):
         super().__init__(config=config)
-        if config.tensor_model_parallel_size != 1:
-            raise ValueError(f"config.tensor_model_parallel_size: expected 1 (this version of "
-                             f"openmsa.integrations.megatron), received "
-                             f"{config.tensor_model_parallel_size}")
+        groups = config.num_query_groups or config.num_attention_heads
+        tensor_parallel = config.tensor_model_parallel_size
+        if groups % tensor_parallel:
+            raise ValueError(f"config.num_query_groups: expected a multiple of "
+                             f"tensor_model_parallel_size ({tensor_parallel}: each rank owns "
+                             f"whole GQA groups with their index heads), received {groups}")
         # Context parallelism: openmsa's sequence mode, whose zig-zag split (2 x CP chunks,
         # rank r holding chunks r and 2 x CP - 1 - r) is Megatron's load-balanced one.
         self.cp_group = getattr(pg_collection, "cp", None)
+        self.tp_group = getattr(pg_collection, "tp", None)
+        self.tensor_parallel_size = tensor_parallel
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"config.attention_dropout: expected 0.0 (MSA has no attention "
                              f"dropout), received {dropout}")
-        self.num_heads = config.num_attention_heads
-        self.num_query_groups = config.num_query_groups or config.num_attention_heads
+        self.num_query_groups = groups // tensor_parallel  # this rank's, one index head each
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale
         self.kl_weight = kl_weight
@@ -118,8 +129,13 @@ class MSACoreAttention(MegatronModule):
         self.hands_on_indices = False  # an indexer whose ids a later layer reads
         self.last_indices = None
         if self.has_index_branch:
-            self.index_q_proj = nn.Linear(config.hidden_size,
-                                          self.num_query_groups * self.head_dim, bias=False)
+            # Tensor parallelism: the index query heads split with their query groups (a
+            # column-parallel projection); the one index key head is every rank's, its
+            # gradient summed over the ranks (``_index_branch``).
+            self.index_q_proj = ColumnParallelLinear(
+                config.hidden_size, groups * self.head_dim, config=config,
+                init_method=config.init_method, bias=False, gather_output=False,
+                tp_group=self.tp_group)
             self.index_k_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.index_inputs = None  # (detached hidden [s, b, h], rotary freqs or None)
         self.last_kl = None
@@ -130,9 +146,13 @@ class MSACoreAttention(MegatronModule):
         positions counted from each sequence's start as Megatron's RoPE counts them."""
         hidden, rotary = self.index_inputs
         seqlen, batch = hidden.shape[:2]
-        index_q = self.index_q_proj(hidden).view(seqlen, batch, self.num_query_groups,
-                                                 self.head_dim)
-        index_k = self.index_k_proj(hidden).view(seqlen, batch, 1, self.head_dim)
+        index_q = self.index_q_proj(hidden)[0].view(seqlen, batch, self.num_query_groups,
+                                                    self.head_dim)
+        # Identity forward; the backward sums the ranks' gradients (each rank's KL reaches
+        # the shared index key head through its own index heads only).
+        index_k = copy_to_tensor_model_parallel_region(self.index_k_proj(hidden),
+                                                       group=self.tp_group)
+        index_k = index_k.view(seqlen, batch, 1, self.head_dim)
         if cu_seqlens is not None:
             index_q, index_k = index_q.squeeze(1), index_k.squeeze(1)
         if rotary is not None:
@@ -177,7 +197,9 @@ class MSACoreAttention(MegatronModule):
         else:  # [t, H, D] -> [t, H * D]; Megatron adds the batch dimension back
             out = out.reshape(query.shape[0], -1)
         if torch.is_grad_enabled() and self.kl_weight and kl.requires_grad:
-            out = KLIntoBackward.apply(out, kl, self.kl_weight)
+            # With tensor parallelism each rank's kl is its index heads' mean, the model's the
+            # mean over ranks.
+            out = KLIntoBackward.apply(out, kl, self.kl_weight / self.tensor_parallel_size)
         return out
 
 
@@ -333,7 +355,9 @@ def get_gpt_layer_msa_spec(*, top_k: int = 16, block_size: int = 128, num_local_
 
 def megatron_msa_kl(model: nn.Module) -> torch.Tensor | None:
     """The mean of the last KL values of ``model``'s MSA layers with an index branch (the
-    model's KL, SPEC section 9; detached, for logging), or None before any forward."""
+    model's KL, SPEC section 9; detached, for logging), or None before any forward. With
+    tensor parallelism it is this rank's index heads' (the model's is the mean over the
+    tensor-parallel ranks)."""
     values = [m.last_kl for m in model.modules()
               if isinstance(m, MSACoreAttention) and m.has_index_branch
               and m.last_kl is not None]
