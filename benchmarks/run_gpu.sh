@@ -10,7 +10,11 @@
 #   (bench_key_outer.py: the main attention's tiles of long walks key-outer, by walk limit), bench
 #   (the user-facing commands `openmsa train --preset gpu` and `openmsa bench`, every selection
 #   kind; fla's NSA baseline where fla-core is importable), cli (= train,bench), short
-#   (profile_host.py and bench_segments.py at 4k-16k: host against GPU time, segment sizes)
+#   (profile_host.py and bench_segments.py at 4k-16k: host against GPU time, segment sizes),
+#   megatron (tests/gpu/test_megatron_gpu.py and bench_megatron.py; megatron-core must be
+#   importable: carry its wheel, e.g. `pip download --no-deps --only-binary=:all:
+#   --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1`,
+#   and install it there with `pip install --no-index --no-deps --target`)
 # OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
 # over calls of a time-limited machine.
 # Where only a few result files can be copied back, write to a scratch folder and tar it:
@@ -20,7 +24,7 @@ set -u
 out=${1:?usage: run_gpu.sh OUTDIR [all|PART,PART...]}
 parts=",${2:-all},"
 wants() {
-  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer|short)$ ]] \
+  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer|short|megatron)$ ]] \
     && return 0
   [[ "$parts" == *",$1,"* ]] || { [[ "$parts" == *",cli,"* ]] && [[ "$1" =~ ^(train|bench)$ ]]; }
 }
@@ -93,6 +97,12 @@ if wants short; then
   python3 benchmarks/bench_segments.py --out "$out/segments" \
     --cases h64:4096,h64:8192,h64:16384,h16:8192 --segment-pairs shipped,1024 2>&1 \
     | tee "$out/bench_segments.log" | tail -25
+fi
+if wants megatron; then
+  python3 -m pytest -q -rA tests/gpu/test_megatron_gpu.py 2>&1 | tee "$out/pytest_megatron.log" \
+    | grep -E "passed|failed|error" | tail -5
+  python3 benchmarks/bench_megatron.py --out "$out/megatron" 2>&1 | tee "$out/bench_megatron.log" \
+    | tail -8
 fi
 if wants bench; then
   python3 -m openmsa.cli bench --seqlens 4k,16k,32k,64k,128k --out "$out/bench_h64" 2>&1 \
