@@ -163,6 +163,9 @@ def test_unsupported_settings_are_refused_by_name(megatron_on_cpu):
         # Megatron itself allows fewer groups than ranks (it copies KV heads), MSA does not.
         openmsa_megatron.MSACoreAttention(_config(num_query_groups=1,
                                                   tensor_model_parallel_size=2), 1, None, "self")
+    with pytest.raises(ValueError, match="^config.sequence_parallel: expected False"):
+        openmsa_megatron.MSACoreAttention(_config(tensor_model_parallel_size=2,
+                                                  sequence_parallel=True), 1, None, "self")
     model = _gpt(_msa_spec())
     core = model.decoder.layers[0].self_attention.core_attention
     offsets = torch.tensor([0, 130, 200], dtype=torch.int32)

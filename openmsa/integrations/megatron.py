@@ -102,6 +102,10 @@ class MSACoreAttention(MegatronModule):
             raise ValueError(f"config.num_query_groups: expected a multiple of "
                              f"tensor_model_parallel_size ({tensor_parallel}: each rank owns "
                              f"whole GQA groups with their index heads), received {groups}")
+        if config.sequence_parallel:
+            raise ValueError("config.sequence_parallel: expected False (the index branch reads "
+                             "the whole sequence of the layer's input; this version does not "
+                             "gather a sequence-parallel one), received True")
         # Context parallelism: openmsa's sequence mode, whose zig-zag split (2 x CP chunks,
         # rank r holding chunks r and 2 x CP - 1 - r) is Megatron's load-balanced one.
         self.cp_group = getattr(pg_collection, "cp", None)
