@@ -13,7 +13,11 @@ Two modes (docs/CONTEXT_PARALLEL.md compares them):
   rank has the same causal work. k, v and index_k are all-gathered; selection and the sparse
   attention run for the rank's queries only, against every key (``msa_attention``'s query
   ranges, one per chunk); the backward reduce-scatters the key-side gradients to their owners.
-  Needs ``S`` divisible by ``2W``; any head counts.
+  Needs ``S`` divisible by ``2W``; any head counts. Packed input is cut so as a whole by
+  default (``packed_split="packing"``); ``packed_split="sequence"`` cuts each packed sequence
+  into ``2W`` chunks instead, rank ``r`` holding chunks ``r`` and ``2W - 1 - r`` of every
+  sequence, one after the other (Transformer Engine's and Megatron-core's THD layout; every
+  sequence's length divisible by ``2W``; two query ranges per sequence).
 
 Communication per layer and rank, forward (the backward moves the same again), in elements:
 
@@ -40,6 +44,7 @@ if dist.is_available():  # torch builds without distributed support still import
     import torch.distributed.nn.functional as dist_fn
 
 MODES = ("head", "sequence")
+PACKED_SPLITS = ("packing", "sequence")
 
 
 def _zigzag_part(x: torch.Tensor, rank: int, world: int, dim: int) -> torch.Tensor:
@@ -139,7 +144,7 @@ def _global_kl(share: torch.Tensor, group) -> torch.Tensor:
 
 
 def context_parallel_msa_attention(q, k, v, index_q, index_k, *, group=None, mode: str = "head",
-                                   **options):
+                                   packed_split: str = "packing", **options):
     """MSA over a sequence split across ``group``. ``options`` are those of ``msa_attention``
     (``cu_seqlens`` describes the whole packing; ``block_indices`` and ``query_start`` are not
     supported).
@@ -154,9 +159,15 @@ def context_parallel_msa_attention(q, k, v, index_q, index_k, *, group=None, mod
     (packed ``[Hi / W, T, top_k]``). ``context_parallel_sparse_attention`` takes either back
     (layers sharing a selection, SPEC section 9).
 
+    ``packed_split`` (sequence mode, packed input): ``"packing"`` (the whole packing in ``2W``
+    chunks) or ``"sequence"`` (each sequence in ``2W`` chunks, the THD layout of Transformer
+    Engine and Megatron-core; ``cu_seqlens`` describes the whole packing, its values read on
+    the host).
+
     Returns ``(out, kl)`` (``(out, kl, indices)`` with ``return_indices``)."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, received {mode!r}")
+    _check_packed_split(packed_split, mode, options)
     if not dist.is_initialized():
         raise ValueError("group: expected an initialized torch.distributed process group, "
                          "received none (call torch.distributed.init_process_group first)")
@@ -178,6 +189,8 @@ def context_parallel_msa_attention(q, k, v, index_q, index_k, *, group=None, mod
                              f"{tuple(tensor.shape[:-2])}")
     if mode == "head":
         return _head_parallel(q, k, v, index_q, index_k, group, packed, options)
+    if packed_split == "sequence":
+        return _per_sequence_parallel(q, k, v, index_q, index_k, group, options)
     return _sequence_parallel(q, k, v, index_q, index_k, group, packed, options)
 
 
@@ -233,6 +246,65 @@ def _zigzag_chunks(q, dim: int, world: int, rank: int):
     return chunk, (rank * chunk, (2 * world - 1 - rank) * chunk)
 
 
+def _check_packed_split(packed_split, mode: str, options: dict) -> None:
+    if packed_split not in PACKED_SPLITS:
+        raise ValueError(f"packed_split: expected one of {PACKED_SPLITS}, received "
+                         f"{packed_split!r}")
+    if packed_split == "sequence" and (mode != "sequence" or options.get("cu_seqlens") is None):
+        raise ValueError("packed_split: expected 'packing' unless mode='sequence' with "
+                         "cu_seqlens (it splits packed sequences), received 'sequence'")
+
+
+def _per_sequence_chunks(cu_seqlens: torch.Tensor, world: int, rank: int):
+    """The per-sequence zig-zag layout of a packing (``packed_split="sequence"``): the packed
+    tokens' order as the ranks' shards concatenated in rank order (an index into them), and
+    this rank's chunks as (first token in its shard, first token in the packing, length)."""
+    offsets = cu_seqlens.tolist()
+    lengths = [end - start for start, end in zip(offsets, offsets[1:])]
+    for length in lengths:
+        if length % (2 * world):
+            raise ValueError(f"cu_seqlens: expected every sequence's length divisible by "
+                             f"2 * world size = {2 * world} (packed_split='sequence' cuts each "
+                             f"into zig-zag chunks), received lengths {lengths}")
+    shard_tokens = offsets[-1] // world
+    order, own = [], []
+    local = 0  # a sequence's first token in every rank's shard
+    for start, length in zip(offsets, lengths):
+        chunk = length // (2 * world)
+        for c in range(2 * world):
+            owner, second = (c, 0) if c < world else (2 * world - 1 - c, 1)
+            first = owner * shard_tokens + local + second * chunk
+            order.extend(range(first, first + chunk))
+        own += [(local, start + rank * chunk, chunk),
+                (local + chunk, start + (2 * world - 1 - rank) * chunk, chunk)]
+        local += 2 * chunk
+    return torch.tensor(order, device=cu_seqlens.device), own
+
+
+def _per_sequence_keys(tensors, group, order):
+    """The packing's k, v, index_k from every rank's per-sequence zig-zag shard (differentiable:
+    the backward reduce-scatters the gradients to their owners)."""
+    return [_GatherShards.apply(t, group, 0, False).index_select(0, order) for t in tensors]
+
+
+def _per_sequence_parallel(q, k, v, index_q, index_k, group, options):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    cu_seqlens = options["cu_seqlens"]
+    order, own = _per_sequence_chunks(cu_seqlens, world, rank)
+    keys = _per_sequence_keys((k, v, index_k), group, order)
+    outs, ids, kl = [], [], 0
+    for local, start, length in own:
+        part = slice(local, local + length)
+        out, kl_part, *kept = msa_attention(q[part], *keys[:2], index_q[part], keys[2],
+                                            query_start=start, kl_num_queries=order.numel(),
+                                            **options)
+        outs.append(out)
+        ids += kept  # [Hi, length, top_k]
+        kl = kl + kl_part  # this rank's share: its queries' terms over the packing's count
+    out, kl = torch.cat(outs), _global_kl(kl, group)
+    return (out, kl, torch.cat(ids, dim=-2)) if ids else (out, kl)
+
+
 def _sequence_parallel(q, k, v, index_q, index_k, group, packed, options):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     dim = 0 if packed else 1  # the sequence dim
@@ -263,15 +335,16 @@ def _sequence_parallel(q, k, v, index_q, index_k, group, packed, options):
 
 
 def context_parallel_sparse_attention(q, k, v, block_indices, *, group=None, mode: str = "head",
-                                      **options):
+                                      packed_split: str = "packing", **options):
     """``sparse_attention`` over a sequence split across ``group`` (inputs and ``out`` as
     ``context_parallel_msa_attention``'s): a layer sharing the selection of a layer that ran
     ``context_parallel_msa_attention`` in the same mode takes its ``block_indices`` as returned
     there (``None`` with ``warmup=True``). ``options`` are ``sparse_attention``'s
     (``cu_seqlens`` describes the whole packing; ``num_index_heads`` in warmup counts all
-    ranks' index heads)."""
+    ranks' index heads; ``packed_split`` as there)."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, received {mode!r}")
+    _check_packed_split(packed_split, mode, options)
     if not dist.is_initialized():
         raise ValueError("group: expected an initialized torch.distributed process group, "
                          "received none (call torch.distributed.init_process_group first)")
@@ -294,6 +367,13 @@ def context_parallel_sparse_attention(q, k, v, block_indices, *, group=None, mod
         out = sparse_attention(q_heads, k_heads, v_heads, block_indices, **options)
         out = _heads_to_sequence(out[None] if packed else out, group)
         return out[0] if packed else out
+    if packed_split == "sequence":
+        order, own = _per_sequence_chunks(options["cu_seqlens"], world, rank)
+        keys = _per_sequence_keys((k, v), group, order)
+        return torch.cat([sparse_attention(
+            q[local:local + length], *keys,
+            None if block_indices is None else block_indices[..., local:local + length, :],
+            query_start=start, **options) for local, start, length in own])
     dim = 0 if packed else 1
     chunk, starts = _zigzag_chunks(q, dim, world, rank)
     keys = [zigzag_unshard(t, group, dim) for t in (k, v)]

@@ -331,3 +331,83 @@ def _sharing_worker(rank, world):
 
 def test_index_sharing_matches_single_process_in_both_modes():
     _spawn(_sharing_worker, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Sequence mode, packed input split per sequence (packed_split="sequence": the THD layout)
+# --------------------------------------------------------------------------------------------
+
+PER_SEQUENCE = (64, 8, 120, 64)  # 256 tokens; every length divisible by 2 x 4 ranks
+
+
+def _per_sequence_shard(x, world, rank):
+    """This rank's per-sequence zig-zag shard of a packed ``[T, ...]`` tensor: chunks ``rank``
+    and ``2W - 1 - rank`` of every sequence of PER_SEQUENCE, one sequence after the other."""
+    parts = []
+    for sequence in x.split(list(PER_SEQUENCE)):
+        chunks = sequence.chunk(2 * world)
+        parts += [chunks[rank], chunks[2 * world - 1 - rank]]
+    return torch.cat(parts)
+
+
+def _check_per_sequence_split(warmup):
+    """out, kl, all five gradients and the kept blocks against the single-process run on the
+    whole packing; a layer sharing those blocks (context_parallel_sparse_attention) too."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tensors, out_grad = _inputs((8, 4, 4, 1))
+    tensors, out_grad = [t[0] for t in tensors], out_grad[0]
+    offsets = torch.tensor([0, *PER_SEQUENCE]).cumsum(0).to(torch.int32)
+    options = dict(OPTIONS, warmup=warmup, return_indices=not warmup, cu_seqlens=offsets)
+    full = [t.clone().requires_grad_() for t in tensors]
+    out, kl, *ids = openmsa.msa_attention(*full, **options)
+    sparse_options = dict(block_size=64, cu_seqlens=offsets, backend="reference",
+                          warmup=warmup, num_index_heads=4 if warmup else None)
+    shared = openmsa.sparse_attention(*full[:3], None if warmup else ids[0], **sparse_options)
+    ((out * out_grad).sum() + kl + (shared * out_grad).sum()).backward()
+    local = [_per_sequence_shard(t, world, rank).requires_grad_() for t in tensors]
+    out_cp, kl_cp, *ids_cp = context_parallel_msa_attention(
+        *local, mode="sequence", packed_split="sequence", **options)
+    shared_cp = context_parallel_sparse_attention(
+        *local[:3], None if warmup else ids_cp[0], mode="sequence", packed_split="sequence",
+        **sparse_options)
+    local_grad = _per_sequence_shard(out_grad, world, rank)
+    ((out_cp * local_grad).sum() + kl_cp + (shared_cp * local_grad).sum()).backward()
+    torch.testing.assert_close(out_cp, _per_sequence_shard(out, world, rank), rtol=1e-10,
+                               atol=1e-10)
+    torch.testing.assert_close(shared_cp, _per_sequence_shard(shared, world, rank),
+                               rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(kl_cp, kl, rtol=1e-6, atol=1e-9)
+    for name, a, b in zip(INPUT_NAMES, local, full):
+        torch.testing.assert_close(a.grad, _per_sequence_shard(b.grad, world, rank),
+                                   rtol=1e-6, atol=1e-10, msg=name)
+    if not warmup:  # ids [Hi, T, k]: tokens along dim 1
+        expected = _per_sequence_shard(ids[0].transpose(0, 1), world, rank).transpose(0, 1)
+        assert same_block_sets(ids_cp[0], expected).all()
+
+
+def _per_sequence_worker(rank, world):
+    for warmup in (False, True):
+        try:
+            _check_per_sequence_split(warmup)
+        except Exception as error:
+            raise AssertionError(f"warmup={warmup}: {type(error).__name__}: {error}") from error
+    tensors, _ = _inputs((4, 2, 2, 1))
+    shards = [t[0, :SEQLEN // world] for t in tensors]
+    offsets = torch.tensor([0, *PER_SEQUENCE]).cumsum(0).to(torch.int32)
+    bad_calls = [
+        ("^packed_split: expected one of", dict(packed_split="tokens", cu_seqlens=offsets)),
+        ("^packed_split: expected 'packing' unless mode='sequence' with cu_seqlens",
+         dict(packed_split="sequence")),
+        ("^cu_seqlens: expected every sequence's length divisible by",
+         dict(packed_split="sequence",
+              cu_seqlens=torch.tensor([0, 2, 256], dtype=torch.int32))),
+    ]
+    for match, options in bad_calls:
+        with pytest.raises(ValueError, match=match):
+            context_parallel_msa_attention(*shards, **{**OPTIONS, "mode": "sequence",
+                                                       **options})
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_per_sequence_packed_split_matches_single_process(world):
+    _spawn(_per_sequence_worker, world)

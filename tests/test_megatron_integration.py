@@ -371,14 +371,49 @@ def _reference_run():
     openmsa_megatron.link_index_sharing(model)
     tokens, positions, _ = _batch()
     weights = torch.randn(*tokens.shape, VOCAB, generator=torch.Generator().manual_seed(9))
-    logits = model(tokens, positions, None)
-    (logits * weights).sum().backward()
     reference = dict(state=model.state_dict(), tokens=tokens, positions=positions,
-                     weights=weights, logits=logits.detach(),
-                     kl=model.decoder.layers[0].self_attention.core_attention.last_kl,
-                     grads={name: p.grad for name, p in model.named_parameters()})
-    assert all(grad is not None for grad in reference["grads"].values())
+                     weights=weights)
+    reference.update(_run_and_keep(model, tokens, positions, weights))
+    # Two packed sequences (THD), as context parallelism's per-sequence split needs them.
+    packed_tokens = torch.randint(VOCAB, (1, sum(PACKED_LENGTHS)),
+                                  generator=torch.Generator().manual_seed(10))
+    packed_positions = torch.cat([torch.arange(n) for n in PACKED_LENGTHS])[None]
+    packed_weights = torch.randn(1, sum(PACKED_LENGTHS), VOCAB,
+                                 generator=torch.Generator().manual_seed(11))
+    packed = _run_and_keep(model, packed_tokens, packed_positions, packed_weights,
+                           packed_seq_params=_packed_params())
+    reference["packed"] = dict(packed, tokens=packed_tokens, positions=packed_positions,
+                               weights=packed_weights)
     return reference
+
+
+PACKED_LENGTHS = (128, 64)  # multiples of 2 x 2 context-parallel ranks
+
+
+def _packed_params():
+    offsets = torch.tensor([0, *PACKED_LENGTHS], dtype=torch.int32).cumsum(0).to(torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
+                           max_seqlen_q=max(PACKED_LENGTHS), max_seqlen_kv=max(PACKED_LENGTHS))
+
+
+def _run_and_keep(model, tokens, positions, weights, **options):
+    """Logits, the first layer's KL and every gradient of a loss summed over tokens."""
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens, positions, None, **options)
+    (logits * weights).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return dict(logits=logits.detach(), grads=grads,
+                kl=model.decoder.layers[0].self_attention.core_attention.last_kl)
+
+
+def _per_sequence_shard(x, world, rank, dim=1):
+    """The rank's part of packed tokens in Megatron's THD context-parallel layout: chunks
+    ``rank`` and ``2W - 1 - rank`` of every sequence."""
+    parts = []
+    for sequence in x.split(list(PACKED_LENGTHS), dim):
+        chunks = sequence.chunk(2 * world, dim)
+        parts += [chunks[rank], chunks[2 * world - 1 - rank]]
+    return torch.cat(parts, dim)
 
 
 def _assert_close_to_scale(got, expected, name):
@@ -400,31 +435,29 @@ def _context_parallel_body(rank, world, reference):
                  _config(num_layers=2, context_parallel_size=world))
     model.load_state_dict(reference["state"])
     assert openmsa_megatron.link_index_sharing(model) == 1
-    tokens, positions, weights = (zigzag_shard(reference[name], dim=1)
-                                  for name in ("tokens", "positions", "weights"))
-    logits = model(tokens, positions, None)
-    torch.testing.assert_close(logits, zigzag_shard(reference["logits"], dim=1),
-                               rtol=1e-5, atol=1e-5)
-    kl = model.decoder.layers[0].self_attention.core_attention.last_kl
-    torch.testing.assert_close(kl, reference["kl"], rtol=1e-5, atol=1e-7)
-    (logits * weights).sum().backward()
-    core = model.decoder.layers[0].self_attention.core_attention
-    offsets = torch.tensor([0, 60, 100], dtype=torch.int32)
-    core.index_inputs = (torch.zeros(100, 1, 64), None)
-    with pytest.raises(ValueError, match="^packed_seq_params: expected None with context "
-                                         "parallelism"):
-        core(*(torch.zeros(100, heads, 64) for heads in (4, 2, 2)), None,
-             packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets,
-                                               cu_seqlens_kv=offsets))
-    for name, parameter in model.named_parameters():
-        grad = parameter.grad.clone()
-        dist.all_reduce(grad)  # each rank's share of the whole sequence's gradient
-        _assert_close_to_scale(grad, reference["grads"][name], name)
+    batch = {name: zigzag_shard(reference[name], dim=1)
+             for name in ("tokens", "positions", "weights")}
+    packed = reference["packed"]
+    runs = [("batch", batch, {}, lambda x: zigzag_shard(x, dim=1), reference),
+            ("packed", {name: _per_sequence_shard(packed[name], world, rank)
+                        for name in ("tokens", "positions", "weights")},
+             dict(packed_seq_params=_packed_params()),
+             lambda x: _per_sequence_shard(x, world, rank), packed)]
+    for label, inputs, options, shard, expected in runs:
+        got = _run_and_keep(model, inputs["tokens"], inputs["positions"], inputs["weights"],
+                            **options)
+        torch.testing.assert_close(got["logits"], shard(expected["logits"]), rtol=1e-5,
+                                   atol=1e-5, msg=lambda message: f"{label}: {message}")
+        torch.testing.assert_close(got["kl"], expected["kl"], rtol=1e-5, atol=1e-7)
+        for name, grad in got["grads"].items():
+            dist.all_reduce(grad)  # each rank's share of the whole sequence's gradient
+            _assert_close_to_scale(grad, expected["grads"][name], f"{label}: {name}")
 
 
 def test_context_parallel_ranks_together_equal_one_process(megatron_on_cpu, tmp_path):
     """Megatron's context-parallel group (2 gloo processes) drives openmsa's sequence mode: on
-    its zig-zag shard each rank's logits are the single-process run's, its KL is the whole
+    its zig-zag shard (batch input) or its chunks of every packed sequence (THD input, the
+    per-sequence split) each rank's logits are the single-process run's, its KL is the whole
     sequence's, and the ranks' gradients (index projections included, through the KL carried
     into the backward) add up to the single-process ones; the second layer shares the first
     one's selection across the ranks."""

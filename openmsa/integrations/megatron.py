@@ -28,8 +28,8 @@ Context parallelism: Megatron's context-parallel group runs ``context_parallel_m
 in sequence mode, whose zig-zag shards are Megatron's load-balanced ones; every rank's ``kl``
 is the whole sequence's and its gradient the rank's share, so ``KLIntoBackward.backward_scale``
 is, as for the main loss, what Megatron's schedule scales the loss by (context-parallel size /
-micro-batches). Packed input with context parallelism is refused (Megatron splits each packed
-sequence on its own).
+micro-batches). Packed input with context parallelism splits each sequence on its own, as
+Megatron does (``packed_split="sequence"``: every sequence's length a multiple of 2 x CP).
 
 Tensor parallelism: each rank owns whole query groups (``num_query_groups`` a multiple of the
 tensor-parallel size) with their index query heads (a column-parallel index projection); the
@@ -159,11 +159,11 @@ class MSACoreAttention(MegatronModule):
         index_k = index_k.view(seqlen, batch, 1, self.head_dim)
         if cu_seqlens is not None:
             index_q, index_k = index_q.squeeze(1), index_k.squeeze(1)
-        if rotary is not None:
+        if rotary is not None:  # as Megatron rotates q and k (packed: per sequence, per CP rank)
             index_q = apply_rotary_pos_emb(index_q, rotary[0], config=self.config,
-                                           cu_seqlens=cu_seqlens)
+                                           cu_seqlens=cu_seqlens, cp_group=self.cp_group)
             index_k = apply_rotary_pos_emb(index_k, rotary[1], config=self.config,
-                                           cu_seqlens=cu_seqlens)
+                                           cu_seqlens=cu_seqlens, cp_group=self.cp_group)
         return index_q, index_k
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
@@ -188,12 +188,13 @@ class MSACoreAttention(MegatronModule):
         options = dict(self.options, softmax_scale=self.softmax_scale, warmup=self.warmup,
                        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                        return_indices=wants_indices)
-        group = self._context_parallel_group(cu_seqlens)
+        group = self._context_parallel_group()
         if group is None:
             out, kl, *indices = msa_attention(q, k, v, index_q, index_k, **options)
         else:
             out, kl, *indices = context_parallel_msa_attention(
-                q, k, v, index_q, index_k, group=group, mode="sequence", **options)
+                q, k, v, index_q, index_k, group=group, mode="sequence",
+                packed_split=_packed_split(cu_seqlens), **options)
         self.last_indices = indices[0] if indices else None
         self.last_kl = kl.detach()
         if cu_seqlens is None:
@@ -207,14 +208,10 @@ class MSACoreAttention(MegatronModule):
         return out
 
 
-    def _context_parallel_group(self, cu_seqlens):
+    def _context_parallel_group(self):
         """Megatron's context-parallel group when it has more than one rank, else None."""
         if self.config.context_parallel_size == 1:
             return None
-        if cu_seqlens is not None:
-            raise ValueError("packed_seq_params: expected None with context parallelism "
-                             "(Megatron splits each packed sequence on its own, openmsa's "
-                             "sequence mode the whole packing), received them")
         if self.cp_group is None:
             from megatron.core import parallel_state
             self.cp_group = parallel_state.get_context_parallel_group()
@@ -246,15 +243,22 @@ class MSACoreAttention(MegatronModule):
         q, k, v = (t.to(value.dtype) for t in (query, key, value))
         if cu_seqlens is None:
             q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        group = self._context_parallel_group(cu_seqlens)
+        group = self._context_parallel_group()
         if group is None:
             out = sparse_attention(q, k, v, ids, **options)
         else:
             out = context_parallel_sparse_attention(q, k, v, ids, group=group, mode="sequence",
+                                                    packed_split=_packed_split(cu_seqlens),
                                                     **options)
         if cu_seqlens is None:
             return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
         return out.reshape(query.shape[0], -1)
+
+
+def _packed_split(cu_seqlens) -> str:
+    """Megatron's context parallelism cuts each packed sequence into its zig-zag chunks
+    (Transformer Engine's THD layout), batch input the whole sequence."""
+    return "packing" if cu_seqlens is None else "sequence"
 
 
 def _check_share_index_every(value) -> None:
