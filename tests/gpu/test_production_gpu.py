@@ -57,6 +57,31 @@ def test_model_compiles_with_fullgraph_on_inductor():
         assert (got.float() - expected.float()).norm() <= 2e-2 * expected.float().norm() + 1e-6
 
 
+def test_reduce_overhead_compile_replays_the_step_from_cuda_graphs():
+    """torch.compile(mode="reduce-overhead"): the layer's forward and backward replay from
+    CUDA graphs (the short-context answer to the host's launch costs); the third call, a
+    replay, gives the eager loss and gradients."""
+    torch.manual_seed(0)
+    layer = openmsa.MSAAttention(512, num_heads=8, num_kv_heads=2, head_dim=128,
+                                 num_index_heads=4, top_k=4, block_size=128).cuda().bfloat16()
+    x = torch.randn(2, 1024, 512, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+
+    def loss_of(module):
+        hidden, kl = module(x)
+        loss = hidden.float().square().mean() + kl
+        grads = torch.autograd.grad(loss, list(layer.parameters()))
+        return loss.detach().clone(), [g.detach().clone() for g in grads]
+
+    eager_loss, eager_grads = loss_of(layer)
+    for _ in range(3):  # warm-up, recording, replay
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled_loss, compiled_grads = loss_of(compiled)
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=2e-2, atol=1e-3)
+    for got, expected in zip(compiled_grads, eager_grads):
+        assert (got.float() - expected.float()).norm() <= 2e-2 * expected.float().norm() + 1e-6
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_forward_backward_replays_under_a_cuda_graph(deterministic):
     """Captured once, replayed on new data in the same buffers: equal to eager (nothing
