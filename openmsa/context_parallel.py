@@ -267,18 +267,19 @@ def _per_sequence_chunks(cu_seqlens: torch.Tensor, world: int, rank: int):
                              f"2 * world size = {2 * world} (packed_split='sequence' cuts each "
                              f"into zig-zag chunks), received lengths {lengths}")
     shard_tokens = offsets[-1] // world
-    order, own = [], []
+    pieces, own = [], []
     local = 0  # a sequence's first token in every rank's shard
     for start, length in zip(offsets, lengths):
         chunk = length // (2 * world)
         for c in range(2 * world):
             owner, second = (c, 0) if c < world else (2 * world - 1 - c, 1)
             first = owner * shard_tokens + local + second * chunk
-            order.extend(range(first, first + chunk))
+            pieces.append(torch.arange(first, first + chunk))  # on the host: one copy below
         own += [(local, start + rank * chunk, chunk),
                 (local + chunk, start + (2 * world - 1 - rank) * chunk, chunk)]
         local += 2 * chunk
-    return torch.tensor(order, device=cu_seqlens.device), own
+    order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    return order.to(cu_seqlens.device), own
 
 
 def _per_sequence_keys(tensors, group, order):
