@@ -288,30 +288,45 @@ def _per_sequence_keys(tensors, group, order):
     return [_GatherShards.apply(t, group, 0, False).index_select(0, order) for t in tensors]
 
 
-def _per_sequence_parallel(q, k, v, index_q, index_k, group, options):
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    cu_seqlens = options["cu_seqlens"]
-    order, own = _per_sequence_chunks(cu_seqlens, world, rank)
-    keys = _per_sequence_keys((k, v, index_k), group, order)
+def _ranges_msa(q, index_q, k, v, index_k, ranges, kl_num_queries: int, options):
+    """``msa_attention`` for the queries of each range (first token in q, first token in the
+    sequence or packing, length; q's tokens along dim -3) against every key: their outputs in
+    q's order, this rank's share of the KL, and their kept ids (None without)."""
     outs, ids, kl = [], [], 0
-    for local, start, length in own:
-        part = slice(local, local + length)
-        out, kl_part, *kept = msa_attention(q[part], *keys[:2], index_q[part], keys[2],
-                                            query_start=start, kl_num_queries=order.numel(),
+    for local, start, length in ranges:
+        part = (..., slice(local, local + length), slice(None), slice(None))
+        out, kl_part, *kept = msa_attention(q[part], k, v, index_q[part], index_k,
+                                            query_start=start, kl_num_queries=kl_num_queries,
                                             **options)
         outs.append(out)
-        ids += kept  # [Hi, length, top_k]
-        kl = kl + kl_part  # this rank's share: its queries' terms over the packing's count
-    out, kl = torch.cat(outs), _global_kl(kl, group)
-    return (out, kl, torch.cat(ids, dim=-2)) if ids else (out, kl)
+        ids += kept  # [Hi, length, top_k], or [1, Hi, length, top_k] for a batch row
+        kl = kl + kl_part  # this rank's share: its queries' terms over the global count
+    return torch.cat(outs, dim=-3), kl, torch.cat(ids, dim=-2) if ids else None
+
+
+def _ranges_sparse(q, k, v, block_indices, ranges, options):
+    """``sparse_attention`` for the queries of each range (as ``_ranges_msa``'s) over their
+    rows of ``block_indices`` (None in warmup)."""
+    return torch.cat([sparse_attention(
+        q[..., local:local + length, :, :], k, v,
+        None if block_indices is None else block_indices[..., local:local + length, :],
+        query_start=start, **options) for local, start, length in ranges], dim=-3)
+
+
+def _per_sequence_parallel(q, k, v, index_q, index_k, group, options):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    order, own = _per_sequence_chunks(options["cu_seqlens"], world, rank)
+    keys = _per_sequence_keys((k, v, index_k), group, order)
+    out, kl, ids = _ranges_msa(q, index_q, *keys, own, order.numel(), options)
+    kl = _global_kl(kl, group)
+    return (out, kl) if ids is None else (out, kl, ids)
 
 
 def _sequence_parallel(q, k, v, index_q, index_k, group, packed, options):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     dim = 0 if packed else 1  # the sequence dim
     chunk, starts = _zigzag_chunks(q, dim, world, rank)
-    options = dict(options)
-    cu_seqlens = options.pop("cu_seqlens", None)
+    ranges = [(half * chunk, start, chunk) for half, start in enumerate(starts)]
     keys = [zigzag_unshard(t, group, dim) for t in (k, v, index_k)]
     total = world * q.shape[dim]
     # Query ranges run on one packing, or on one sequence (a batch of one): row by row.
@@ -319,18 +334,12 @@ def _sequence_parallel(q, k, v, index_q, index_k, group, packed, options):
         (q[b, None], index_q[b, None], *(t[b, None] for t in keys)) for b in range(q.shape[0])]
     outs, indices, kl = [], [], 0
     for row_q, row_iq, row_k, row_v, row_ik in rows:
-        row_outs, row_ids = [], []
-        for half, start in enumerate(starts):
-            tokens = (..., slice(half * chunk, (half + 1) * chunk), slice(None), slice(None))
-            out, kl_part, *ids = msa_attention(
-                row_q[tokens], row_k, row_v, row_iq[tokens], row_ik, cu_seqlens=cu_seqlens,
-                query_start=start, kl_num_queries=len(rows) * total, **options)
-            row_outs.append(out)
-            row_ids += ids  # [Hi, chunk, top_k], or [1, Hi, chunk, top_k] for a batch row
-            kl = kl + kl_part  # this rank's share: its queries' terms over the global count
-        outs.append(torch.cat(row_outs, dim=-3))
-        if row_ids:
-            indices.append(torch.cat(row_ids, dim=-2))
+        out, kl_part, ids = _ranges_msa(row_q, row_iq, row_k, row_v, row_ik, ranges,
+                                        len(rows) * total, options)
+        outs.append(out)
+        kl = kl + kl_part
+        if ids is not None:
+            indices.append(ids)
     out, kl = torch.cat(outs), _global_kl(kl, group)
     return (out, kl, torch.cat(indices)) if indices else (out, kl)
 
@@ -371,23 +380,14 @@ def context_parallel_sparse_attention(q, k, v, block_indices, *, group=None, mod
     if packed_split == "sequence":
         order, own = _per_sequence_chunks(options["cu_seqlens"], world, rank)
         keys = _per_sequence_keys((k, v), group, order)
-        return torch.cat([sparse_attention(
-            q[local:local + length], *keys,
-            None if block_indices is None else block_indices[..., local:local + length, :],
-            query_start=start, **options) for local, start, length in own])
+        return _ranges_sparse(q, *keys, block_indices, own, options)
     dim = 0 if packed else 1
     chunk, starts = _zigzag_chunks(q, dim, world, rank)
+    ranges = [(half * chunk, start, chunk) for half, start in enumerate(starts)]
     keys = [zigzag_unshard(t, group, dim) for t in (k, v)]
-    batch_rows = 1 if packed else q.shape[0]
-    outs = []
-    for b in range(batch_rows):
-        row_q, row_k, row_v = ((q, *keys) if packed else (q[b, None], *(t[b, None] for t in keys)))
-        row_ids = (block_indices if packed or block_indices is None else block_indices[b, None])
-        halves = []
-        for half, start in enumerate(starts):
-            tokens = (..., slice(half * chunk, (half + 1) * chunk), slice(None), slice(None))
-            ids = None if row_ids is None else row_ids[..., half * chunk:(half + 1) * chunk, :]
-            halves.append(sparse_attention(row_q[tokens], row_k, row_v, ids, query_start=start,
-                                           **options))
-        outs.append(torch.cat(halves, dim=-3))
-    return torch.cat(outs)
+    if packed:
+        return _ranges_sparse(q, *keys, block_indices, ranges, options)
+    return torch.cat([_ranges_sparse(
+        q[b, None], *(t[b, None] for t in keys),
+        None if block_indices is None else block_indices[b, None], ranges, options)
+        for b in range(q.shape[0])])
