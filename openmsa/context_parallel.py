@@ -17,7 +17,8 @@ Two modes (docs/CONTEXT_PARALLEL.md compares them):
   default (``packed_split="packing"``); ``packed_split="sequence"`` cuts each packed sequence
   into ``2W`` chunks instead, rank ``r`` holding chunks ``r`` and ``2W - 1 - r`` of every
   sequence, one after the other (Transformer Engine's and Megatron-core's THD layout; every
-  sequence's length divisible by ``2W``; two query ranges per sequence).
+  sequence's length divisible by ``2W``; two query ranges per sequence; ``zigzag_shard_sequences``
+  cuts a packing so).
 
 Communication per layer and rank, forward (the backward moves the same again), in elements:
 
@@ -67,6 +68,21 @@ def zigzag_shard(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
         raise ValueError(f"x: expected a length along dim {dim} divisible by 2 * world size = "
                          f"{2 * world} (zig-zag chunks), received {x.shape[dim]}")
     return _zigzag_part(x, rank, world, dim)
+
+
+def zigzag_shard_sequences(x: torch.Tensor, cu_seqlens: torch.Tensor, group=None,
+                           dim: int = 0) -> torch.Tensor:
+    """This rank's shard of packed ``x`` (the packing along ``dim``, ``cu_seqlens`` its offsets)
+    for ``packed_split="sequence"``: chunks ``r`` and ``2W - 1 - r`` of each sequence's ``2W``
+    equal chunks, one sequence after the other (Transformer Engine's and Megatron-core's THD
+    layout). Shard tokens, labels and position ids the same way."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    if any(length % (2 * world) for length in lengths):
+        raise ValueError(f"cu_seqlens: expected every sequence's length divisible by 2 * world "
+                         f"size = {2 * world} (zig-zag chunks), received lengths {lengths}")
+    return torch.cat([_zigzag_part(sequence, rank, world, dim)
+                      for sequence in x.split(lengths, dim)], dim)
 
 
 def zigzag_unshard(shard: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:

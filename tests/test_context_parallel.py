@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 import openmsa
 from openmsa.context_parallel import (context_parallel_msa_attention,
                                       context_parallel_sparse_attention, shard_sequence,
-                                      zigzag_shard)
+                                      zigzag_shard, zigzag_shard_sequences)
 from openmsa.layers import MSAAttention
 from openmsa.testing import INPUT_NAMES, same_block_sets
 
@@ -340,23 +340,16 @@ def test_index_sharing_matches_single_process_in_both_modes():
 PER_SEQUENCE = (64, 8, 120, 64)  # 256 tokens; every length divisible by 2 x 4 ranks
 
 
-def _per_sequence_shard(x, world, rank):
-    """This rank's per-sequence zig-zag shard of a packed ``[T, ...]`` tensor: chunks ``rank``
-    and ``2W - 1 - rank`` of every sequence of PER_SEQUENCE, one sequence after the other."""
-    parts = []
-    for sequence in x.split(list(PER_SEQUENCE)):
-        chunks = sequence.chunk(2 * world)
-        parts += [chunks[rank], chunks[2 * world - 1 - rank]]
-    return torch.cat(parts)
-
-
 def _check_per_sequence_split(warmup):
     """out, kl, all five gradients and the kept blocks against the single-process run on the
     whole packing; a layer sharing those blocks (context_parallel_sparse_attention) too."""
-    world, rank = dist.get_world_size(), dist.get_rank()
     tensors, out_grad = _inputs((8, 4, 4, 1))
     tensors, out_grad = [t[0] for t in tensors], out_grad[0]
     offsets = torch.tensor([0, *PER_SEQUENCE]).cumsum(0).to(torch.int32)
+
+    def shard(x):
+        return zigzag_shard_sequences(x, offsets)
+
     options = dict(OPTIONS, warmup=warmup, return_indices=not warmup, cu_seqlens=offsets)
     full = [t.clone().requires_grad_() for t in tensors]
     out, kl, *ids = openmsa.msa_attention(*full, **options)
@@ -364,24 +357,24 @@ def _check_per_sequence_split(warmup):
                           warmup=warmup, num_index_heads=4 if warmup else None)
     shared = openmsa.sparse_attention(*full[:3], None if warmup else ids[0], **sparse_options)
     ((out * out_grad).sum() + kl + (shared * out_grad).sum()).backward()
-    local = [_per_sequence_shard(t, world, rank).requires_grad_() for t in tensors]
+    local = [shard(t).requires_grad_() for t in tensors]
     out_cp, kl_cp, *ids_cp = context_parallel_msa_attention(
         *local, mode="sequence", packed_split="sequence", **options)
     shared_cp = context_parallel_sparse_attention(
         *local[:3], None if warmup else ids_cp[0], mode="sequence", packed_split="sequence",
         **sparse_options)
-    local_grad = _per_sequence_shard(out_grad, world, rank)
+    local_grad = shard(out_grad)
     ((out_cp * local_grad).sum() + kl_cp + (shared_cp * local_grad).sum()).backward()
-    torch.testing.assert_close(out_cp, _per_sequence_shard(out, world, rank), rtol=1e-10,
+    torch.testing.assert_close(out_cp, shard(out), rtol=1e-10,
                                atol=1e-10)
-    torch.testing.assert_close(shared_cp, _per_sequence_shard(shared, world, rank),
+    torch.testing.assert_close(shared_cp, shard(shared),
                                rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(kl_cp, kl, rtol=1e-6, atol=1e-9)
     for name, a, b in zip(INPUT_NAMES, local, full):
-        torch.testing.assert_close(a.grad, _per_sequence_shard(b.grad, world, rank),
+        torch.testing.assert_close(a.grad, shard(b.grad),
                                    rtol=1e-6, atol=1e-10, msg=name)
     if not warmup:  # ids [Hi, T, k]: tokens along dim 1
-        expected = _per_sequence_shard(ids[0].transpose(0, 1), world, rank).transpose(0, 1)
+        expected = shard(ids[0].transpose(0, 1)).transpose(0, 1)
         assert same_block_sets(ids_cp[0], expected).all()
 
 
@@ -406,6 +399,9 @@ def _per_sequence_worker(rank, world):
         with pytest.raises(ValueError, match=match):
             context_parallel_msa_attention(*shards, **{**OPTIONS, "mode": "sequence",
                                                        **options})
+    with pytest.raises(ValueError, match="^cu_seqlens: expected every sequence's length "
+                                         "divisible by"):
+        zigzag_shard_sequences(torch.zeros(256), torch.tensor([0, 2, 256]))
 
 
 @pytest.mark.parametrize("world", [2, 4])

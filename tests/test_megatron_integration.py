@@ -406,16 +406,6 @@ def _run_and_keep(model, tokens, positions, weights, **options):
                 kl=model.decoder.layers[0].self_attention.core_attention.last_kl)
 
 
-def _per_sequence_shard(x, world, rank, dim=1):
-    """The rank's part of packed tokens in Megatron's THD context-parallel layout: chunks
-    ``rank`` and ``2W - 1 - rank`` of every sequence."""
-    parts = []
-    for sequence in x.split(list(PACKED_LENGTHS), dim):
-        chunks = sequence.chunk(2 * world, dim)
-        parts += [chunks[rank], chunks[2 * world - 1 - rank]]
-    return torch.cat(parts, dim)
-
-
 def _assert_close_to_scale(got, expected, name):
     # fp32 sums in another order: tolerances relative to the tensor's scale.
     scale = expected.abs().max().item()
@@ -428,21 +418,23 @@ def _context_parallel_body(rank, world, reference):
     the reference, gradients summed over the ranks too."""
     import torch.distributed as dist
 
-    from openmsa.context_parallel import zigzag_shard
+    from openmsa.context_parallel import zigzag_shard, zigzag_shard_sequences
 
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
     model = _gpt(_msa_spec(top_k=2, share_index_every=2),
                  _config(num_layers=2, context_parallel_size=world))
     model.load_state_dict(reference["state"])
     assert openmsa_megatron.link_index_sharing(model) == 1
+    def shard_packed(x):  # Megatron's THD context-parallel layout, tokens along dim 1
+        return zigzag_shard_sequences(x, _packed_params().cu_seqlens_q, dim=1)
+
     batch = {name: zigzag_shard(reference[name], dim=1)
              for name in ("tokens", "positions", "weights")}
     packed = reference["packed"]
     runs = [("batch", batch, {}, lambda x: zigzag_shard(x, dim=1), reference),
-            ("packed", {name: _per_sequence_shard(packed[name], world, rank)
+            ("packed", {name: shard_packed(packed[name])
                         for name in ("tokens", "positions", "weights")},
-             dict(packed_seq_params=_packed_params()),
-             lambda x: _per_sequence_shard(x, world, rank), packed)]
+             dict(packed_seq_params=_packed_params()), shard_packed, packed)]
     for label, inputs, options, shard, expected in runs:
         got = _run_and_keep(model, inputs["tokens"], inputs["positions"], inputs["weights"],
                             **options)
