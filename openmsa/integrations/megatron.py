@@ -179,28 +179,17 @@ class MSACoreAttention(MegatronModule):
                              "MSASelfAttention, which hands them over)")
         index_q, index_k = self._index_branch(cu_seqlens)
         self.index_inputs = None
-        dtype = value.dtype  # RoPE's fp32 factors may promote under autocast
-        tensors = (query, key, value, index_q, index_k)
-        if cu_seqlens is None:  # [s, b, ...] -> [b, s, ...]
-            tensors = (t.transpose(0, 1) for t in tensors)
-        q, k, v, index_q, index_k = (t.to(dtype) for t in tensors)
+        q, k, v, index_q, index_k = _openmsa_layout(
+            (query, key, value, index_q, index_k), value.dtype, cu_seqlens)
         wants_indices = self.hands_on_indices and not self.warmup
         options = dict(self.options, softmax_scale=self.softmax_scale, warmup=self.warmup,
                        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                        return_indices=wants_indices)
-        group = self._context_parallel_group()
-        if group is None:
-            out, kl, *indices = msa_attention(q, k, v, index_q, index_k, **options)
-        else:
-            out, kl, *indices = context_parallel_msa_attention(
-                q, k, v, index_q, index_k, group=group, mode="sequence",
-                packed_split=_packed_split(cu_seqlens), **options)
+        out, kl, *indices = self._run(msa_attention, context_parallel_msa_attention,
+                                      (q, k, v, index_q, index_k), options)
         self.last_indices = indices[0] if indices else None
         self.last_kl = kl.detach()
-        if cu_seqlens is None:
-            out = out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
-        else:  # [t, H, D] -> [t, H * D]; Megatron adds the batch dimension back
-            out = out.reshape(query.shape[0], -1)
+        out = _megatron_layout(out, query)
         if torch.is_grad_enabled() and self.kl_weight and kl.requires_grad:
             # With tensor parallelism each rank's kl is its index heads' mean, the model's the
             # mean over ranks.
@@ -208,14 +197,18 @@ class MSACoreAttention(MegatronModule):
         return out
 
 
-    def _context_parallel_group(self):
-        """Megatron's context-parallel group when it has more than one rank, else None."""
+    def _run(self, plain, context_parallel, tensors, options):
+        """``plain(*tensors, **options)``, or with Megatron's context parallelism its
+        ``context_parallel`` form in sequence mode on this rank's shards (packed input split
+        per sequence, as Megatron splits it)."""
         if self.config.context_parallel_size == 1:
-            return None
+            return plain(*tensors, **options)
         if self.cp_group is None:
             from megatron.core import parallel_state
             self.cp_group = parallel_state.get_context_parallel_group()
-        return self.cp_group
+        packed_split = "packing" if options.get("cu_seqlens") is None else "sequence"
+        return context_parallel(*tensors, group=self.cp_group, mode="sequence",
+                                packed_split=packed_split, **options)
 
     def _shared_attention(self, query, key, value, cu_seqlens, max_seqlen):
         """A layer without an index branch: the main attention over its indexer's latest kept
@@ -240,25 +233,27 @@ class MSACoreAttention(MegatronModule):
                                  f"{source.layer_number}, whose selection it shares, ran no "
                                  f"sparse forward just before (it was in warmup, or has not "
                                  f"run)")
-        q, k, v = (t.to(value.dtype) for t in (query, key, value))
-        if cu_seqlens is None:
-            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        group = self._context_parallel_group()
-        if group is None:
-            out = sparse_attention(q, k, v, ids, **options)
-        else:
-            out = context_parallel_sparse_attention(q, k, v, ids, group=group, mode="sequence",
-                                                    packed_split=_packed_split(cu_seqlens),
-                                                    **options)
-        if cu_seqlens is None:
-            return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
-        return out.reshape(query.shape[0], -1)
+        q, k, v = _openmsa_layout((query, key, value), value.dtype, cu_seqlens)
+        out = self._run(sparse_attention, context_parallel_sparse_attention, (q, k, v, ids),
+                        options)
+        return _megatron_layout(out, query)
 
 
-def _packed_split(cu_seqlens) -> str:
-    """Megatron's context parallelism cuts each packed sequence into its zig-zag chunks
-    (Transformer Engine's THD layout), batch input the whole sequence."""
-    return "packing" if cu_seqlens is None else "sequence"
+def _openmsa_layout(tensors, dtype, cu_seqlens):
+    """Megatron's ``[s, b, heads, dim]`` (packed: ``[t, heads, dim]``) as openmsa's
+    ``[b, s, heads, dim]`` (packed unchanged), in ``dtype`` (RoPE's fp32 factors may promote
+    under autocast)."""
+    if cu_seqlens is None:
+        tensors = (t.transpose(0, 1) for t in tensors)
+    return [t.to(dtype) for t in tensors]
+
+
+def _megatron_layout(out, query):
+    """openmsa's ``out`` in the core-attention slot's layout: ``[s, b, H * D]`` (packed
+    ``[t, H * D]``; Megatron adds the batch dimension back)."""
+    if query.dim() == 4:  # [s, b, H, D]
+        return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+    return out.reshape(query.shape[0], -1)
 
 
 def _check_share_index_every(value) -> None:
