@@ -12,8 +12,8 @@ D = Di = 128, top 16 of 128, bf16, B = 1): the forward and backward of
   Megatron's ``[s, b, heads, dim]`` layout, its index projections on the hidden state (their
   weights select the index inputs out of it, so the selection kind is the one asked for), the
   KL carried into the backward by ``KLIntoBackward``;
-with the selection's measured Jaccard and union next to the times. The issue's bar: the
-Megatron step within 1.1x of the direct one. Prints a table last and writes megatron.json.
+with the selection's measured Jaccard and union and dense SDPA's step (same run) next to the
+times. The issue's bar: the Megatron step within 1.1x of the direct one. Prints a table last and writes megatron.json.
 """
 
 from __future__ import annotations
@@ -21,13 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 
 from openmsa import msa_attention
 from openmsa.bench.run import make_inputs
-from openmsa.bench.selection import selection_statistics
 from openmsa.bench.timing import median_ms
+
+sys.path.insert(0, os.path.dirname(__file__))
+from profile_host import add_selection_and_dense  # noqa: E402
 
 SHAPE = dict(heads=64, kv_heads=4, index_heads=4, head_dim=128)
 
@@ -66,13 +69,14 @@ def selecting_hidden(core, index_q, index_k):
     return hidden
 
 
-def steps(core, q, k, v, index_q, index_k):
+def steps(core, q, k, v, index_q, index_k, dout):
     """The three steps (forward + backward) the benchmark times, on the same tensors."""
-    dout, one = torch.randn_like(q), torch.ones((), device=q.device)
+    one = torch.ones((), device=q.device)
     hidden = selecting_hidden(core, index_q, index_k)
     query, key, value = (t.detach().transpose(0, 1).requires_grad_() for t in (q, k, v))
     dout_sbhd = dout.transpose(0, 1).reshape(q.shape[1], 1, -1)
     index_layers = [core.index_q_proj, core.index_k_proj]
+    params = [p for layer in index_layers for p in layer.parameters()]
 
     def direct():
         out, kl = msa_attention(q, k, v, index_q, index_k, top_k=16, block_size=128)
@@ -83,28 +87,24 @@ def steps(core, q, k, v, index_q, index_k):
         iq = index_layers[0](hidden)[0].view(1, seqlen, *index_q.shape[2:])
         ik = index_layers[1](hidden).view(1, seqlen, *index_k.shape[2:])
         out, kl = msa_attention(q, k, v, iq, ik, top_k=16, block_size=128)
-        params = [p for layer in index_layers for p in layer.parameters()]
         torch.autograd.grad((out, kl), (q, k, v, *params), (dout, one))
 
     def megatron():
         core.index_inputs = (hidden, None)
         out = core(query, key, value, None)
-        params = [p for layer in index_layers for p in layer.parameters()]
         torch.autograd.grad(out, (query, key, value, *params), dout_sbhd)
 
     return dict(direct=direct, direct_with_projections=direct_with_projections,
                 megatron=megatron)
 
 
-def measure(core, seqlen: int, kind: str) -> dict:
-    q, k, v, index_q, index_k = make_inputs(SHAPE, seqlen, kind)
+def measure(core, seqlen: int, kind: str, dense: dict) -> dict:
+    inputs = make_inputs(SHAPE, seqlen, kind)
+    dout = torch.randn_like(inputs[0])
     row = dict(seqlen=seqlen, selection=kind)
-    for name, step in steps(core, q, k, v, index_q, index_k).items():
+    for name, step in steps(core, *inputs, dout).items():
         row[f"{name}_ms"] = median_ms(step)
-    with torch.no_grad():
-        _, _, ids = msa_attention(q, k, v, index_q, index_k, top_k=16, block_size=128,
-                                  return_indices=True)
-    row.update(selection_statistics(ids[0].permute(1, 0, 2)))
+    add_selection_and_dense(row, msa_attention, inputs, dout, dense)
     row["megatron_over_direct"] = row["megatron_ms"] / row["direct_ms"]
     row["megatron_over_direct_with_projections"] = (row["megatron_ms"]
                                                     / row["direct_with_projections_ms"])
@@ -129,18 +129,21 @@ def main() -> None:
                             world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     core = core_attention()
-    rows = [measure(core, int(seqlen), kind) for seqlen in args.seqlens.split(",")
-            for kind in args.kinds.split(",")]
+    rows = []
+    for seqlen in args.seqlens.split(","):
+        dense = {}  # dense SDPA's step, once per length
+        rows += [measure(core, int(seqlen), kind, dense) for kind in args.kinds.split(",")]
     with open(os.path.join(args.out, "megatron.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                        shape=SHAPE, rows=rows), f, indent=1)
     print("S kind | Jaccard union8 | direct, + projections, megatron ms | megatron / direct "
-          "(/ with projections)")
+          "(/ with projections) | dense ms")
     for r in rows:
         print(f"{r['seqlen']} {r['selection']} | {r['jaccard']:.2f} {r['union_8']:.1f} | "
               f"{r['direct_ms']:.2f} {r['direct_with_projections_ms']:.2f} "
               f"{r['megatron_ms']:.2f} | {r['megatron_over_direct']:.3f} "
-              f"({r['megatron_over_direct_with_projections']:.3f})")
+              f"({r['megatron_over_direct_with_projections']:.3f}) | "
+              f"{r['dense_step_ms']:.2f}")
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
