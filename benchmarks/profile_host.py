@@ -34,11 +34,11 @@ import torch
 from triton.runtime.jit import JITFunction
 
 from openmsa import msa_attention
-from openmsa.ops import msa as msa_module
-from openmsa.ops.custom_ops import msa_forward
 from openmsa.bench.run import dense_baseline, make_inputs
 from openmsa.bench.selection import selection_statistics
 from openmsa.bench.timing import graphed, median_ms
+from openmsa.ops import msa as msa_module
+from openmsa.ops.custom_ops import msa_forward
 
 SHAPES = {"h64": dict(heads=64, kv_heads=4, index_heads=4, head_dim=128),
           "h16": dict(heads=16, kv_heads=2, index_heads=4, head_dim=128)}
