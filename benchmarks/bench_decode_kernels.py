@@ -5,8 +5,15 @@ context and batch (one new token per sequence, H64/Hkv4/Hi4/Hik1, D=Di=128, top 
   warps, pipeline stages) against the bandwidth floor of the cached index keys it reads; the
   first row of each shape is the shipped launch (``decode_kernels.score_launch``).
 - part ``step``: the step's kernels one prefix at a time (scores; + top-k; + attention and
-  merge), the top-k's warps, programmatic dependent launch (``decode_kernels.DECODE_PDL``) in
-  the other mode than shipped, and dense SDPA decoding over the whole cache in the same run.
+  merge), the top-k's warps, the attention kernel's warps and stages, programmatic dependent
+  launch (``decode_kernels.DECODE_PDL``) in the other mode than shipped, and dense SDPA decoding
+  over the whole cache in the same run.
+- part ``cold``: the block scores, the step and dense decoding with the L2 cache made cold in
+  three ways: ``write`` (``median_ms``: triton's do_bench zero-fills a 256 MB buffer before each
+  call, which leaves the L2 full of dirty lines that the timed call must write back), ``read``
+  (a 256 MB buffer read before each call instead: the L2 is full of clean lines) and
+  ``layers`` (a model's layers: LAYERS steps over distinct caches replayed from one graph, the
+  mean per step; each layer's cache was last read LAYERS steps before).
 
 A better launch goes into ``decode_kernels``; then ``openmsa bench --decode`` measures the step
 against dense on every selection kind.
@@ -29,7 +36,7 @@ import triton
 
 from openmsa.bench.decode import HBM_BYTES_PER_S
 from openmsa.bench.selection import index_inputs
-from openmsa.bench.timing import graphed, median_ms
+from openmsa.bench.timing import captured, graphed, median_ms
 from openmsa.ops.decode_kernels import (DECODE_PDL, decode_attention, decode_block_scores,
                                         decode_top_blocks, top_blocks_warps)
 
@@ -37,6 +44,8 @@ LAUNCHES = [(None, None, None)] + [  # the shipped launch first
     (blocks, warps, stages) for blocks, warps, stages in itertools.product((4, 8, 16), (4, 8),
                                                                            (1, 2, 3))]
 TOP_K_WARPS = (2, 4, 8)
+ATTENTION_LAUNCHES = ((8, 1), (4, 2), (8, 2))  # (warps, stages) besides Triton's default
+LAYERS = 8
 HEADS, KV_HEADS, TOP_K, BLOCK = 64, 4, 16, 128
 
 
@@ -83,6 +92,11 @@ def time_step(q, k, v, index_q, index_k, lengths, scale, row):
     for warps in TOP_K_WARPS:
         if warps != shipped_warps:
             timings[f"step, top-k on {warps} warps"] = lambda warps=warps: step(warps)
+    for warps, stages in ATTENTION_LAUNCHES:
+        launch = dict(num_warps=warps, num_stages=stages)
+        timings[f"step, attention on {warps} warps {stages} stages"] = (
+            lambda launch=launch: decode_attention(q, k, v, selection(), lengths, BLOCK,
+                                                   q.shape[-1] ** -0.5, launch=launch))
     pdl = not DECODE_PDL  # the other launch mode than the shipped one
     assert torch.equal(step(pdl=pdl), step())
     timings[f"step, programmatic dependent launch {'on' if pdl else 'off'}"] = (
@@ -92,6 +106,78 @@ def time_step(q, k, v, index_q, index_k, lengths, scale, row):
         rows.append(dict(row, part="step", stage=name, ms=median_ms(graphed(fn)),
                          top_k_warps_shipped=shipped_warps))
         print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def read_flushed_ms(fn, reps: int = 200) -> float:
+    """Median ms of ``fn`` with a 256 MB buffer read (not written) before each call."""
+    buffer = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")
+    sink = torch.empty((), dtype=torch.int64, device="cuda")
+    times = []
+    for rep in range(reps + 10):
+        torch.sum(buffer, dtype=torch.int64, out=sink)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        if rep >= 10:
+            times.append((start, end))
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in times)[len(times) // 2]
+
+
+def layers_ms(make_step) -> float:
+    """Mean ms per step of LAYERS steps over distinct caches (``make_step(layer)`` builds one
+    layer's inputs and returns its step), replayed from one graph without flushing."""
+    steps = [make_step(layer) for layer in range(LAYERS)]
+    graph, _ = captured(lambda: [step() for step in steps])
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 20
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps / LAYERS
+
+
+def time_cold(context, batch, index_heads, head_dim, scale, row):
+    """Scores, step and dense with the L2 made cold by a write, by reads, and by layers."""
+    def make(layer):
+        generator = torch.Generator(device="cuda").manual_seed(context + batch + layer)
+        index_q, index_k = index_inputs("coherent", context, index_heads, head_dim, generator,
+                                        "cuda")
+        index_q = index_q[None, -1:].expand(batch, 1, -1, -1).contiguous()
+        index_k = index_k[None].expand(batch, -1, -1, -1).contiguous()
+        q = torch.randn(batch, 1, HEADS, head_dim, device="cuda", generator=generator).bfloat16()
+        k, v = (torch.randn(batch, context, KV_HEADS, head_dim, device="cuda",
+                            generator=generator).bfloat16() for _ in range(2))
+        lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        top = dict(top_k=TOP_K, block_size=BLOCK, num_local_blocks=1, num_sink_blocks=0)
+        heads = [t.transpose(1, 2) for t in (q, k, v)]
+
+        def scores():
+            return decode_block_scores(index_q, index_k, lengths, BLOCK, scale)
+
+        def step():
+            ids = decode_top_blocks(scores(), lengths, **top)
+            return decode_attention(q, k, v, ids, lengths, BLOCK, head_dim ** -0.5)
+
+        return dict(scores=scores, step=step, dense=lambda: F.scaled_dot_product_attention(
+            *heads, enable_gqa=True))
+
+    rows = []
+    first = make(0)
+    for name in ("scores", "step", "dense"):
+        graph = graphed(first[name])
+        timed = dict(write=median_ms(graph), read=read_flushed_ms(graph),
+                     layers=layers_ms(lambda layer: first[name] if layer == 0
+                                      else make(layer)[name]))
+        for cold, ms in timed.items():
+            rows.append(dict(row, part="cold", stage=name, cold=cold, ms=ms))
+            print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -120,6 +206,8 @@ def main() -> None:
         row = dict(context=context, batch=batch)
         if "scores" in parts:
             rows += sweep_scores(index_q, index_k, lengths, scale, row)
+        if "cold" in parts:
+            rows += time_cold(context, batch, args.index_heads, args.head_dim, scale, row)
         if "step" in parts:
             q = torch.randn(batch, 1, HEADS, args.head_dim, device="cuda",
                             generator=generator).bfloat16()
@@ -142,6 +230,14 @@ def main() -> None:
             launch = (best["blocks_per_program"], best["num_warps"], best["num_stages"])
             print(f"{context:>8} {batch:>5} {group[0]['ms']:>10.4f} {best['ms']:>8.4f} "
                   f"{str(launch):>22} {group[0]['floor_ms']:>8.4f}")
+    if "cold" in parts:
+        print(f"\n{'context':>8} {'batch':>5} {'stage':>6} {'write us':>8} {'read us':>8} "
+              f"{'layers us':>9}")
+        for (context, batch), group in shapes("cold"):
+            for stage, cells in itertools.groupby(group, lambda r: r["stage"]):
+                us = {r["cold"]: 1e3 * r["ms"] for r in cells}
+                print(f"{context:>8} {batch:>5} {stage:>6} {us['write']:>8.1f} "
+                      f"{us['read']:>8.1f} {us['layers']:>9.1f}")
     if "step" in parts:
         for (context, batch), group in shapes("step"):
             cells = ", ".join(f"{r['stage']} {1e3 * r['ms']:.1f}" for r in group)

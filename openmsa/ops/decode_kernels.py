@@ -300,9 +300,12 @@ def decode_top_blocks(scores, lengths, *, top_k: int, block_size: int, num_local
 
 
 def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
-                     softmax_scale: float, pdl: bool | None = None) -> torch.Tensor:
+                     softmax_scale: float, pdl: bool | None = None, *,
+                     launch: dict | None = None) -> torch.Tensor:
     """``out [B, Tq, H, D]`` (q's dtype) of the new tokens over their kept blocks
-    (``block_ids [B, Hi, Tq, k]``): partials per slot, merged by their log-sum-exps."""
+    (``block_ids [B, Hi, Tq, k]``): partials per slot, merged by their log-sum-exps.
+    ``launch`` (``num_warps``, ``num_stages``) overrides Triton's default launch of the
+    attention kernel (benchmarks/bench_decode_kernels.py sweeps it)."""
     batch, new, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_index_heads, slots = block_ids.shape[1], block_ids.shape[3]
@@ -322,7 +325,8 @@ def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
         block_ids.stride(0), block_ids.stride(1), block_ids.stride(2),
         softmax_scale * LOG2_E, NEW=new, GQ=gq, ROWS=max(16, triton.next_power_of_2(gq)),
         KV_GROUP=num_index_heads // num_kv_heads, NUM_HEADS=num_heads, SLOTS=slots,
-        BLOCK=block_size, HEAD_DIM=head_dim, PRECISION=_precision(q), PDL=pdl, **pdl_launch)
+        BLOCK=block_size, HEAD_DIM=head_dim, PRECISION=_precision(q), PDL=pdl,
+        **(launch or {}), **pdl_launch)
     merged = merge_partials(maxes.view(-1, slots), sums.view(-1, slots),
                             accs.view(-1, slots, head_dim), q.dtype, pdl)
     return merged.view(batch, new, num_heads, head_dim)
