@@ -115,7 +115,7 @@ def read_flushed_ms(fn, reps: int = 200) -> float:
     sink = torch.empty((), dtype=torch.int64, device="cuda")
     times = []
     for rep in range(reps + 10):
-        torch.sum(buffer, dtype=torch.int64, out=sink)
+        sink.copy_(buffer.sum(dtype=torch.int64))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
