@@ -16,6 +16,27 @@ def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REPEAT_MS, return_mode="median")
 
 
+def median_ms_read_flushed(fn, reps: int = 200) -> float:
+    """Median milliseconds per call of ``fn`` with the L2 cache made cold by reading a 256 MB
+    buffer before each call. For calls of microseconds that read a lot: ``median_ms`` makes the
+    L2 cold by zero-filling a buffer, whose dirty lines the timed call then writes back (about
+    9 us on the H200, whatever the call: benchmarks/records/decode-kernels.json, part cold)."""
+    buffer = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")
+    sink = torch.empty((), dtype=torch.int64, device="cuda")
+    warmups = 10
+    events = []
+    for rep in range(warmups + reps):
+        sink.copy_(buffer.sum(dtype=torch.int64))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        if rep >= warmups:
+            events.append((start, end))
+    torch.cuda.synchronize()
+    return sorted(start.elapsed_time(end) for start, end in events)[reps // 2]
+
+
 def median_ms_of_few(fn, reps: int = 3) -> float:
     """Median milliseconds of ``reps`` calls after one warm-up call, for calls of a second or
     more (1M-token steps), where ``median_ms`` would spend most of its time estimating."""

@@ -46,6 +46,10 @@ def top_blocks_warps(num_blocks_pow2: int) -> int:
     return max(4, min(16, num_blocks_pow2 // 256))
 
 
+# The top-k's kept blocks by one pruned sort rather than rounds of maxima: off until timed
+# (benchmarks/bench_decode_kernels.py times both).
+TOP_BLOCKS_BY_SORT = False
+
 # Programmatic dependent launch (Hopper on): each decode kernel lets the next one launch while
 # it runs and waits (griddepcontrol) before reading what came before, so the launches'
 # latency overlaps the previous kernel. Off by default until timed on the GPU
@@ -136,7 +140,8 @@ def _decode_top_blocks_kernel(
     SCORES, LENGTHS, IDS, stride_s_b, stride_s_h, stride_s_t, stride_ids_b, stride_ids_h,
     stride_ids_t, num_blocks, NEW: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
     NUM_LOCAL: tl.constexpr, LOCAL_DILATION: tl.constexpr, NUM_SINK: tl.constexpr,
-    BLOCKS_POW2: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCKS_POW2: tl.constexpr, TOP_K_POW2: tl.constexpr, BY_SORT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """IDS [B, Hi, NEW, TOP_K] of one (sequence, index head, new token) row: steps 3-4 of the
     selection in ``naive.select_blocks_from_scores``'s order (forced blocks in block order,
@@ -162,12 +167,21 @@ def _decode_top_blocks_kernel(
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
     keys = (ordered << 32) | (4294967295 - blocks.to(tl.int64))
     out = IDS + b * stride_ids_b + head * stride_ids_h + token * stride_ids_t
-    for slot in tl.static_range(TOP_K):
-        best = tl.max(keys, axis=0)
+    if BY_SORT:
+        # The TOP_K largest keys at once, in descending order (a pruned bitonic sort); keys
+        # are distinct, so this is the order the rounds of maxima below give.
+        best = tl.topk(keys, TOP_K_POW2)
+        slots = tl.arange(0, TOP_K_POW2)
         block = (4294967295 - (best - ((best >> 32) << 32))).to(tl.int32)
-        # Blocks scored -inf (invisible) and the removed ones are never kept.
-        tl.store(out + slot, tl.where((best >> 32) > ORDERED_NEG_INF, block, -1))
-        keys = tl.where(keys == best, REMOVED, keys)
+        tl.store(out + slots, tl.where((best >> 32) > ORDERED_NEG_INF, block, -1),
+                 mask=slots < TOP_K)
+    else:
+        for slot in tl.static_range(TOP_K):
+            best = tl.max(keys, axis=0)
+            block = (4294967295 - (best - ((best >> 32) << 32))).to(tl.int32)
+            # Blocks scored -inf (invisible) and the removed ones are never kept.
+            tl.store(out + slot, tl.where((best >> 32) > ORDERED_NEG_INF, block, -1))
+            keys = tl.where(keys == best, REMOVED, keys)
 
 
 @triton.jit
@@ -282,19 +296,25 @@ def decode_select(index_q, index_k_cache, lengths, *, top_k: int, block_size: in
 
 def decode_top_blocks(scores, lengths, *, top_k: int, block_size: int, num_local_blocks: int,
                       num_sink_blocks: int, local_block_dilation: int = 1,
-                      num_warps: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, pdl: bool | None = None,
+                      by_sort: bool | None = None) -> torch.Tensor:
     """Steps 3-4 on block scores ``[B, Hi, Tq, blocks]`` of the new tokens (the last ``Tq`` of
-    each sequence's ``lengths[b]``): int32 ids ``[B, Hi, Tq, top_k]``, one program per row."""
+    each sequence's ``lengths[b]``): int32 ids ``[B, Hi, Tq, top_k]``, one program per row.
+    ``by_sort``: the kept blocks by one pruned sort (``tl.topk``) instead of ``top_k`` rounds
+    of a maximum (None: ``TOP_BLOCKS_BY_SORT``); both give the same ids."""
     batch, num_index_heads, new, num_blocks = scores.shape
     ids = torch.empty(batch, num_index_heads, new, top_k, dtype=torch.int32,
                       device=scores.device)
-    pow2 = triton.next_power_of_2(num_blocks)
+    # At least TOP_K keys: the sort's slots past the cached blocks read -inf, so they keep -1.
+    pow2 = max(triton.next_power_of_2(num_blocks), triton.next_power_of_2(top_k))
     pdl, pdl_launch = _pdl_launch(pdl, scores.device)
     _decode_top_blocks_kernel[(batch, num_index_heads, new)](
         scores, lengths, ids, scores.stride(0), scores.stride(1), scores.stride(2),
         ids.stride(0), ids.stride(1), ids.stride(2), num_blocks, NEW=new, BLOCK=block_size,
         TOP_K=top_k, NUM_LOCAL=num_local_blocks, LOCAL_DILATION=local_block_dilation,
-        NUM_SINK=num_sink_blocks, BLOCKS_POW2=pow2, PDL=pdl,
+        NUM_SINK=num_sink_blocks, BLOCKS_POW2=pow2,
+        TOP_K_POW2=triton.next_power_of_2(top_k),
+        BY_SORT=TOP_BLOCKS_BY_SORT if by_sort is None else by_sort, PDL=pdl,
         num_warps=top_blocks_warps(pow2) if num_warps is None else num_warps, **pdl_launch)
     return ids
 
