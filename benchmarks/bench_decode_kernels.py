@@ -5,8 +5,7 @@ context and batch (one new token per sequence, H64/Hkv4/Hi4/Hik1, D=Di=128, top 
   warps, pipeline stages) against the bandwidth floor of the cached index keys it reads; the
   first row of each shape is the shipped launch (``decode_kernels.score_launch``).
 - part ``step``: the step's kernels one prefix at a time (scores; + top-k; + attention and
-  merge), the top-k's warps, the top-k by one sort against rounds of maxima
-  (``decode_kernels.TOP_BLOCKS_BY_SORT``), the attention kernel's warps and stages, programmatic dependent
+  merge), the top-k's warps, programmatic dependent
   launch (``decode_kernels.DECODE_PDL``) in the other mode than shipped, and dense SDPA decoding
   over the whole cache in the same run.
 - part ``cold``: the block scores, the step and dense decoding with the L2 cache made cold in
@@ -14,8 +13,7 @@ context and batch (one new token per sequence, H64/Hkv4/Hi4/Hik1, D=Di=128, top 
   call, which leaves the L2 full of dirty lines that the timed call must write back), ``read``
   (a 256 MB buffer read before each call instead: the L2 is full of clean lines) and
   ``layers`` (a model's layers: LAYERS steps over distinct caches replayed from one graph, the
-  mean per step; each layer's cache was last read LAYERS steps before), and the step with the
-  other top-k than shipped (``by_sort``).
+  mean per step; each layer's cache was last read LAYERS steps before).
 
 A better launch goes into ``decode_kernels``; then ``openmsa bench --decode`` measures the step
 against dense on every selection kind.
@@ -39,15 +37,13 @@ import triton
 from openmsa.bench.decode import HBM_BYTES_PER_S
 from openmsa.bench.selection import index_inputs
 from openmsa.bench.timing import captured, graphed, median_ms, median_ms_read_flushed
-from openmsa.ops.decode_kernels import (DECODE_PDL, TOP_BLOCKS_BY_SORT, decode_attention,
-                                        decode_block_scores, decode_top_blocks,
-                                        top_blocks_warps)
+from openmsa.ops.decode_kernels import (DECODE_PDL, decode_attention, decode_block_scores,
+                                        decode_top_blocks, top_blocks_warps)
 
 LAUNCHES = [(None, None, None)] + [  # the shipped launch first
     (blocks, warps, stages) for blocks, warps, stages in itertools.product((4, 8, 16), (4, 8),
                                                                            (1, 2, 3))]
 TOP_K_WARPS = (2, 4, 8)
-ATTENTION_LAUNCHES = ((8, 1), (4, 2), (8, 2))  # (warps, stages) besides Triton's default
 LAYERS = 8
 HEADS, KV_HEADS, TOP_K, BLOCK = 64, 4, 16, 128
 
@@ -95,19 +91,6 @@ def time_step(q, k, v, index_q, index_k, lengths, scale, row):
     for warps in TOP_K_WARPS:
         if warps != shipped_warps:
             timings[f"step, top-k on {warps} warps"] = lambda warps=warps: step(warps)
-    for warps, stages in ATTENTION_LAUNCHES:
-        launch = dict(num_warps=warps, num_stages=stages)
-        timings[f"step, attention on {warps} warps {stages} stages"] = (
-            lambda launch=launch: decode_attention(q, k, v, selection(), lengths, BLOCK,
-                                                   q.shape[-1] ** -0.5, launch=launch))
-    by_sort = not TOP_BLOCKS_BY_SORT  # the other top-k than the shipped one
-
-    def step_other_top_k():
-        ids = decode_top_blocks(scores(), lengths, by_sort=by_sort, **top)
-        return decode_attention(q, k, v, ids, lengths, BLOCK, q.shape[-1] ** -0.5)
-
-    assert torch.equal(step_other_top_k(), step())
-    timings[f"step, top-k by {'one sort' if by_sort else 'rounds of maxima'}"] = step_other_top_k
     pdl = not DECODE_PDL  # the other launch mode than the shipped one
     assert torch.equal(step(pdl=pdl), step())
     timings[f"step, programmatic dependent launch {'on' if pdl else 'off'}"] = (
@@ -154,16 +137,16 @@ def time_cold(context, batch, index_heads, head_dim, scale, row):
         def scores():
             return decode_block_scores(index_q, index_k, lengths, BLOCK, scale)
 
-        def step(by_sort=None):
-            ids = decode_top_blocks(scores(), lengths, by_sort=by_sort, **top)
+        def step():
+            ids = decode_top_blocks(scores(), lengths, **top)
             return decode_attention(q, k, v, ids, lengths, BLOCK, head_dim ** -0.5)
 
-        return dict(scores=scores, step=step, by_sort=lambda: step(not TOP_BLOCKS_BY_SORT),
+        return dict(scores=scores, step=step,
                     dense=lambda: F.scaled_dot_product_attention(*heads, enable_gqa=True))
 
     rows = []
     first = make(0)
-    for name in ("scores", "step", "by_sort", "dense"):
+    for name in ("scores", "step", "dense"):
         graph = graphed(first[name])
         timed = dict(write=median_ms(graph), read=median_ms_read_flushed(graph),
                      layers=layers_ms(lambda layer: first[name] if layer == 0
@@ -225,12 +208,12 @@ def main() -> None:
             print(f"{context:>8} {batch:>5} {group[0]['ms']:>10.4f} {best['ms']:>8.4f} "
                   f"{str(launch):>22} {group[0]['floor_ms']:>8.4f}")
     if "cold" in parts:
-        print(f"\n{'context':>8} {'batch':>5} {'stage':>7} {'write us':>8} {'read us':>8} "
+        print(f"\n{'context':>8} {'batch':>5} {'stage':>6} {'write us':>8} {'read us':>8} "
               f"{'layers us':>9}")
         for (context, batch), group in shapes("cold"):
             for stage, cells in itertools.groupby(group, lambda r: r["stage"]):
                 us = {r["cold"]: 1e3 * r["ms"] for r in cells}
-                print(f"{context:>8} {batch:>5} {stage:>7} {us['write']:>8.1f} "
+                print(f"{context:>8} {batch:>5} {stage:>6} {us['write']:>8.1f} "
                       f"{us['read']:>8.1f} {us['layers']:>9.1f}")
     if "step" in parts:
         for (context, batch), group in shapes("step"):

@@ -112,13 +112,11 @@ def test_decode_kernels_match_the_reference(new, options):
 @pytest.mark.parametrize("num_blocks,new,top_k,local,sink,dilation", [
     (7, 1, 3, 1, 0, 1), (13, 3, 4, 2, 1, 1), (40, 2, 16, 3, 2, 1), (5, 1, 16, 1, 0, 1),
     (300, 1, 16, 1, 0, 1), (40, 2, 8, 4, 1, 3)])
-@pytest.mark.parametrize("by_sort", [False, True])
 def test_decode_top_blocks_keep_the_references_ids_and_order(num_blocks, new, top_k, local,
-                                                             sink, dilation, by_sort):
-    """The decode top-k kernel (rounds of maxima, and one pruned sort) against
-    ``select_blocks_from_scores`` on scores full of ties (small integers) and invisible (-inf)
-    blocks, with forced local (also dilated) and sink blocks, fewer visible blocks than top_k,
-    and sequences of different lengths."""
+                                                             sink, dilation):
+    """The decode top-k kernel against ``select_blocks_from_scores`` on scores full of ties
+    (small integers) and invisible (-inf) blocks, with forced local (also dilated) and sink
+    blocks, fewer visible blocks than top_k, and sequences of different lengths."""
     from openmsa.ops.decode_kernels import decode_top_blocks
     from openmsa.ops.naive import select_blocks_from_scores
 
@@ -134,7 +132,7 @@ def test_decode_top_blocks_keep_the_references_ids_and_order(num_blocks, new, to
     expected = select_blocks_from_scores(scores, query_block, top_k, local, sink, dilation)
     got = decode_top_blocks(scores, lengths, top_k=top_k, block_size=64,
                             num_local_blocks=local, num_sink_blocks=sink,
-                            local_block_dilation=dilation, by_sort=by_sort)
+                            local_block_dilation=dilation)
     assert got.dtype == torch.int32 and torch.equal(got.long(), expected)
 
 

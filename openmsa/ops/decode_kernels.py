@@ -46,10 +46,6 @@ def top_blocks_warps(num_blocks_pow2: int) -> int:
     return max(4, min(16, num_blocks_pow2 // 256))
 
 
-# The top-k's kept blocks by one pruned sort rather than rounds of maxima: off until timed
-# (benchmarks/bench_decode_kernels.py times both).
-TOP_BLOCKS_BY_SORT = False
-
 # Programmatic dependent launch (Hopper on): each decode kernel lets the next one launch while
 # it runs and waits (griddepcontrol) before reading what came before, so the launches'
 # latency overlaps the previous kernel. Off by default until timed on the GPU
@@ -140,8 +136,7 @@ def _decode_top_blocks_kernel(
     SCORES, LENGTHS, IDS, stride_s_b, stride_s_h, stride_s_t, stride_ids_b, stride_ids_h,
     stride_ids_t, num_blocks, NEW: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
     NUM_LOCAL: tl.constexpr, LOCAL_DILATION: tl.constexpr, NUM_SINK: tl.constexpr,
-    BLOCKS_POW2: tl.constexpr, TOP_K_POW2: tl.constexpr, BY_SORT: tl.constexpr,
-    PDL: tl.constexpr = False,
+    BLOCKS_POW2: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """IDS [B, Hi, NEW, TOP_K] of one (sequence, index head, new token) row: steps 3-4 of the
     selection in ``naive.select_blocks_from_scores``'s order (forced blocks in block order,
@@ -167,21 +162,12 @@ def _decode_top_blocks_kernel(
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
     keys = (ordered << 32) | (4294967295 - blocks.to(tl.int64))
     out = IDS + b * stride_ids_b + head * stride_ids_h + token * stride_ids_t
-    if BY_SORT:
-        # The TOP_K largest keys at once, in descending order (a pruned bitonic sort); keys
-        # are distinct, so this is the order the rounds of maxima below give.
-        best = tl.topk(keys, TOP_K_POW2)
-        slots = tl.arange(0, TOP_K_POW2)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=0)
         block = (4294967295 - (best - ((best >> 32) << 32))).to(tl.int32)
-        tl.store(out + slots, tl.where((best >> 32) > ORDERED_NEG_INF, block, -1),
-                 mask=slots < TOP_K)
-    else:
-        for slot in tl.static_range(TOP_K):
-            best = tl.max(keys, axis=0)
-            block = (4294967295 - (best - ((best >> 32) << 32))).to(tl.int32)
-            # Blocks scored -inf (invisible) and the removed ones are never kept.
-            tl.store(out + slot, tl.where((best >> 32) > ORDERED_NEG_INF, block, -1))
-            keys = tl.where(keys == best, REMOVED, keys)
+        # Blocks scored -inf (invisible) and the removed ones are never kept.
+        tl.store(out + slot, tl.where((best >> 32) > ORDERED_NEG_INF, block, -1))
+        keys = tl.where(keys == best, REMOVED, keys)
 
 
 @triton.jit
@@ -296,36 +282,27 @@ def decode_select(index_q, index_k_cache, lengths, *, top_k: int, block_size: in
 
 def decode_top_blocks(scores, lengths, *, top_k: int, block_size: int, num_local_blocks: int,
                       num_sink_blocks: int, local_block_dilation: int = 1,
-                      num_warps: int | None = None, pdl: bool | None = None,
-                      by_sort: bool | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, pdl: bool | None = None) -> torch.Tensor:
     """Steps 3-4 on block scores ``[B, Hi, Tq, blocks]`` of the new tokens (the last ``Tq`` of
-    each sequence's ``lengths[b]``): int32 ids ``[B, Hi, Tq, top_k]``, one program per row.
-    ``by_sort``: the kept blocks by one pruned sort (``tl.topk``) instead of ``top_k`` rounds
-    of a maximum (None: ``TOP_BLOCKS_BY_SORT``); both give the same ids."""
+    each sequence's ``lengths[b]``): int32 ids ``[B, Hi, Tq, top_k]``, one program per row."""
     batch, num_index_heads, new, num_blocks = scores.shape
     ids = torch.empty(batch, num_index_heads, new, top_k, dtype=torch.int32,
                       device=scores.device)
-    # At least TOP_K keys: the sort's slots past the cached blocks read -inf, so they keep -1.
-    pow2 = max(triton.next_power_of_2(num_blocks), triton.next_power_of_2(top_k))
+    pow2 = triton.next_power_of_2(num_blocks)
     pdl, pdl_launch = _pdl_launch(pdl, scores.device)
     _decode_top_blocks_kernel[(batch, num_index_heads, new)](
         scores, lengths, ids, scores.stride(0), scores.stride(1), scores.stride(2),
         ids.stride(0), ids.stride(1), ids.stride(2), num_blocks, NEW=new, BLOCK=block_size,
         TOP_K=top_k, NUM_LOCAL=num_local_blocks, LOCAL_DILATION=local_block_dilation,
-        NUM_SINK=num_sink_blocks, BLOCKS_POW2=pow2,
-        TOP_K_POW2=triton.next_power_of_2(top_k),
-        BY_SORT=TOP_BLOCKS_BY_SORT if by_sort is None else by_sort, PDL=pdl,
+        NUM_SINK=num_sink_blocks, BLOCKS_POW2=pow2, PDL=pdl,
         num_warps=top_blocks_warps(pow2) if num_warps is None else num_warps, **pdl_launch)
     return ids
 
 
 def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
-                     softmax_scale: float, pdl: bool | None = None, *,
-                     launch: dict | None = None) -> torch.Tensor:
+                     softmax_scale: float, pdl: bool | None = None) -> torch.Tensor:
     """``out [B, Tq, H, D]`` (q's dtype) of the new tokens over their kept blocks
-    (``block_ids [B, Hi, Tq, k]``): partials per slot, merged by their log-sum-exps.
-    ``launch`` (``num_warps``, ``num_stages``) overrides Triton's default launch of the
-    attention kernel (benchmarks/bench_decode_kernels.py sweeps it)."""
+    (``block_ids [B, Hi, Tq, k]``): partials per slot, merged by their log-sum-exps."""
     batch, new, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_index_heads, slots = block_ids.shape[1], block_ids.shape[3]
@@ -345,8 +322,7 @@ def decode_attention(q, k_cache, v_cache, block_ids, lengths, block_size: int,
         block_ids.stride(0), block_ids.stride(1), block_ids.stride(2),
         softmax_scale * LOG2_E, NEW=new, GQ=gq, ROWS=max(16, triton.next_power_of_2(gq)),
         KV_GROUP=num_index_heads // num_kv_heads, NUM_HEADS=num_heads, SLOTS=slots,
-        BLOCK=block_size, HEAD_DIM=head_dim, PRECISION=_precision(q), PDL=pdl,
-        **(launch or {}), **pdl_launch)
+        BLOCK=block_size, HEAD_DIM=head_dim, PRECISION=_precision(q), PDL=pdl, **pdl_launch)
     merged = merge_partials(maxes.view(-1, slots), sums.view(-1, slots),
                             accs.view(-1, slots, head_dim), q.dtype, pdl)
     return merged.view(batch, new, num_heads, head_dim)
