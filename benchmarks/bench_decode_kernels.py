@@ -5,8 +5,7 @@ context and batch (one new token per sequence, H64/Hkv4/Hi4/Hik1, D=Di=128, top 
   warps, pipeline stages) against the bandwidth floor of the cached index keys it reads; the
   first row of each shape is the shipped launch (``decode_kernels.score_launch``).
 - part ``step``: the step's kernels one prefix at a time (scores; + top-k; + attention and
-  merge), the top-k's warps, the top-k in one launch or two (chunks of TOP_K_CHUNKS blocks;
-  ``decode_kernels.top_blocks_chunk`` picks), programmatic dependent
+  merge), the top-k's warps, programmatic dependent
   launch (``decode_kernels.DECODE_PDL``) in the other mode than shipped, and dense SDPA decoding
   over the whole cache in the same run.
 - part ``cold``: the block scores, the step and dense decoding with the L2 cache made cold in
@@ -39,13 +38,12 @@ from openmsa.bench.decode import HBM_BYTES_PER_S
 from openmsa.bench.selection import index_inputs
 from openmsa.bench.timing import captured, graphed, median_ms, median_ms_read_flushed
 from openmsa.ops.decode_kernels import (DECODE_PDL, decode_attention, decode_block_scores,
-                                        decode_top_blocks, top_blocks_chunk, top_blocks_warps)
+                                        decode_top_blocks, top_blocks_warps)
 
 LAUNCHES = [(None, None, None)] + [  # the shipped launch first
     (blocks, warps, stages) for blocks, warps, stages in itertools.product((4, 8, 16), (4, 8),
                                                                            (1, 2, 3))]
 TOP_K_WARPS = (2, 4, 8)
-TOP_K_CHUNKS = (128, 256, 512)  # blocks a program of the two-launch top-k
 LAYERS = 8
 HEADS, KV_HEADS, TOP_K, BLOCK = 64, 4, 16, 128
 
@@ -93,19 +91,6 @@ def time_step(q, k, v, index_q, index_k, lengths, scale, row):
     for warps in TOP_K_WARPS:
         if warps != shipped_warps:
             timings[f"step, top-k on {warps} warps"] = lambda warps=warps: step(warps)
-    rows_count = q.shape[0] * index_q.shape[2]
-    shipped_chunk = top_blocks_chunk(pow2, rows_count, TOP_K)
-    for chunk in (None, *TOP_K_CHUNKS):
-        if chunk == shipped_chunk or (chunk is not None and chunk >= pow2):
-            continue
-
-        def step_chunked(chunk=chunk):
-            ids = decode_top_blocks(scores(), lengths, chunk_blocks=chunk, **top)
-            return decode_attention(q, k, v, ids, lengths, BLOCK, q.shape[-1] ** -0.5)
-
-        assert torch.equal(step_chunked(), step())
-        name = "one launch" if chunk is None else f"two launches, chunks of {chunk}"
-        timings[f"step, top-k in {name}"] = step_chunked
     pdl = not DECODE_PDL  # the other launch mode than the shipped one
     assert torch.equal(step(pdl=pdl), step())
     timings[f"step, programmatic dependent launch {'on' if pdl else 'off'}"] = (
@@ -113,7 +98,7 @@ def time_step(q, k, v, index_q, index_k, lengths, scale, row):
     rows = []
     for name, fn in timings.items():
         rows.append(dict(row, part="step", stage=name, ms=median_ms(graphed(fn)),
-                         top_k_warps_shipped=shipped_warps, top_k_chunk_shipped=shipped_chunk))
+                         top_k_warps_shipped=shipped_warps))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -5,7 +5,6 @@ kernels under the CPU interpreter where marked."""
 
 import pytest
 import torch
-import triton
 
 import openmsa
 from openmsa.ops import msa as msa_module
@@ -113,14 +112,11 @@ def test_decode_kernels_match_the_reference(new, options):
 @pytest.mark.parametrize("num_blocks,new,top_k,local,sink,dilation", [
     (7, 1, 3, 1, 0, 1), (13, 3, 4, 2, 1, 1), (40, 2, 16, 3, 2, 1), (5, 1, 16, 1, 0, 1),
     (300, 1, 16, 1, 0, 1), (40, 2, 8, 4, 1, 3)])
-@pytest.mark.parametrize("chunked", [False, True])
 def test_decode_top_blocks_keep_the_references_ids_and_order(num_blocks, new, top_k, local,
-                                                             sink, dilation, chunked):
+                                                             sink, dilation):
     """The decode top-k kernel against ``select_blocks_from_scores`` on scores full of ties
     (small integers) and invisible (-inf) blocks, with forced local (also dilated) and sink
-    blocks, fewer visible blocks than top_k, and sequences of different lengths; in one launch,
-    and in two over the smallest chunks there are (top_k blocks, rounded up to a power of two),
-    so that forced and kept blocks fall in many chunks."""
+    blocks, fewer visible blocks than top_k, and sequences of different lengths."""
     from openmsa.ops.decode_kernels import decode_top_blocks
     from openmsa.ops.naive import select_blocks_from_scores
 
@@ -136,44 +132,8 @@ def test_decode_top_blocks_keep_the_references_ids_and_order(num_blocks, new, to
     expected = select_blocks_from_scores(scores, query_block, top_k, local, sink, dilation)
     got = decode_top_blocks(scores, lengths, top_k=top_k, block_size=64,
                             num_local_blocks=local, num_sink_blocks=sink,
-                            local_block_dilation=dilation,
-                            chunk_blocks=triton.next_power_of_2(top_k) if chunked else None)
+                            local_block_dilation=dilation)
     assert got.dtype == torch.int32 and torch.equal(got.long(), expected)
-
-
-@interpreted
-def test_two_launch_top_k_keeps_a_row_whose_best_blocks_all_lie_in_one_chunk():
-    """Every candidate of the last chunk kept, the last one included: scores rise with the block."""
-    from openmsa.ops.decode_kernels import decode_top_blocks
-
-    scores = torch.arange(64, dtype=torch.float32).expand(1, 2, 1, 64).contiguous()
-    lengths = torch.tensor([64 * 64], dtype=torch.int32)
-    got = decode_top_blocks(scores, lengths, top_k=16, block_size=64, num_local_blocks=1,
-                            num_sink_blocks=0, chunk_blocks=16)
-    assert got[0, :, 0].tolist() == [list(range(63, 47, -1))] * 2
-
-
-def test_top_k_runs_in_two_launches_only_for_few_rows_over_long_caches():
-    from openmsa.ops import decode_kernels as kernels
-
-    chunk = kernels.TOP_BLOCKS_CHUNK
-    assert kernels.top_blocks_chunk(kernels.TOP_BLOCKS_CHUNK_MIN_BLOCKS, 4, 16) == chunk
-    assert kernels.top_blocks_chunk(kernels.TOP_BLOCKS_CHUNK_MIN_BLOCKS // 2, 4, 16) is None
-    assert kernels.top_blocks_chunk(kernels.TOP_BLOCKS_CHUNK_MIN_BLOCKS,
-                                    kernels.TOP_BLOCKS_CHUNK_MAX_ROWS + 1, 16) is None
-    assert kernels.top_blocks_chunk(kernels.TOP_BLOCKS_CHUNK_MIN_BLOCKS, 4, 2 * chunk) is None
-
-
-@interpreted
-def test_decode_top_blocks_refuse_a_bad_chunk():
-    from openmsa.ops.decode_kernels import decode_top_blocks
-
-    scores = torch.zeros(1, 1, 1, 64)
-    lengths = torch.tensor([64 * 64], dtype=torch.int32)
-    for chunk in (8, 24):
-        with pytest.raises(ValueError, match="chunk_blocks"):
-            decode_top_blocks(scores, lengths, top_k=16, block_size=64, num_local_blocks=1,
-                              num_sink_blocks=0, chunk_blocks=chunk)
 
 
 @interpreted

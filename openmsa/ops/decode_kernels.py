@@ -7,16 +7,13 @@ long caches, split over the cache so that batch 1 fills the GPU.
   read once per step.
 - ``decode_top_blocks``: one program per (sequence, index head, new token) keeps the forced
   blocks and the best others in ``naive.select_blocks_from_scores``'s order, by one max per slot
-  over int64 keys that order as (score, lower block); with few rows and long caches, one
-  program per chunk of a row's blocks keeps its candidates first, and a second launch the
-  row's best of them.
+  over int64 keys that order as (score, lower block).
 - ``decode_attention``: one program per (new token, index head, kept slot) attends the index
   head's main heads over that one block (flash-decoding's split over keys, here over kept
   blocks) and writes a partial (max, sum, accumulator); ``merge_partials`` combines the slots by
   their log-sum-exps and writes the output dtype.
 
-Each is one launch (the top-k two on long caches with few rows), so a decode step is four or
-five kernels (a CUDA graph replays them without the
+Each is one launch, so a decode step is four kernels (a CUDA graph replays them without the
 host's costs).
 """
 
@@ -47,23 +44,6 @@ def score_launch(rows: int, fp8: bool) -> dict:
 def top_blocks_warps(num_blocks_pow2: int) -> int:
     """Warps of a top-k program over ``num_blocks_pow2`` block keys."""
     return max(4, min(16, num_blocks_pow2 // 256))
-
-
-# Rows (sequence x index head x new token) up to which, and blocks (a power of two) from
-# which, the top-k runs in two launches: TOP_BLOCKS_CHUNK blocks a program keep their top_k
-# candidates, then one program a row keeps the top_k of those. With few rows the one-program
-# top-k is a latency chain of top_k maxima over every cached block.
-TOP_BLOCKS_CHUNK_MAX_ROWS = 64
-TOP_BLOCKS_CHUNK_MIN_BLOCKS = 2048
-TOP_BLOCKS_CHUNK = 256
-
-
-def top_blocks_chunk(num_blocks_pow2: int, rows: int, top_k: int) -> int | None:
-    """Blocks per program of the top-k's first launch, or None for one launch."""
-    if (rows <= TOP_BLOCKS_CHUNK_MAX_ROWS and num_blocks_pow2 >= TOP_BLOCKS_CHUNK_MIN_BLOCKS
-            and TOP_BLOCKS_CHUNK >= top_k):
-        return TOP_BLOCKS_CHUNK
-    return None
 
 
 # Programmatic dependent launch (Hopper on): each decode kernel lets the next one launch while
@@ -152,91 +132,42 @@ def _decode_block_scores_kernel(
 
 
 @triton.jit
-def _block_keys(SCORES_ROW, blocks, num_blocks, position, BLOCK: tl.constexpr,
-                NUM_LOCAL: tl.constexpr, LOCAL_DILATION: tl.constexpr, NUM_SINK: tl.constexpr):
-    """One int64 key per block of ``blocks`` that orders as (score, then the lower block) does:
-    the score's bits (+inf for forced blocks, -inf past ``num_blocks``) made monotone as a
-    signed integer in the high half, the block's complement in the low half. One max per slot
-    then finds the next kept block."""
-    scores = tl.load(SCORES_ROW + blocks, mask=blocks < num_blocks, other=float("-inf"))
-    behind = position // BLOCK - blocks
-    local = ((behind % LOCAL_DILATION) == 0) & (behind < NUM_LOCAL * LOCAL_DILATION)
-    forced = (behind >= 0) & (local | (blocks < NUM_SINK))
-    scores = tl.where(forced, float("inf"), scores)
-    bits = scores.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-    return (ordered << 32) | (4294967295 - blocks.to(tl.int64))
-
-
-@triton.jit
-def _keep_blocks(keys, OUT, TOP_K: tl.constexpr):
-    """OUT[0:TOP_K]: the blocks of the TOP_K largest keys, largest first; -1 for slots whose
-    key is an invisible (-inf) block or was removed."""
-    for slot in tl.static_range(TOP_K):
-        best = tl.max(keys, axis=0)
-        block = (4294967295 - (best - ((best >> 32) << 32))).to(tl.int32)
-        tl.store(OUT + slot, tl.where((best >> 32) > ORDERED_NEG_INF, block, -1))
-        keys = tl.where(keys == best, REMOVED, keys)
-
-
-@triton.jit
 def _decode_top_blocks_kernel(
-    SCORES, LENGTHS, IDS, CANDIDATES, stride_s_b, stride_s_h, stride_s_t, stride_ids_b,
-    stride_ids_h, stride_ids_t, num_blocks, NEW: tl.constexpr, BLOCK: tl.constexpr,
-    TOP_K: tl.constexpr, NUM_LOCAL: tl.constexpr, LOCAL_DILATION: tl.constexpr,
-    NUM_SINK: tl.constexpr, BLOCKS_POW2: tl.constexpr, CHUNKS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SCORES, LENGTHS, IDS, stride_s_b, stride_s_h, stride_s_t, stride_ids_b, stride_ids_h,
+    stride_ids_t, num_blocks, NEW: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+    NUM_LOCAL: tl.constexpr, LOCAL_DILATION: tl.constexpr, NUM_SINK: tl.constexpr,
+    BLOCKS_POW2: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """IDS [B, Hi, NEW, TOP_K] of one (sequence, index head, new token) row: steps 3-4 of the
     selection in ``naive.select_blocks_from_scores``'s order (forced blocks in block order,
-    then descending scores, ties to the lower block, -1 where no visible block is left).
-    CHUNKS > 1: the program takes chunk ``program_id(2) % CHUNKS`` (BLOCKS_POW2 blocks) of its
-    row and writes its TOP_K largest keys to CANDIDATES [rows, CHUNKS, TOP_K] instead, for
-    ``_decode_top_of_candidates_kernel``: keys are distinct, so a row's TOP_K largest are among
-    its chunks' TOP_K largest."""
-    b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    token = tl.program_id(2) // CHUNKS
-    chunk = tl.program_id(2) % CHUNKS
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    position = tl.load(LENGTHS + b).to(tl.int32) - NEW + token
-    blocks = chunk * BLOCKS_POW2 + tl.arange(0, BLOCKS_POW2)
-    keys = _block_keys(SCORES + b * stride_s_b + head * stride_s_h + token * stride_s_t, blocks,
-                       num_blocks, position, BLOCK, NUM_LOCAL, LOCAL_DILATION, NUM_SINK)
-    if CHUNKS == 1:
-        _keep_blocks(keys, IDS + b * stride_ids_b + head * stride_ids_h + token * stride_ids_t,
-                     TOP_K)
-    else:
-        row = (b * tl.num_programs(1) + head) * NEW + token
-        out = CANDIDATES + (row * CHUNKS + chunk) * TOP_K
-        for slot in tl.static_range(TOP_K):
-            best = tl.max(keys, axis=0)
-            tl.store(out + slot, best)
-            keys = tl.where(keys == best, REMOVED, keys)
-
-
-@triton.jit
-def _decode_top_of_candidates_kernel(
-    CANDIDATES, IDS, stride_ids_b, stride_ids_h, stride_ids_t, NEW: tl.constexpr,
-    TOP_K: tl.constexpr, CHUNKS: tl.constexpr, CANDIDATES_POW2: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """IDS of one row from its chunks' candidate keys (``_decode_top_blocks_kernel`` with
-    CHUNKS > 1)."""
+    then descending scores, ties to the lower block, -1 where no visible block is left)."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     token = tl.program_id(2)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    row = (b * tl.num_programs(1) + head) * NEW + token
-    offsets = tl.arange(0, CANDIDATES_POW2)
-    keys = tl.load(CANDIDATES + row * CHUNKS * TOP_K + offsets, mask=offsets < CHUNKS * TOP_K,
-                   other=REMOVED)
-    _keep_blocks(keys, IDS + b * stride_ids_b + head * stride_ids_h + token * stride_ids_t,
-                 TOP_K)
+    position = tl.load(LENGTHS + b).to(tl.int32) - NEW + token
+    blocks = tl.arange(0, BLOCKS_POW2)
+    scores = tl.load(SCORES + b * stride_s_b + head * stride_s_h + token * stride_s_t + blocks,
+                     mask=blocks < num_blocks, other=float("-inf"))
+    behind = position // BLOCK - blocks
+    local = ((behind % LOCAL_DILATION) == 0) & (behind < NUM_LOCAL * LOCAL_DILATION)
+    forced = (behind >= 0) & (local | (blocks < NUM_SINK))
+    scores = tl.where(forced, float("inf"), scores)
+    # One int64 key per block that orders as (score, then the lower block) does: the score's
+    # bits made monotone as a signed integer in the high half, the block's complement in the
+    # low half. One max per slot then finds the next kept block.
+    bits = scores.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    keys = (ordered << 32) | (4294967295 - blocks.to(tl.int64))
+    out = IDS + b * stride_ids_b + head * stride_ids_h + token * stride_ids_t
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=0)
+        block = (4294967295 - (best - ((best >> 32) << 32))).to(tl.int32)
+        # Blocks scored -inf (invisible) and the removed ones are never kept.
+        tl.store(out + slot, tl.where((best >> 32) > ORDERED_NEG_INF, block, -1))
+        keys = tl.where(keys == best, REMOVED, keys)
 
 
 @triton.jit
@@ -351,38 +282,20 @@ def decode_select(index_q, index_k_cache, lengths, *, top_k: int, block_size: in
 
 def decode_top_blocks(scores, lengths, *, top_k: int, block_size: int, num_local_blocks: int,
                       num_sink_blocks: int, local_block_dilation: int = 1,
-                      num_warps: int | None = None, pdl: bool | None = None,
-                      chunk_blocks: int | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, pdl: bool | None = None) -> torch.Tensor:
     """Steps 3-4 on block scores ``[B, Hi, Tq, blocks]`` of the new tokens (the last ``Tq`` of
-    each sequence's ``lengths[b]``): int32 ids ``[B, Hi, Tq, top_k]``, one program per row, or
-    (``chunk_blocks``, a power of two below the blocks' count; None: ``top_blocks_chunk``) one
-    per chunk of a row's blocks, then one per row over the chunks' candidates."""
+    each sequence's ``lengths[b]``): int32 ids ``[B, Hi, Tq, top_k]``, one program per row."""
     batch, num_index_heads, new, num_blocks = scores.shape
     ids = torch.empty(batch, num_index_heads, new, top_k, dtype=torch.int32,
                       device=scores.device)
     pow2 = triton.next_power_of_2(num_blocks)
-    if chunk_blocks is None:
-        chunk_blocks = top_blocks_chunk(pow2, batch * num_index_heads * new, top_k)
-    if chunk_blocks is not None and (chunk_blocks < top_k or chunk_blocks & (chunk_blocks - 1)):
-        raise ValueError(f"chunk_blocks: expected a power of two of at least top_k ({top_k}), "
-                         f"received {chunk_blocks}")
-    chunks = 1 if chunk_blocks is None or chunk_blocks >= pow2 else pow2 // chunk_blocks
-    width = pow2 // chunks
-    candidates = (torch.empty(batch * num_index_heads * new * chunks * top_k, dtype=torch.int64,
-                              device=scores.device) if chunks > 1 else ids)
     pdl, pdl_launch = _pdl_launch(pdl, scores.device)
-    _decode_top_blocks_kernel[(batch, num_index_heads, new * chunks)](
-        scores, lengths, ids, candidates, scores.stride(0), scores.stride(1), scores.stride(2),
+    _decode_top_blocks_kernel[(batch, num_index_heads, new)](
+        scores, lengths, ids, scores.stride(0), scores.stride(1), scores.stride(2),
         ids.stride(0), ids.stride(1), ids.stride(2), num_blocks, NEW=new, BLOCK=block_size,
         TOP_K=top_k, NUM_LOCAL=num_local_blocks, LOCAL_DILATION=local_block_dilation,
-        NUM_SINK=num_sink_blocks, BLOCKS_POW2=width, CHUNKS=chunks, PDL=pdl,
-        num_warps=top_blocks_warps(width) if num_warps is None else num_warps, **pdl_launch)
-    if chunks > 1:
-        count = triton.next_power_of_2(chunks * top_k)
-        _decode_top_of_candidates_kernel[(batch, num_index_heads, new)](
-            candidates, ids, ids.stride(0), ids.stride(1), ids.stride(2), NEW=new, TOP_K=top_k,
-            CHUNKS=chunks, CANDIDATES_POW2=count, PDL=pdl, num_warps=top_blocks_warps(count),
-            **pdl_launch)
+        NUM_SINK=num_sink_blocks, BLOCKS_POW2=pow2, PDL=pdl,
+        num_warps=top_blocks_warps(pow2) if num_warps is None else num_warps, **pdl_launch)
     return ids
 
 

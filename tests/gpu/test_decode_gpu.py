@@ -22,23 +22,11 @@ def dependent_launch(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=[False, True], ids=["top_k_one_launch", "top_k_two_launches"])
-def top_k_launches(request, monkeypatch):
-    """The decode top-k as shipped for these short caches (one launch), and forced into two
-    launches over chunks of 8 blocks (as long caches with few rows run it)."""
-    from openmsa.ops import decode_kernels
-
-    if request.param:
-        monkeypatch.setattr(decode_kernels, "TOP_BLOCKS_CHUNK", 8)
-        monkeypatch.setattr(decode_kernels, "TOP_BLOCKS_CHUNK_MIN_BLOCKS", 16)
-    return request.param
-
-
 @pytest.mark.parametrize("local", [(1, 1), (3, 2)], ids=["own_block", "dilated_window"])
 @pytest.mark.parametrize("index_precision", ["input", "fp8"])
 @pytest.mark.parametrize("new", [1, 4, 40])  # 40: past DECODE_MAX_NEW_TOKENS (query ranges)
 def test_decode_matches_the_fp32_reference_in_bf16(new, index_precision, local,
-                                                   dependent_launch, top_k_launches):
+                                                   dependent_launch):
     lengths = torch.tensor([3000, 1777, 129], dtype=torch.int32, device="cuda")
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, index_q, index_k = (
@@ -84,8 +72,7 @@ def test_cached_generation_steps_match_a_full_recompute_in_bf16():
 
 
 @pytest.mark.parametrize("index_precision", ["input", "fp8"])
-def test_decode_step_replays_under_a_cuda_graph(index_precision, dependent_launch,
-                                                top_k_launches):
+def test_decode_step_replays_under_a_cuda_graph(index_precision, dependent_launch):
     """One decode step of the decode kernels captured once, replayed after the caches and
     lengths changed in place: equal to an eager step (with programmatic dependent launch
     too: the graph keeps its edges)."""
