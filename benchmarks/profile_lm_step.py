@@ -24,7 +24,8 @@ import torch
 from openmsa.eval.tasks import synthetic_tokenizer
 from openmsa.integrations.transformers import msa_kl
 from openmsa.layers.msa_attention import set_msa_warmup
-from openmsa.train.lm import LM_PRESETS, _batch, _preset_msa_options, build_model
+from openmsa.train.batches import BatchSpec, make_batch
+from openmsa.train.lm import LM_PRESETS, _preset_msa_options, build_model
 
 
 def synchronize(device) -> None:
@@ -61,8 +62,8 @@ def main() -> None:
     batches, generation = [], {}
     for number, task in enumerate(preset.tasks):
         start = time.perf_counter()
-        batches.append((task, *_batch(tokenizer, task, args.tokens, preset.batch, number,
-                                      device)))
+        batches.append((task, *make_batch(tokenizer, BatchSpec(task, args.tokens, preset.batch,
+                                                               number), device)))
         generation[task] = time.perf_counter() - start
     rows = []
     for kind, phase in (("dense", "dense"), ("msa", "warmup"), ("msa", "sparse")):

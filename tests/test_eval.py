@@ -145,10 +145,10 @@ def test_eval_command_smoke_writes_json_and_plot(tmp_path, capsys):
 
 
 def test_lm_batches_label_only_the_answer_and_eos():
-    from openmsa.train.lm import _batch
+    from openmsa.train.batches import BatchSpec, make_batch
 
     tokenizer = synthetic_tokenizer()
-    input_ids, labels = _batch(tokenizer, "niah_multiquery", 300, 2, seed=5, device="cpu")
+    input_ids, labels = make_batch(tokenizer, BatchSpec("niah_multiquery", 300, 2, seed=5))
     for row in range(2):
         sample = make_sample("niah_multiquery", tokenizer, 300, 5 + row)
         answer = labels[row][labels[row] != -100]
@@ -158,6 +158,32 @@ def test_lm_batches_label_only_the_answer_and_eos():
         assert torch.equal(input_ids[row, labelled], answer)  # labels sit on their own tokens
         assert input_ids[row, 0] == tokenizer.bos_token_id
     assert (input_ids[labels == -100] != -100).all()
+
+
+def test_lm_batches_from_worker_processes_equal_the_batches_made_in_the_loop():
+    """Batches generated ahead by 2 spawned processes arrive in the steps' order, equal to the
+    ones the step loop makes itself; the preset's steps follow its curriculum, tasks in turn."""
+    from openmsa.train.batches import batch_stream
+    from openmsa.train.lm import LM_PRESETS, step_batches
+
+    tokenizer = synthetic_tokenizer()
+    preset = LM_PRESETS["ruler-tiny"]
+    specs = step_batches(preset, seed=3)
+    assert [s.task for s in specs] == [preset.tasks[i % len(preset.tasks)]
+                                       for i in range(preset.steps)]
+    (first_steps, first_tokens, first_batch), = preset.curriculum[:1]
+    assert all((s.length, s.size) == (first_tokens, first_batch) for s in specs[:first_steps])
+    assert all((s.length, s.size) == (preset.seqlen, preset.batch) for s in specs[first_steps:])
+    assert len({s.seed for s in specs}) == len(specs)
+    specs = specs + specs[:3]  # more batches than the workers keep ahead
+    inline = list(batch_stream(tokenizer, specs, "cpu", workers=0))
+    ahead = list(batch_stream(tokenizer, specs, "cpu", workers=2))
+    assert len(ahead) == len(specs)
+    for (ids, labels), (ids_ahead, labels_ahead) in zip(inline, ahead):
+        assert torch.equal(ids, ids_ahead) and torch.equal(labels, labels_ahead)
+    assert not torch.equal(inline[0][0], inline[1][0])
+    with pytest.raises(ValueError, match="^workers: expected 0 or more"):
+        next(batch_stream(tokenizer, specs, "cpu", workers=-1))
 
 
 def test_ruler_preset_checkpoints_load_into_eval_with_their_index_weights(tmp_path):

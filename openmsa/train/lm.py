@@ -21,9 +21,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..eval.tasks import TASKS, make_sample, synthetic_tokenizer
+from ..eval.tasks import TASKS, synthetic_tokenizer
 from ..integrations.transformers import convert_to_msa, msa_kl
 from ..layers.msa_attention import MSAWarmupSchedule, set_msa_warmup
+from .batches import BatchSpec, batch_stream, default_workers
 
 
 @dataclass(frozen=True)
@@ -80,26 +81,6 @@ def _save_checkpoint(model, tokenizer, folder: str, description: dict) -> None:
         json.dump(description, handle, indent=1)
 
 
-def _batch(tokenizer, task: str, length: int, size: int, seed: int, device):
-    """input_ids and labels ``[size, L]``: prompt, answer, [EOS], right-padded; labels only on
-    the answer and [EOS] (-100 elsewhere)."""
-    rows, labels = [], []
-    for index in range(size):
-        sample = make_sample(task, tokenizer, length, seed + index)
-        prompt = [tokenizer.bos_token_id] + tokenizer(sample.prompt, add_special_tokens=False)[
-            "input_ids"]
-        answer = tokenizer(" " + ", ".join(sample.answers) + ".", add_special_tokens=False)[
-            "input_ids"] + [tokenizer.eos_token_id]
-        rows.append(prompt + answer)
-        labels.append([-100] * len(prompt) + answer)
-    width = max(map(len, rows))
-    pad = tokenizer.pad_token_id
-    # Right padding needs no mask: causal attention never lets a real token see a pad.
-    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
-    label_ids = torch.tensor([r + [-100] * (width - len(r)) for r in labels], device=device)
-    return input_ids, label_ids
-
-
 def build_model(preset: LMPreset, tokenizer, kind: str, seed: int, msa_options: dict):
     import transformers
 
@@ -117,27 +98,39 @@ def build_model(preset: LMPreset, tokenizer, kind: str, seed: int, msa_options: 
     return model
 
 
-def train_lm_model(kind: str, preset: LMPreset, device, seed: int, msa_options: dict,
-                   out_dir: str, progress=print) -> list[dict]:
-    """Trains one model (``kind`` "dense" or "msa") and writes its checkpoint to
-    ``out_dir/kind``; returns the loss history."""
-    tokenizer = synthetic_tokenizer()
-    model = build_model(preset, tokenizer, kind, seed, msa_options).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
-    schedule = MSAWarmupSchedule(preset.warmup_steps if kind == "msa" else 0)
+def step_batches(preset: LMPreset, seed: int) -> list[BatchSpec]:
+    """The batch of every training step of ``preset``: tasks in turn, the curriculum's lengths
+    and batch sizes, then the preset's."""
     phases, last = [], 0
     for steps, tokens, batch in preset.curriculum:
         last += steps
         phases.append((last, tokens, batch))
-    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
-    history, start = [], time.perf_counter()
+    specs = []
     for step in range(1, preset.steps + 1):
-        warmup = schedule.apply(model, step - 1) if kind == "msa" else False
         length, batch = next(((t, b) for end, t, b in phases if step <= end),
                              (preset.seqlen, preset.batch))
-        task = preset.tasks[(step - 1) % len(preset.tasks)]
-        input_ids, labels = _batch(tokenizer, task, length, batch,
-                                   seed * 1_000_003 + step * batch, device)
+        specs.append(BatchSpec(preset.tasks[(step - 1) % len(preset.tasks)], length, batch,
+                               seed * 1_000_003 + step * batch))
+    return specs
+
+
+def train_lm_model(kind: str, preset: LMPreset, device, seed: int, msa_options: dict,
+                   out_dir: str, progress=print, workers: int | None = None) -> list[dict]:
+    """Trains one model (``kind`` "dense" or "msa") and writes its checkpoint to
+    ``out_dir/kind``; returns the loss history. ``workers``: processes generating the batches
+    ahead (None: ``batches.default_workers``)."""
+    tokenizer = synthetic_tokenizer()
+    model = build_model(preset, tokenizer, kind, seed, msa_options).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
+    schedule = MSAWarmupSchedule(preset.warmup_steps if kind == "msa" else 0)
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
+    specs = step_batches(preset, seed)
+    batches = batch_stream(tokenizer, specs, device,
+                           default_workers(device) if workers is None else workers)
+    history, start = [], time.perf_counter()
+    for step, spec, (input_ids, labels) in zip(range(1, preset.steps + 1), specs, batches):
+        warmup = schedule.apply(model, step - 1) if kind == "msa" else False
+        task, length = spec.task, spec.length
         with autocast:
             loss = model(input_ids, labels=labels, use_cache=False).loss
             # In warmup too: the index branch learns from the KL while every block is visible.
@@ -150,6 +143,7 @@ def train_lm_model(kind: str, preset: LMPreset, device, seed: int, msa_options: 
                         "phase": "warmup" if warmup else "sparse", "loss": loss.item(),
                         "kl": kl.item(), "seconds": time.perf_counter() - start})
         progress(kind, step, preset.steps, history[-1])
+    batches.close()  # the worker processes end here, not at garbage collection
     _save_checkpoint(model, tokenizer, os.path.join(out_dir, kind),
                      {"kind": kind, "msa_options": msa_options if kind == "msa" else None,
                       "preset": asdict(preset), "seed": seed})
@@ -158,11 +152,12 @@ def train_lm_model(kind: str, preset: LMPreset, device, seed: int, msa_options: 
 
 def run_lm(preset_name: str, out_dir: str, device=None, seed: int = 0,
            msa_options: dict | None = None, layers: int | None = None,
-           steps: int | None = None) -> dict:
+           steps: int | None = None, workers: int | None = None) -> dict:
     """Trains the dense and the MSA model of an LM preset (``LM_PRESETS``) and writes their
     checkpoints and ``history.json`` to ``out_dir``; ``msa_options`` override the preset's
     (``convert_to_msa``'s keyword arguments); ``layers`` and ``steps`` the preset's (its
-    warmup and curriculum scale with ``steps``)."""
+    warmup and curriculum scale with ``steps``); ``workers``: processes generating the
+    batches ahead (None: ``batches.default_workers``)."""
     if preset_name not in LM_PRESETS:
         raise ValueError(f"preset_name: expected one of {sorted(LM_PRESETS)}, received "
                          f"{preset_name!r}")
@@ -183,7 +178,8 @@ def run_lm(preset_name: str, out_dir: str, device=None, seed: int = 0,
           f"{', '.join(preset.tasks)} at {preset.seqlen} tokens, dense and MSA {options}",
           flush=True)
     progress = _progress_printer(len(preset.tasks))
-    histories = {kind: train_lm_model(kind, preset, device, seed, options, out_dir, progress)
+    histories = {kind: train_lm_model(kind, preset, device, seed, options, out_dir, progress,
+                                      workers)
                  for kind in ("dense", "msa")}
     with open(os.path.join(out_dir, "history.json"), "w") as handle:
         json.dump({"preset": preset_name, "settings": asdict(preset), "seed": seed,
@@ -216,7 +212,8 @@ def _progress_printer(tasks: int):
 
 
 def adapt_index_branch(dense_dir: str, out_dir: str, preset_name: str, steps: int,
-                       device=None, seed: int = 0, msa_options: dict | None = None) -> list:
+                       device=None, seed: int = 0, msa_options: dict | None = None,
+                       workers: int | None = None) -> list:
     """The conversion path of a dense-trained model: loads the dense checkpoint ``dense_dir``,
     converts it (the preset's MSA options, ``msa_options`` over them), freezes every weight
     but the index branch's and trains that by the KL alone for ``steps`` steps, every block
@@ -239,11 +236,14 @@ def adapt_index_branch(dense_dir: str, out_dir: str, preset_name: str, steps: in
     progress = _progress_printer(len(preset.tasks))
     print(f"openmsa train: the index branch of {dense_dir} by the KL alone, {steps} steps at "
           f"{preset.seqlen} tokens, {options}", flush=True)
+    specs = [BatchSpec(preset.tasks[(step - 1) % len(preset.tasks)], preset.seqlen,
+                       preset.batch, seed * 1_000_003 + step * preset.batch)
+             for step in range(1, steps + 1)]
+    batches = batch_stream(tokenizer, specs, device,
+                           default_workers(device) if workers is None else workers)
     history, start = [], time.perf_counter()
-    for step in range(1, steps + 1):
-        task = preset.tasks[(step - 1) % len(preset.tasks)]
-        input_ids, _ = _batch(tokenizer, task, preset.seqlen, preset.batch,
-                              seed * 1_000_003 + step * preset.batch, device)
+    for step, spec, (input_ids, _) in zip(range(1, steps + 1), specs, batches):
+        task = spec.task
         with autocast:
             model(input_ids, use_cache=False)
             kl = msa_kl(model).float()
@@ -254,6 +254,7 @@ def adapt_index_branch(dense_dir: str, out_dir: str, preset_name: str, steps: in
                         "tokens": preset.seqlen, "phase": "index only", "loss": None,
                         "kl": kl.item(), "seconds": time.perf_counter() - start})
         progress("adapted", step, steps, history[-1])
+    batches.close()
     set_msa_warmup(model, False)
     _save_checkpoint(model, tokenizer, os.path.join(out_dir, "adapted"),
                      {"kind": "adapted", "from": dense_dir, "msa_options": options,

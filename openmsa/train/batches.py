@@ -1,0 +1,95 @@
+"""The LM presets' training batches (``openmsa train --preset ruler-*``): RULER-style prompts
+with their answers, generated ahead of the step loop in worker processes.
+
+A 16k-token batch of 4 takes the host 0.3-0.75 s to generate (tokenizing the prompts dominates),
+five to ten times the GPU's training step of the ``ruler-gpu`` model
+(benchmarks/records/lm-step.json); generated in the loop, the batches would set the pace.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import multiprocessing
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..eval.tasks import make_sample
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """What one step trains on: ``size`` samples of ``task`` of about ``length`` tokens,
+    sample i from seed ``seed + i``."""
+    task: str
+    length: int
+    size: int
+    seed: int
+
+
+def make_batch(tokenizer, spec: BatchSpec, device="cpu"):
+    """input_ids and labels ``[size, L]``: prompt, answer, [EOS], right-padded; labels only on
+    the answer and [EOS] (-100 elsewhere)."""
+    rows, labels = [], []
+    for index in range(spec.size):
+        sample = make_sample(spec.task, tokenizer, spec.length, spec.seed + index)
+        prompt = [tokenizer.bos_token_id] + tokenizer(sample.prompt, add_special_tokens=False)[
+            "input_ids"]
+        answer = tokenizer(" " + ", ".join(sample.answers) + ".", add_special_tokens=False)[
+            "input_ids"] + [tokenizer.eos_token_id]
+        rows.append(prompt + answer)
+        labels.append([-100] * len(prompt) + answer)
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id
+    # Right padding needs no mask: causal attention never lets a real token see a pad.
+    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
+    label_ids = torch.tensor([r + [-100] * (width - len(r)) for r in labels], device=device)
+    return input_ids, label_ids
+
+
+def default_workers(device: torch.device) -> int:
+    """Worker processes for a run on ``device``: none on a CPU (the model's compute needs the
+    cores), else half the host's cores, at most 8."""
+    return 0 if device.type == "cpu" else max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+_WORKER_TOKENIZER = None
+
+
+def _set_worker_tokenizer(tokenizer) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = tokenizer
+
+
+def _worker_batch(spec: BatchSpec):
+    return make_batch(_WORKER_TOKENIZER, spec)
+
+
+def batch_stream(tokenizer, specs, device, workers: int):
+    """The batches of ``specs`` in order, on ``device``: made in the caller when ``workers``
+    is 0, else by ``workers`` spawned processes, up to twice as many ahead of the caller. Each
+    batch depends on its spec alone, so both give the same tensors."""
+    if workers < 0:
+        raise ValueError(f"workers: expected 0 or more, received {workers}")
+    if workers == 0:
+        for spec in specs:
+            yield make_batch(tokenizer, spec, device)
+        return
+    context = multiprocessing.get_context("spawn")  # no fork of a process that holds CUDA
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
+                                                initializer=_set_worker_tokenizer,
+                                                initargs=(tokenizer,)) as pool:
+        pending = collections.deque()
+        specs = iter(specs)
+        for spec in specs:
+            pending.append(pool.submit(_worker_batch, spec))
+            if len(pending) == 2 * workers:
+                break
+        while pending:
+            input_ids, labels = pending.popleft().result()
+            for spec in specs:
+                pending.append(pool.submit(_worker_batch, spec))
+                break
+            yield input_ids.to(device), labels.to(device)
