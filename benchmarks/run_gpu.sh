@@ -14,7 +14,10 @@
 #   megatron (tests/gpu/test_megatron_gpu.py and bench_megatron.py; megatron-core must be
 #   importable: carry its wheel, e.g. `pip download --no-deps --only-binary=:all:
 #   --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1`,
-#   and install it there with `pip install --no-index --no-deps --target`)
+#   and install it there with `pip install --no-index --no-deps --target`), study
+#   (benchmarks/quality_study.py: OPENMSA_STUDY_STAGES, default train,adapt,eval,report, of the
+#   long-context quality study into OPENMSA_STUDY_DIR, default runs/study, which a warm
+#   machine keeps between calls; OPENMSA_STUDY_ARGS adds arguments, e.g. --variants fp8,share2)
 # OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
 # over calls of a time-limited machine.
 # Where only a few result files can be copied back, write to a scratch folder and tar it:
@@ -24,7 +27,7 @@ set -u
 out=${1:?usage: run_gpu.sh OUTDIR [all|PART,PART...]}
 parts=",${2:-all},"
 wants() {
-  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer|short|megatron)$ ]] \
+  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer|short|megatron|study)$ ]] \
     && return 0
   [[ "$parts" == *",$1,"* ]] || { [[ "$parts" == *",cli,"* ]] && [[ "$1" =~ ^(train|bench)$ ]]; }
 }
@@ -103,6 +106,11 @@ if wants megatron; then
     | grep -E "passed|failed|error" | tail -5
   python3 benchmarks/bench_megatron.py --out "$out/megatron" 2>&1 | tee "$out/bench_megatron.log" \
     | tail -8
+fi
+if wants study; then
+  python3 benchmarks/quality_study.py --out "${OPENMSA_STUDY_DIR:-runs/study}" \
+    --stages "${OPENMSA_STUDY_STAGES:-train,adapt,eval,report}" ${OPENMSA_STUDY_ARGS:-} 2>&1 \
+    | tee "$out/quality_study.log" | tail -12
 fi
 if wants bench; then
   python3 -m openmsa.cli bench --seqlens 4k,16k,32k,64k,128k --out "$out/bench_h64" 2>&1 \

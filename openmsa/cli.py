@@ -154,6 +154,13 @@ def _eval(args) -> int:
     return run(args)
 
 
+def _lm_models(text: str) -> tuple[str, ...]:
+    models = tuple(part.strip() for part in text.split(","))
+    if not models or any(model not in ("dense", "msa") for model in models):
+        raise argparse.ArgumentTypeError(f"expected dense, msa or dense,msa, received {text!r}")
+    return models
+
+
 def _train(args) -> int:
     from .train.run import run
 
@@ -181,7 +188,7 @@ def _train(args) -> int:
         else:
             run_lm(args.preset, args.out, device=args.device, seed=args.seed,
                    msa_options=options, layers=args.layers, steps=args.steps,
-                   workers=args.data_workers)
+                   workers=args.data_workers, models=args.models)
         return 0
     run(args.preset, args.out, device=args.device, seed=args.seed, steps=args.steps,
         index_precision=args.index_precision, layers=args.layers,
@@ -226,6 +233,9 @@ def main(argv=None) -> int:
                        help="ruler-* presets: convert the dense checkpoint DIR, freeze its "
                        "weights and train only the index branch by the KL (--steps, default "
                        "100), into OUT/adapted")
+    train.add_argument("--models", type=_lm_models, default=("dense", "msa"),
+                       help="ruler-* presets: which models to train, dense, msa or dense,msa "
+                       "(default: both, one after the other)")
     train.add_argument("--data-workers", type=int, default=None, metavar="N",
                        help="ruler-* presets: processes that generate the batches ahead of the "
                        "steps (default: none on a CPU, half the cores up to 8 on a GPU; 0: in "

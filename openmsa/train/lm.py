@@ -152,12 +152,17 @@ def train_lm_model(kind: str, preset: LMPreset, device, seed: int, msa_options: 
 
 def run_lm(preset_name: str, out_dir: str, device=None, seed: int = 0,
            msa_options: dict | None = None, layers: int | None = None,
-           steps: int | None = None, workers: int | None = None) -> dict:
+           steps: int | None = None, workers: int | None = None,
+           models: tuple[str, ...] = ("dense", "msa")) -> dict:
     """Trains the dense and the MSA model of an LM preset (``LM_PRESETS``) and writes their
-    checkpoints and ``history.json`` to ``out_dir``; ``msa_options`` override the preset's
-    (``convert_to_msa``'s keyword arguments); ``layers`` and ``steps`` the preset's (its
-    warmup and curriculum scale with ``steps``); ``workers``: processes generating the
-    batches ahead (None: ``batches.default_workers``)."""
+    checkpoints and ``history.json`` (``history_KIND.json`` for one model) to ``out_dir``;
+    ``msa_options`` override the preset's (``convert_to_msa``'s keyword arguments); ``layers``
+    and ``steps`` the preset's (its warmup and curriculum scale with ``steps``); ``workers``:
+    processes generating the batches ahead (None: ``batches.default_workers``); ``models``:
+    which of the two to train (runs of one each can share a GPU side by side)."""
+    unknown = [kind for kind in models if kind not in ("dense", "msa")]
+    if not models or unknown:
+        raise ValueError(f"models: expected 'dense', 'msa' or both, received {models!r}")
     if preset_name not in LM_PRESETS:
         raise ValueError(f"preset_name: expected one of {sorted(LM_PRESETS)}, received "
                          f"{preset_name!r}")
@@ -180,8 +185,10 @@ def run_lm(preset_name: str, out_dir: str, device=None, seed: int = 0,
     progress = _progress_printer(len(preset.tasks))
     histories = {kind: train_lm_model(kind, preset, device, seed, options, out_dir, progress,
                                       workers)
-                 for kind in ("dense", "msa")}
-    with open(os.path.join(out_dir, "history.json"), "w") as handle:
+                 for kind in models}
+    # One model's run writes its own file, so that side-by-side runs into one folder keep both.
+    name = "history.json" if len(models) == 2 else f"history_{models[0]}.json"
+    with open(os.path.join(out_dir, name), "w") as handle:
         json.dump({"preset": preset_name, "settings": asdict(preset), "seed": seed,
                    "msa_options": options, "history": histories}, handle, indent=1)
     for kind, history in histories.items():

@@ -1,0 +1,108 @@
+"""benchmarks/quality_study.py (the long-context quality study's driver) on the CPU: its jobs'
+commands, resuming, failing loudly, and the report's comparisons; and ``openmsa train --models``,
+which lets its runs share a GPU."""
+
+import importlib.util
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def study():
+    path = os.path.join(ROOT, "benchmarks", "quality_study.py")
+    spec = importlib.util.spec_from_file_location("quality_study", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _args(out, **overrides):
+    settings = dict(out=str(out), preset="ruler-tiny", seeds=[0, 1], variants=["share2"],
+                    steps=None, adapt_steps=5, lengths="256,512", samples=2,
+                    device_args=["--device", "cpu"])
+    return SimpleNamespace(**dict(settings, **overrides))
+
+
+def test_jobs_train_each_model_of_each_seed_and_variant_apart(study, tmp_path):
+    jobs = study._jobs_train(_args(tmp_path))
+    outputs = [output for _, _, output in jobs]
+    assert outputs == [str(tmp_path / f"seed{s}" / p) for s in (0, 1)
+                       for p in ("dense", "msa", "share2/msa")]
+    for log, command, _ in jobs:
+        assert command[command.index("--seed") + 1] in log  # each seed's log in its folder
+        assert command[-2:] == ["--device", "cpu"]
+    variant = jobs[2][1]
+    assert variant[variant.index("--models") + 1] == "msa"
+    assert variant[variant.index("--share-index-every") + 1] == "2"
+    assert len({log for log, _, _ in jobs}) == len(jobs)
+    adapt = study._jobs_adapt(_args(tmp_path))[1][1]
+    assert adapt[adapt.index("--adapt-index") + 1] == str(tmp_path / "seed1" / "dense")
+    evals = study._jobs_eval(_args(tmp_path))
+    assert [os.path.basename(os.path.dirname(out)) for _, _, out in evals[:4]] == [
+        "eval_dense", "eval_msa", "eval_adapted", "eval_msa_share2"]
+
+
+def test_jobs_skip_done_outputs_and_a_failed_one_stops_the_stage(study, tmp_path, capsys):
+    done = tmp_path / "done.txt"
+    done.write_text("")
+    write = f"open({str(tmp_path / 'new.txt')!r}, 'w').close()"
+    jobs = [(str(tmp_path / "a.log"), [sys.executable, "-c", "raise SystemExit(3)"], str(done)),
+            (str(tmp_path / "b.log"), [sys.executable, "-c", write], str(tmp_path / "new.txt"))]
+    study.run_jobs(jobs, 2, "train")
+    assert (tmp_path / "new.txt").exists() and not (tmp_path / "a.log").exists()
+    assert "1 to run, 1 done before" in capsys.readouterr().out
+    failing = [(str(tmp_path / "c.log"),
+                [sys.executable, "-c", "print('the reason'); raise SystemExit(2)"],
+                str(tmp_path / "never.txt"))]
+    with pytest.raises(SystemExit, match=r"(?s)c\.log failed \(exit 2\).*the reason"):
+        study.run_jobs(failing, 1, "eval")
+
+
+def _eval_json(folder, accuracies):
+    os.makedirs(folder)
+    rows = [dict(task=task, length=length, mode=mode, samples=2, accuracy=value,
+                 block_recall=None, mass_recall=None)
+            for (task, length, mode), value in accuracies.items()]
+    with open(os.path.join(folder, "eval.json"), "w") as handle:
+        json.dump(dict(settings={}, summary=rows, samples=[]), handle)
+
+
+def test_report_compares_msa_training_and_the_adapted_model_over_seeds(study, tmp_path):
+    for seed, shift in ((0, 0.0), (1, 0.1)):
+        root = tmp_path / f"seed{seed}"
+        for name, dense, msa in (("dense", 0.8, 0.1), ("msa", 0.6, 0.7), ("adapted", 0.8, 0.5),
+                                 ("msa_share2", 0.5, 0.4)):
+            _eval_json(str(root / f"eval_{name}"),
+                       {("average", 256, "dense"): dense + shift,
+                        ("average", 256, "msa"): msa + shift,
+                        ("average", 512, "dense"): dense,
+                        ("average", 512, "msa"): msa - shift})
+    result = study.report(_args(tmp_path))
+    points = {(c["comparison"], c["length"]): c["points"] for c in result["comparisons"]}
+    assert points[("msa-trained (MSA) - dense-trained (dense)", 256)] == pytest.approx(-10)
+    assert points[("msa-trained (MSA) - dense-trained (dense)", 512)] == pytest.approx(-15)
+    assert points[("adapted (MSA) - adapted (dense)", 256)] == pytest.approx(-30)
+    assert points[("msa_share2 (MSA) - dense-trained (dense)", 512)] == pytest.approx(-45)
+    saved = json.load(open(tmp_path / "study.json"))
+    assert saved["training_length"] == 320 and len(saved["rows"]) == 2 * 4 * 4
+
+
+def test_train_one_model_of_an_lm_preset(tmp_path):
+    from openmsa.cli import main
+
+    main(["train", "--preset", "ruler-tiny", "--models", "msa", "--device", "cpu",
+          "--out", str(tmp_path)])
+    assert sorted(os.listdir(tmp_path)) == ["history_msa.json", "msa"]
+    history = json.load(open(tmp_path / "history_msa.json"))["history"]
+    assert list(history) == ["msa"]
+    with pytest.raises(SystemExit):
+        main(["train", "--preset", "ruler-tiny", "--models", "sparse", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--data-workers: expected 0 or more"):
+        main(["train", "--preset", "ruler-tiny", "--data-workers", "-1", "--out",
+              str(tmp_path)])
