@@ -160,6 +160,7 @@ def run_lm(preset_name: str, out_dir: str, device=None, seed: int = 0,
     and ``steps`` the preset's (its warmup and curriculum scale with ``steps``); ``workers``:
     processes generating the batches ahead (None: ``batches.default_workers``); ``models``:
     which of the two to train (runs of one each can share a GPU side by side)."""
+    models = tuple(dict.fromkeys(models))  # each once, in the order given
     unknown = [kind for kind in models if kind not in ("dense", "msa")]
     if not models or unknown:
         raise ValueError(f"models: expected 'dense', 'msa' or both, received {models!r}")
@@ -180,8 +181,8 @@ def run_lm(preset_name: str, out_dir: str, device=None, seed: int = 0,
     os.makedirs(out_dir, exist_ok=True)
     print(f"openmsa train: preset {preset_name} on {device}: {preset.layers}-layer Llama "
           f"(H{preset.num_heads}/Hkv{preset.num_kv_heads}, hidden {preset.hidden_size}) on "
-          f"{', '.join(preset.tasks)} at {preset.seqlen} tokens, dense and MSA {options}",
-          flush=True)
+          f"{', '.join(preset.tasks)} at {preset.seqlen} tokens, {' and '.join(models)}; "
+          f"MSA options {options}", flush=True)
     progress = _progress_printer(len(preset.tasks))
     histories = {kind: train_lm_model(kind, preset, device, seed, options, out_dir, progress,
                                       workers)
