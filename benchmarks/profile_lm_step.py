@@ -8,7 +8,9 @@ the step loop).
         [--rounds 3] [--layers N]
 
 Prints a table last and writes lm_step.json (per step: model, phase, round, task, tokens,
-seconds with the GPU synchronized).
+seconds with the GPU synchronized; and, per openmsa kernel compiled more than once, how many
+variants and the arguments whose specialization differs between them: what new sequence
+lengths recompile).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
 
 import torch
@@ -41,6 +44,33 @@ def train_step(model, optimizer, input_ids, labels, kl_weight: float, msa: bool)
     optimizer.zero_grad(set_to_none=True)
     (loss.float() + kl_weight * kl.float()).backward()
     optimizer.step()
+
+
+def compiled_variants() -> dict:
+    """{kernel: {"variants": n, "varying": {argument: [its specializations]}}} of the openmsa
+    Triton and Gluon kernels compiled more than once in this process (on any device)."""
+    from triton.runtime.jit import JITFunction
+
+    report = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("openmsa") or module is None:
+            continue
+        for attribute, value in vars(module).items():
+            if not isinstance(value, JITFunction):
+                continue
+            specializations = [key[0] for caches in value.device_caches.values()
+                               for key in caches[1]]
+            if len(specializations) < 2:
+                continue
+            varying = {}
+            for position, argument in enumerate(value.arg_names):
+                seen = sorted({str(spec[position]) for spec in specializations
+                               if position < len(spec)})
+                if len(seen) > 1:
+                    varying[argument] = seen
+            report[f"{name}.{attribute}"] = dict(variants=len(specializations),
+                                                 varying=varying)
+    return report
 
 
 def main() -> None:
@@ -85,11 +115,15 @@ def main() -> None:
         del model, optimizer
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    variants = compiled_variants()
     with open(os.path.join(args.out, "lm_step.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                       torch=torch.__version__,
+                       torch=torch.__version__, compiled_variants=variants,
                        preset=args.preset, layers=preset.layers, generation_seconds=generation,
                        rows=rows), f, indent=1)
+    for kernel, entry in sorted(variants.items(), key=lambda item: -item[1]["variants"]):
+        print(f"{kernel}: {entry['variants']} variants, varying "
+              + (", ".join(entry["varying"]) or "options"))
     print("\nbatch generation (s): " + ", ".join(f"{t} {s:.3f}" for t, s in generation.items()))
     print(f"{'phase':>7} " + " ".join(f"{'round ' + str(r) + ' s':>10}" for r in
                                        range(args.rounds)))

@@ -1,0 +1,102 @@
+"""When does a small dense Llama learn the eval tasks? (CPU or GPU; sizes the LM presets'
+steps and curriculum before a GPU study.)
+
+Trains the LM presets' dense model (``openmsa.train.lm.build_model``) on a mix of tasks at one
+length, one task a step in turn, with the loss on the answer tokens only (``--loss answer``, as
+the presets train) or on every token (``--loss all``), and every ``--every`` steps prints, per
+task, the teacher-forced accuracy of the answer tokens (the answer's words, its punctuation
+and [EOS]) on fixed held-out samples.
+
+    python benchmarks/probe_lm_learning.py --tasks niah_single --length 256 --steps 1500
+        [--first-tasks niah_single --first-steps 1000] [--layers 2] [--hidden 128]
+        [--batch 16] [--lr 1e-3] [--loss answer|all] [--out FILE.json]
+
+``--first-tasks`` and ``--first-steps``: a curriculum's first phase, those tasks alone for
+those steps (counted in ``--steps``), then ``--tasks``; accuracy is reported on both sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from openmsa.eval.tasks import synthetic_tokenizer
+from openmsa.train.batches import BatchSpec, make_batch
+from openmsa.train.lm import LMPreset, build_model
+
+
+def answer_accuracy(model, batches) -> float:
+    """Teacher-forced accuracy of the labelled tokens of ``batches``."""
+    model.eval()
+    right = total = 0
+    with torch.no_grad():
+        for input_ids, labels in batches:
+            predicted = model(input_ids).logits[:, :-1].argmax(-1)
+            target = labels[:, 1:]
+            labelled = target != -100
+            right += (predicted[labelled] == target[labelled]).sum().item()
+            total += labelled.sum().item()
+    model.train()
+    return right / total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", default="niah_single")
+    parser.add_argument("--first-tasks", default="")
+    parser.add_argument("--first-steps", type=int, default=0)
+    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--loss", choices=("answer", "all"), default="answer")
+    parser.add_argument("--every", type=int, default=100)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    tasks = args.tasks.split(",")
+    first_tasks = [t for t in args.first_tasks.split(",") if t] or tasks
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    tokenizer = synthetic_tokenizer()
+    preset = LMPreset(seqlen=args.length, block_size=64, top_k=2, steps=args.steps,
+                      warmup_steps=0, batch=args.batch, layers=args.layers,
+                      hidden_size=args.hidden, lr=args.lr, tasks=tuple(tasks))
+    model = build_model(preset, tokenizer, "dense", 0, {}).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    held_out = {task: [make_batch(tokenizer, BatchSpec(task, args.length, 16,
+                                                       10_000_000 + 16 * i), device)
+                       for i in range(2)] for task in dict.fromkeys(first_tasks + tasks)}
+    rows, start = [], time.perf_counter()
+    for step in range(1, args.steps + 1):
+        phase = first_tasks if step <= args.first_steps else tasks
+        task = phase[(step - 1) % len(phase)]
+        input_ids, labels = make_batch(tokenizer, BatchSpec(task, args.length, args.batch,
+                                                            args.batch * step), device)
+        if args.loss == "all":
+            labels = torch.where(input_ids == tokenizer.pad_token_id, -100, input_ids)
+        loss = model(input_ids, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % args.every == 0:
+            accuracy = {name: answer_accuracy(model, batches)
+                        for name, batches in held_out.items()}
+            rows.append(dict(step=step, seconds=time.perf_counter() - start, loss=loss.item(),
+                             accuracy=accuracy))
+            print(f"step {step} {rows[-1]['seconds']:.0f}s loss {loss.item():.3f} "
+                  + " ".join(f"{name} {value:.3f}" for name, value in accuracy.items()),
+                  flush=True)
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(dict(args=vars(args), rows=rows), handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
