@@ -9,7 +9,8 @@ and [EOS]) on fixed held-out samples.
 
     python benchmarks/probe_lm_learning.py --tasks niah_single --length 256 --steps 1500
         [--first-tasks niah_single --first-steps 1000] [--layers 2] [--hidden 128]
-        [--batch 16] [--lr 1e-3] [--loss answer|all] [--out FILE.json]
+        [--heads 4] [--kv-heads 2] [--batch 16] [--lr 1e-3] [--loss answer|all]
+        [--device cpu] [--out FILE.json]
 
 ``--first-tasks`` and ``--first-steps``: a curriculum's first phase, those tasks alone for
 those steps (counted in ``--steps``), then ``--tasks``; accuracy is reported on both sets.
@@ -53,6 +54,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4, help="query heads (head dim 64)")
+    parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--loss", choices=("answer", "all"), default="answer")
@@ -67,7 +70,8 @@ def main() -> None:
     tokenizer = synthetic_tokenizer()
     preset = LMPreset(seqlen=args.length, block_size=64, top_k=2, steps=args.steps,
                       warmup_steps=0, batch=args.batch, layers=args.layers,
-                      hidden_size=args.hidden, lr=args.lr, tasks=tuple(tasks))
+                      hidden_size=args.hidden, num_heads=args.heads,
+                      num_kv_heads=args.kv_heads, lr=args.lr, tasks=tuple(tasks))
     model = build_model(preset, tokenizer, "dense", 0, {}).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     held_out = {task: [make_batch(tokenizer, BatchSpec(task, args.length, 16,
