@@ -35,7 +35,8 @@ def answer_accuracy(model, batches) -> float:
     right = total = 0
     with torch.no_grad():
         for input_ids, labels in batches:
-            predicted = model(input_ids).logits[:, :-1].argmax(-1)
+            with torch.autocast("cuda", torch.bfloat16, enabled=input_ids.is_cuda):
+                predicted = model(input_ids).logits[:, :-1].argmax(-1)
             target = labels[:, 1:]
             labelled = target != -100
             right += (predicted[labelled] == target[labelled]).sum().item()
@@ -85,7 +86,8 @@ def main() -> None:
                                                             args.batch * step), device)
         if args.loss == "all":
             labels = torch.where(input_ids == tokenizer.pad_token_id, -100, input_ids)
-        loss = model(input_ids, labels=labels).loss
+        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(input_ids, labels=labels).loss  # bf16 on a GPU, as the presets train
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -17,7 +17,9 @@
 #   and install it there with `pip install --no-index --no-deps --target`), study
 #   (benchmarks/quality_study.py: OPENMSA_STUDY_STAGES, default train,adapt,eval,report, of the
 #   long-context quality study into OPENMSA_STUDY_DIR, default runs/study, which a warm
-#   machine keeps between calls; OPENMSA_STUDY_ARGS adds arguments, e.g. --variants fp8,share2)
+#   machine keeps between calls; OPENMSA_STUDY_ARGS adds arguments, e.g. --variants fp8,share2),
+#   learn-probe (benchmarks/probe_lm_learning.py at the ruler-gpu model's size, 1024 tokens:
+#   niah_single alone and the six-task mix side by side: does the study's model learn?)
 # OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
 # over calls of a time-limited machine.
 # Where only a few result files can be copied back, write to a scratch folder and tar it:
@@ -27,7 +29,7 @@ set -u
 out=${1:?usage: run_gpu.sh OUTDIR [all|PART,PART...]}
 parts=",${2:-all},"
 wants() {
-  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer|short|megatron|study)$ ]] \
+  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer|short|megatron|study|learn-probe)$ ]] \
     && return 0
   [[ "$parts" == *",$1,"* ]] || { [[ "$parts" == *",cli,"* ]] && [[ "$1" =~ ^(train|bench)$ ]]; }
 }
@@ -106,6 +108,16 @@ if wants megatron; then
     | grep -E "passed|failed|error" | tail -5
   python3 benchmarks/bench_megatron.py --out "$out/megatron" 2>&1 | tee "$out/bench_megatron.log" \
     | tail -8
+fi
+if wants learn-probe; then
+  size="--layers 4 --hidden 512 --heads 8 --kv-heads 2 --length 1024 --batch 32 --lr 5e-4"
+  python3 benchmarks/probe_lm_learning.py $size --tasks niah_single --steps 3000 --every 250 \
+    --device cuda --out "$out/probe_single.json" > "$out/probe_single.log" 2>&1 &
+  python3 benchmarks/probe_lm_learning.py $size --steps 3000 --every 250 --device cuda \
+    --tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery,variable_tracking,common_words \
+    --out "$out/probe_mix.json" > "$out/probe_mix.log" 2>&1
+  wait
+  tail -n 3 "$out/probe_single.log" "$out/probe_mix.log"
 fi
 if wants study; then
   python3 benchmarks/quality_study.py --out "${OPENMSA_STUDY_DIR:-runs/study}" \
