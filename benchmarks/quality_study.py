@@ -18,7 +18,8 @@ Stages (each skips work whose output exists, so a stage cut short by a time limi
   MSA-trained in MSA attention against dense-trained in dense attention, and the adapted model
   in MSA attention against its dense self) and ``study.png``; prints a table last.
 
-Logs of every process go to ROOT/seedS/*.log.
+Logs of every process go to ROOT/seedS/*.log. The training runs share the host's cores for
+their batch-generating workers (``--data-workers``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ import time
 VARIANTS = {"fp8": ["--index-precision", "fp8"], "share2": ["--share-index-every", "2"]}
 
 
+def _data_workers(args) -> list[str]:
+    """``--data-workers`` of each of ``args.parallel`` training runs: the host's cores shared
+    among them (each run's own process keeps one); none on a CPU."""
+    if args.device_args == ["--device", "cpu"]:
+        return ["--data-workers", "0"]
+    cores = os.cpu_count() or 2
+    return ["--data-workers", str(max(1, (cores - args.parallel) // args.parallel))]
+
+
 def _jobs_train(args) -> list[tuple[str, list[str], str]]:
     """(log path, command, the checkpoint folder it writes) of every training run."""
     jobs = []
@@ -44,7 +54,7 @@ def _jobs_train(args) -> list[tuple[str, list[str], str]]:
         for kind, out, extra in runs:
             command = [sys.executable, "-m", "openmsa.cli", "train", "--preset", args.preset,
                        "--models", kind, "--seed", str(seed), "--out", out, *extra,
-                       *args.device_args]
+                       *args.device_args, *_data_workers(args)]
             if args.steps:
                 command += ["--steps", str(args.steps)]
             name = os.path.relpath(out, root).replace(os.sep, "_").replace(".", "")
@@ -59,7 +69,8 @@ def _jobs_adapt(args):
         root = os.path.join(args.out, f"seed{seed}")
         command = [sys.executable, "-m", "openmsa.cli", "train", "--preset", args.preset,
                    "--adapt-index", os.path.join(root, "dense"), "--steps",
-                   str(args.adapt_steps), "--seed", str(seed), "--out", root, *args.device_args]
+                   str(args.adapt_steps), "--seed", str(seed), "--out", root, *args.device_args,
+                   *_data_workers(args)]
         jobs.append((os.path.join(root, "adapt.log"), command, os.path.join(root, "adapted")))
     return jobs
 

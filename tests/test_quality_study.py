@@ -25,7 +25,7 @@ def study():
 def _args(out, **overrides):
     settings = dict(out=str(out), preset="ruler-tiny", seeds=[0, 1], variants=["share2"],
                     steps=None, adapt_steps=5, lengths="256,512", samples=2,
-                    device_args=["--device", "cpu"])
+                    device_args=["--device", "cpu"], parallel=4)
     return SimpleNamespace(**dict(settings, **overrides))
 
 
@@ -36,11 +36,13 @@ def test_jobs_train_each_model_of_each_seed_and_variant_apart(study, tmp_path):
                        for p in ("dense", "msa", "share2/msa")]
     for log, command, _ in jobs:
         assert command[command.index("--seed") + 1] in log  # each seed's log in its folder
-        assert command[-2:] == ["--device", "cpu"]
+        assert command[-4:] == ["--device", "cpu", "--data-workers", "0"]
     variant = jobs[2][1]
     assert variant[variant.index("--models") + 1] == "msa"
     assert variant[variant.index("--share-index-every") + 1] == "2"
     assert len({log for log, _, _ in jobs}) == len(jobs)
+    on_gpu = study._jobs_train(_args(tmp_path, device_args=[], parallel=2))[0][1]
+    assert int(on_gpu[on_gpu.index("--data-workers") + 1]) == max(1, (os.cpu_count() - 2) // 2)
     adapt = study._jobs_adapt(_args(tmp_path))[1][1]
     assert adapt[adapt.index("--adapt-index") + 1] == str(tmp_path / "seed1" / "dense")
     evals = study._jobs_eval(_args(tmp_path))
