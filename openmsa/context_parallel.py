@@ -77,10 +77,7 @@ def zigzag_shard_sequences(x: torch.Tensor, cu_seqlens: torch.Tensor, group=None
     equal chunks, one sequence after the other (Transformer Engine's and Megatron-core's THD
     layout). Shard tokens, labels and position ids the same way."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    if any(length % (2 * world) for length in lengths):
-        raise ValueError(f"cu_seqlens: expected every sequence's length divisible by 2 * world "
-                         f"size = {2 * world} (zig-zag chunks), received lengths {lengths}")
+    lengths = _zigzag_sequence_lengths(cu_seqlens.tolist(), world)
     return torch.cat([_zigzag_part(sequence, rank, world, dim)
                       for sequence in x.split(lengths, dim)], dim)
 
@@ -271,17 +268,23 @@ def _check_packed_split(packed_split, mode: str, options: dict) -> None:
                          "cu_seqlens (it splits packed sequences), received 'sequence'")
 
 
+def _zigzag_sequence_lengths(offsets: list[int], world: int) -> list[int]:
+    """The packed sequences' lengths, each of which the per-sequence zig-zag layout cuts into
+    ``2 * world`` equal chunks."""
+    lengths = [end - start for start, end in zip(offsets, offsets[1:])]
+    if any(length % (2 * world) for length in lengths):
+        raise ValueError(f"cu_seqlens: expected every sequence's length divisible by 2 * world "
+                         f"size = {2 * world} (each is cut into zig-zag chunks), received "
+                         f"lengths {lengths}")
+    return lengths
+
+
 def _per_sequence_chunks(cu_seqlens: torch.Tensor, world: int, rank: int):
     """The per-sequence zig-zag layout of a packing (``packed_split="sequence"``): the packed
     tokens' order as the ranks' shards concatenated in rank order (an index into them), and
     this rank's chunks as (first token in its shard, first token in the packing, length)."""
     offsets = cu_seqlens.tolist()
-    lengths = [end - start for start, end in zip(offsets, offsets[1:])]
-    for length in lengths:
-        if length % (2 * world):
-            raise ValueError(f"cu_seqlens: expected every sequence's length divisible by "
-                             f"2 * world size = {2 * world} (packed_split='sequence' cuts each "
-                             f"into zig-zag chunks), received lengths {lengths}")
+    lengths = _zigzag_sequence_lengths(offsets, world)
     shard_tokens = offsets[-1] // world
     pieces, own = [], []
     local = 0  # a sequence's first token in every rank's shard

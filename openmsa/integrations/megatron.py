@@ -196,7 +196,6 @@ class MSACoreAttention(MegatronModule):
             out = KLIntoBackward.apply(out, kl, self.kl_weight / self.tensor_parallel_size)
         return out
 
-
     def _run(self, plain, context_parallel, tensors, options):
         """``plain(*tensors, **options)``, or with Megatron's context parallelism its
         ``context_parallel`` form in sequence mode on this rank's shards (packed input split
