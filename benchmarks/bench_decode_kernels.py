@@ -46,6 +46,26 @@ LAUNCHES = [(None, None, None)] + [  # the shipped launch first
 TOP_K_WARPS = (2, 4, 8)
 LAYERS = 8
 HEADS, KV_HEADS, TOP_K, BLOCK = 64, 4, 16, 128
+TOP = dict(top_k=TOP_K, block_size=BLOCK, num_local_blocks=1, num_sink_blocks=0)
+
+
+def decode_inputs(context, batch, index_heads, head_dim, seed, with_cache=True):
+    """One new token per sequence against full caches (coherent index keys): index_q, index_k,
+    lengths and, ``with_cache``, q, k, v (bf16)."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    index_q, index_k = index_inputs("coherent", context, index_heads, head_dim, generator,
+                                    "cuda")
+    index_q = index_q[None, -1:].expand(batch, 1, -1, -1).contiguous()
+    index_k = index_k[None].expand(batch, -1, -1, -1).contiguous()
+    lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    inputs = dict(index_q=index_q, index_k=index_k, lengths=lengths)
+    if with_cache:
+        inputs["q"] = torch.randn(batch, 1, HEADS, head_dim, device="cuda",
+                                  generator=generator).bfloat16()
+        inputs["k"], inputs["v"] = (torch.randn(batch, context, KV_HEADS, head_dim,
+                                                device="cuda", generator=generator).bfloat16()
+                                    for _ in range(2))
+    return inputs
 
 
 def sweep_scores(index_q, index_k, lengths, scale, row):
@@ -72,13 +92,12 @@ def sweep_scores(index_q, index_k, lengths, scale, row):
 def time_step(q, k, v, index_q, index_k, lengths, scale, row):
     """The step's kernels one prefix at a time, the top-k's warps, and dense."""
     pow2 = triton.next_power_of_2(-(-k.shape[1] // BLOCK))
-    top = dict(top_k=TOP_K, block_size=BLOCK, num_local_blocks=1, num_sink_blocks=0)
 
     def scores(pdl=None):
         return decode_block_scores(index_q, index_k, lengths, BLOCK, scale, pdl=pdl)
 
     def selection(warps=None, pdl=None):
-        return decode_top_blocks(scores(pdl), lengths, num_warps=warps, pdl=pdl, **top)
+        return decode_top_blocks(scores(pdl), lengths, num_warps=warps, pdl=pdl, **TOP)
 
     def step(warps=None, pdl=None):
         return decode_attention(q, k, v, selection(warps, pdl), lengths, BLOCK,
@@ -122,23 +141,16 @@ def layers_ms(make_step) -> float:
 def time_cold(context, batch, index_heads, head_dim, scale, row):
     """Scores, step and dense with the L2 made cold by a write, by reads, and by layers."""
     def make(layer):
-        generator = torch.Generator(device="cuda").manual_seed(context + batch + layer)
-        index_q, index_k = index_inputs("coherent", context, index_heads, head_dim, generator,
-                                        "cuda")
-        index_q = index_q[None, -1:].expand(batch, 1, -1, -1).contiguous()
-        index_k = index_k[None].expand(batch, -1, -1, -1).contiguous()
-        q = torch.randn(batch, 1, HEADS, head_dim, device="cuda", generator=generator).bfloat16()
-        k, v = (torch.randn(batch, context, KV_HEADS, head_dim, device="cuda",
-                            generator=generator).bfloat16() for _ in range(2))
-        lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        top = dict(top_k=TOP_K, block_size=BLOCK, num_local_blocks=1, num_sink_blocks=0)
+        inputs = decode_inputs(context, batch, index_heads, head_dim, context + batch + layer)
+        q, k, v, index_q, index_k, lengths = (inputs[name] for name in (
+            "q", "k", "v", "index_q", "index_k", "lengths"))
         heads = [t.transpose(1, 2) for t in (q, k, v)]
 
         def scores():
             return decode_block_scores(index_q, index_k, lengths, BLOCK, scale)
 
         def step():
-            ids = decode_top_blocks(scores(), lengths, **top)
+            ids = decode_top_blocks(scores(), lengths, **TOP)
             return decode_attention(q, k, v, ids, lengths, BLOCK, head_dim ** -0.5)
 
         return dict(scores=scores, step=step,
@@ -174,24 +186,20 @@ def main() -> None:
     rows = []
     for context, batch in itertools.product(map(int, args.seqlens.split(",")),
                                             map(int, args.batches.split(","))):
-        generator = torch.Generator(device="cuda").manual_seed(context + batch)
-        index_q, index_k = index_inputs("coherent", context, args.index_heads, args.head_dim,
-                                        generator, "cuda")
-        index_q = index_q[None, -1:].expand(batch, 1, -1, -1).contiguous()
-        index_k = index_k[None].expand(batch, -1, -1, -1).contiguous()
-        lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         row = dict(context=context, batch=batch)
         if "scores" in parts:
-            rows += sweep_scores(index_q, index_k, lengths, scale, row)
+            inputs = decode_inputs(context, batch, args.index_heads, args.head_dim,
+                                   context + batch, with_cache=False)
+            rows += sweep_scores(inputs["index_q"], inputs["index_k"], inputs["lengths"], scale,
+                                 row)
         if "cold" in parts:
             rows += time_cold(context, batch, args.index_heads, args.head_dim, scale, row)
         if "step" in parts:
-            q = torch.randn(batch, 1, HEADS, args.head_dim, device="cuda",
-                            generator=generator).bfloat16()
-            k, v = (torch.randn(batch, context, KV_HEADS, args.head_dim, device="cuda",
-                                generator=generator).bfloat16() for _ in range(2))
-            rows += time_step(q, k, v, index_q, index_k, lengths, scale, row)
-            del q, k, v
+            inputs = decode_inputs(context, batch, args.index_heads, args.head_dim,
+                                   context + batch)
+            rows += time_step(*(inputs[name] for name in (
+                "q", "k", "v", "index_q", "index_k", "lengths")), scale, row)
+        inputs = None
     with open(os.path.join(args.out, "bench_decode_kernels.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                        triton=triton.__version__, date=time.strftime("%Y-%m-%d"),
