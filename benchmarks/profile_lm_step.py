@@ -25,25 +25,14 @@ import time
 import torch
 
 from openmsa.eval.tasks import synthetic_tokenizer
-from openmsa.integrations.transformers import msa_kl
 from openmsa.layers.msa_attention import set_msa_warmup
 from openmsa.train.batches import BatchSpec, make_batch
-from openmsa.train.lm import LM_PRESETS, _preset_msa_options, build_model
+from openmsa.train.lm import LM_PRESETS, _preset_msa_options, build_model, train_step
 
 
 def synchronize(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def train_step(model, optimizer, input_ids, labels, kl_weight: float, msa: bool) -> None:
-    with torch.autocast(input_ids.device.type, torch.bfloat16,
-                        enabled=input_ids.device.type == "cuda"):
-        loss = model(input_ids, labels=labels, use_cache=False).loss
-        kl = msa_kl(model) if msa else loss.new_zeros(())
-    optimizer.zero_grad(set_to_none=True)
-    (loss.float() + kl_weight * kl.float()).backward()
-    optimizer.step()
 
 
 def compiled_variants() -> dict:

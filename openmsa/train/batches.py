@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import multiprocessing
 import os
 from dataclasses import dataclass
@@ -67,10 +68,13 @@ def _worker_batch(spec: BatchSpec):
     return make_batch(_WORKER_TOKENIZER, spec)
 
 
-def batch_stream(tokenizer, specs, device, workers: int):
+def batch_stream(tokenizer, specs, device, workers: int | None = None):
     """The batches of ``specs`` in order, on ``device``: made in the caller when ``workers``
-    is 0, else by ``workers`` spawned processes, up to twice as many ahead of the caller. Each
-    batch depends on its spec alone, so both give the same tensors."""
+    is 0, else by ``workers`` spawned processes (None: ``default_workers``), up to twice as
+    many ahead of the caller. Each batch depends on its spec alone, so both give the same
+    tensors."""
+    device = torch.device(device)
+    workers = default_workers(device) if workers is None else workers
     if workers < 0:
         raise ValueError(f"workers: expected 0 or more, received {workers}")
     if workers == 0:
@@ -81,15 +85,12 @@ def batch_stream(tokenizer, specs, device, workers: int):
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
                                                 initializer=_set_worker_tokenizer,
                                                 initargs=(tokenizer,)) as pool:
-        pending = collections.deque()
         specs = iter(specs)
-        for spec in specs:
-            pending.append(pool.submit(_worker_batch, spec))
-            if len(pending) == 2 * workers:
-                break
+        pending = collections.deque(pool.submit(_worker_batch, spec)
+                                    for spec in itertools.islice(specs, 2 * workers))
         while pending:
             input_ids, labels = pending.popleft().result()
-            for spec in specs:
+            spec = next(specs, None)
+            if spec is not None:
                 pending.append(pool.submit(_worker_batch, spec))
-                break
             yield input_ids.to(device), labels.to(device)

@@ -24,7 +24,7 @@ import torch
 from ..eval.tasks import TASKS, synthetic_tokenizer
 from ..integrations.transformers import convert_to_msa, msa_kl
 from ..layers.msa_attention import MSAWarmupSchedule, set_msa_warmup
-from .batches import BatchSpec, batch_stream, default_workers
+from .batches import BatchSpec, batch_stream
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,20 @@ def step_batches(preset: LMPreset, seed: int) -> list[BatchSpec]:
     return specs
 
 
+def train_step(model, optimizer, input_ids, labels, kl_weight: float, msa: bool):
+    """One optimizer step of an LM preset's model on a batch (bf16 autocast on a GPU): the
+    next-token loss on the labelled tokens plus, for an MSA model, ``kl_weight`` x its KL
+    (in warmup too: the index branch learns from the KL while every block is visible).
+    Returns (loss, kl), detached."""
+    with torch.autocast("cuda", torch.bfloat16, enabled=input_ids.is_cuda):
+        loss = model(input_ids, labels=labels, use_cache=False).loss
+        kl = msa_kl(model) if msa else loss.new_zeros(())
+    optimizer.zero_grad(set_to_none=True)
+    (loss.float() + kl_weight * kl.float()).backward()
+    optimizer.step()
+    return loss.detach(), kl.detach()
+
+
 def train_lm_model(kind: str, preset: LMPreset, device, seed: int, msa_options: dict,
                    out_dir: str, progress=print, workers: int | None = None) -> list[dict]:
     """Trains one model (``kind`` "dense" or "msa") and writes its checkpoint to
@@ -123,23 +137,14 @@ def train_lm_model(kind: str, preset: LMPreset, device, seed: int, msa_options: 
     model = build_model(preset, tokenizer, kind, seed, msa_options).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
     schedule = MSAWarmupSchedule(preset.warmup_steps if kind == "msa" else 0)
-    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
     specs = step_batches(preset, seed)
-    batches = batch_stream(tokenizer, specs, device,
-                           default_workers(device) if workers is None else workers)
+    batches = batch_stream(tokenizer, specs, device, workers)
     history, start = [], time.perf_counter()
-    for step, spec, (input_ids, labels) in zip(range(1, preset.steps + 1), specs, batches):
+    for step, (spec, (input_ids, labels)) in enumerate(zip(specs, batches), 1):
         warmup = schedule.apply(model, step - 1) if kind == "msa" else False
-        task, length = spec.task, spec.length
-        with autocast:
-            loss = model(input_ids, labels=labels, use_cache=False).loss
-            # In warmup too: the index branch learns from the KL while every block is visible.
-            kl = msa_kl(model) if kind == "msa" else loss.new_zeros(())
-        total = loss.float() + preset.kl_weight * kl.float()
-        optimizer.zero_grad(set_to_none=True)
-        total.backward()
-        optimizer.step()
-        history.append({"model": kind, "step": step, "task": task, "tokens": length,
+        loss, kl = train_step(model, optimizer, input_ids, labels, preset.kl_weight,
+                              kind == "msa")
+        history.append({"model": kind, "step": step, "task": spec.task, "tokens": spec.length,
                         "phase": "warmup" if warmup else "sparse", "loss": loss.item(),
                         "kl": kl.item(), "seconds": time.perf_counter() - start})
         progress(kind, step, preset.steps, history[-1])
@@ -244,21 +249,17 @@ def adapt_index_branch(dense_dir: str, out_dir: str, preset_name: str, steps: in
     progress = _progress_printer(len(preset.tasks))
     print(f"openmsa train: the index branch of {dense_dir} by the KL alone, {steps} steps at "
           f"{preset.seqlen} tokens, {options}", flush=True)
-    specs = [BatchSpec(preset.tasks[(step - 1) % len(preset.tasks)], preset.seqlen,
-                       preset.batch, seed * 1_000_003 + step * preset.batch)
-             for step in range(1, steps + 1)]
-    batches = batch_stream(tokenizer, specs, device,
-                           default_workers(device) if workers is None else workers)
+    specs = step_batches(replace(preset, steps=steps, curriculum=()), seed)  # at seqlen
+    batches = batch_stream(tokenizer, specs, device, workers)
     history, start = [], time.perf_counter()
-    for step, spec, (input_ids, _) in zip(range(1, steps + 1), specs, batches):
-        task = spec.task
+    for step, (spec, (input_ids, _)) in enumerate(zip(specs, batches), 1):
         with autocast:
             model(input_ids, use_cache=False)
             kl = msa_kl(model).float()
         optimizer.zero_grad(set_to_none=True)
         kl.backward()
         optimizer.step()
-        history.append({"model": "adapted", "step": step, "task": task,
+        history.append({"model": "adapted", "step": step, "task": spec.task,
                         "tokens": preset.seqlen, "phase": "index only", "loss": None,
                         "kl": kl.item(), "seconds": time.perf_counter() - start})
         progress("adapted", step, steps, history[-1])
