@@ -13,7 +13,8 @@ D = Di = 128, top 16 of 128, bf16, B = 1): the forward and backward of
   weights select the index inputs out of it, so the selection kind is the one asked for), the
   KL carried into the backward by ``KLIntoBackward``;
 with the selection's measured Jaccard and union and dense SDPA's step (same run) next to the
-times. The issue's bar: the Megatron step within 1.1x of the direct one. Prints a table last and writes megatron.json.
+times. The bar: the Megatron step within 1.1x of the direct one. Prints a table last and
+writes megatron.json.
 """
 
 from __future__ import annotations
@@ -21,16 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 
 from openmsa import msa_attention
-from openmsa.bench.run import make_inputs
+from openmsa.bench.run import add_selection_and_dense, make_inputs
 from openmsa.bench.timing import median_ms
-
-sys.path.insert(0, os.path.dirname(__file__))
-from profile_host import add_selection_and_dense  # noqa: E402
 
 SHAPE = dict(heads=64, kv_heads=4, index_heads=4, head_dim=128)
 

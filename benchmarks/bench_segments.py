@@ -23,13 +23,13 @@ import sys
 
 import torch
 
-from openmsa.bench.run import make_inputs
+from openmsa.bench.run import add_selection_and_dense, make_inputs
 from openmsa.bench.timing import captured, median_ms
 from openmsa.ops.configs import Tuning
 from openmsa.testing import tuned_msa_attention
 
 sys.path.insert(0, os.path.dirname(__file__))
-from profile_host import SHAPES, add_selection_and_dense, parse_cases  # noqa: E402
+from profile_host import SHAPES, parse_cases  # noqa: E402
 
 KERNELS = {"dkdv": "_sparse_attn_dkdv", "dq": "_sparse_attn_dq", "kl": "_kl_",
            "fwd": "_sparse_attn_fwd_hopper", "select": "_select_fwd"}

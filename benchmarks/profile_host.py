@@ -34,8 +34,7 @@ import torch
 from triton.runtime.jit import JITFunction
 
 from openmsa import msa_attention
-from openmsa.bench.run import dense_baseline, make_inputs
-from openmsa.bench.selection import selection_statistics
+from openmsa.bench.run import add_selection_and_dense, make_inputs
 from openmsa.bench.timing import graphed, median_ms
 from openmsa.ops import msa as msa_module
 from openmsa.ops.custom_ops import msa_forward
@@ -87,17 +86,6 @@ def registered_operator():
         yield
     finally:
         msa_module.msa_operator = chooser
-
-
-def add_selection_and_dense(row: dict, attention, inputs, dout, dense: dict) -> None:
-    """The row's measured Jaccard and union (of ``attention``'s selection) and dense SDPA's
-    step (timed once per case: ``dense`` keeps it)."""
-    with torch.no_grad():
-        _, _, ids = attention(*inputs, top_k=16, block_size=128, return_indices=True)
-    row.update(selection_statistics(ids[0].permute(1, 0, 2)))
-    if not dense:
-        dense.update(dense_baseline(*inputs[:3], dout, median_ms))
-    row["dense_step_ms"] = dense["dense_fwd_bwd_ms"]
 
 
 def measure(shape: str, seqlen: int, selection: str, dense: dict) -> dict:

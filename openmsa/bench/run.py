@@ -7,9 +7,9 @@ neighbours' Jaccard and 8-token union): MSA forward, backward and forward+backwa
 the rest), dense PyTorch SDPA (once per length: it does not depend on the selection),
 FlexAttention with a block mask of the same budget (each 128-query tile keeps top_k blocks) and
 flash-linear-attention's NSA selection kernels (``ParallelNSAFunction``, optional ``fla-core``)
-on the same block ids when ``Hi = Hkv``. Before any timing, MSA is checked against the reference on random inputs of the same
-head configuration (2048 tokens; bf16 errors at most 2x the reference's own); a shape that fails
-is reported, not timed.
+on the same block ids when ``Hi = Hkv``. Before any timing, MSA is checked against the
+reference on random inputs of the same head configuration (2048 tokens; bf16 errors at most
+2x the reference's own); a shape that fails is reported, not timed.
 Baselines that fail (out of memory, no FlexAttention) are reported as skipped.
 """
 
@@ -332,6 +332,19 @@ def dense_baseline(q, k, v, dout, bench) -> dict:
         return dict(dense_fwd_ms=bench(forward), dense_fwd_bwd_ms=bench(step))
     except torch.OutOfMemoryError:
         return dict(dense_status="skipped: out of memory")
+
+
+def add_selection_and_dense(row: dict, attention, inputs, dout, dense: dict) -> None:
+    """The row's measured Jaccard and union (of ``attention``'s selection) and dense SDPA's
+    step (timed once per case: ``dense`` keeps it)."""
+    from .timing import median_ms
+
+    with torch.no_grad():
+        _, _, ids = attention(*inputs, top_k=16, block_size=128, return_indices=True)
+    row.update(selection_statistics(ids[0].permute(1, 0, 2)))
+    if not dense:
+        dense.update(dense_baseline(*inputs[:3], dout, median_ms))
+    row["dense_step_ms"] = dense["dense_fwd_bwd_ms"]
 
 
 def fla_baseline(q, k, v, dout, ids, block_size, bench, attention_step) -> dict:
