@@ -2,7 +2,7 @@
 (``attention.key_outer``), at several walk limits, on every selection kind (GPU only).
 
     python benchmarks/bench_key_outer.py --out DIR [--seqlens 8192,32768,131072]
-        [--limits 0,1.5,2,3,4] [--launches 8x2,4x2,8x3]
+        [--limits 0,1.5,2,3,4] [--key-outer-kernels gluon,triton] [--launches 8x2,4x2,8x3]
 
 A limit L sends the query tiles whose union holds more than L x top_k blocks key-outer; 0 walks
 every tile (the kernels before). H64/Hkv4/Hi4/Hik1, D = Di = 128, top 16 of 128, bf16, B = 1.
@@ -10,7 +10,9 @@ Per row: the selection's neighbours' Jaccard and 8-token union, the share of row
 key-outer, the main attention's forward and backward (dQ, dK/dV) alone on a problem whose work
 lists are built beforehand, the whole training step (selection, main attention, KL; forward and
 backward) through ``msa_attention``'s kernels at that limit, dense SDPA's step in the same run,
-and how far out and dq lie from the walk's (relative RMS). ``--launches WxS,...``: also times
+and how far out and dq lie from the walk's (relative RMS). Each limit above 0 is timed with the
+key-outer passes on each of ``--key-outer-kernels`` (the Gluon kernels, the Triton ones).
+``--launches WxS,...``: also times
 the key-outer kernels' launch (warps x stages, ``configs.KEY_OUTER_CONFIG``) at the last limit,
 forward and backward alone. Prints a table last.
 """
@@ -38,7 +40,8 @@ from openmsa.testing import rel_rms_error, tuned_msa_attention
 HEADS, KV_HEADS, INDEX_HEADS, DIM, TOP_K, BLOCK = 64, 4, 4, 128, 16, 128
 
 
-def measure(seqlen: int, kind: str, limits, dense: dict, launches=()) -> list[dict]:
+def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
+            key_outer_kernels=("gluon", "triton")) -> list[dict]:
     generator = torch.Generator(device="cuda").manual_seed(seqlen)
     q, k, v = (torch.randn(seqlen, h, DIM, device="cuda", generator=generator).bfloat16()
                for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -55,7 +58,10 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=()) -> list[di
     if not dense:
         dense.update(dense_baseline(*inputs[:3], dout[None], median_ms))
     rows, walked = [], None
-    for limit in limits:
+    runs = [(limit, kernel) for limit in limits
+            for kernel in (key_outer_kernels if limit else ["-"])]
+    for limit, kernel in runs:
+        key_outer.KEY_OUTER_HOPPER = kernel != "triton"
         tuning = Tuning(main_walk_limit_per_slot=limit)
         problem = SparseAttentionProblem(q, k, ids, cu, BLOCK, scale, tuning=tuning)
         problem.block_work  # the step builds it for dK/dV anyway
@@ -72,7 +78,7 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=()) -> list[di
             torch.autograd.grad((result, kl), inputs, (dout[None], one))
 
         row = dict(seqlen=seqlen, selection=kind, limit_per_slot=limit, walk_limit_blocks=blocks,
-                   hard_row_share=hard, **statistics,
+                   key_outer_kernels=kernel, hard_row_share=hard, **statistics,
                    fwd_ms=median_ms(lambda: sparse_attention_fwd(q, k, v, None, None, problem)),
                    bwd_ms=median_ms(lambda: attention_backward(q, k, v, out, dout, lse,
                                                                problem)),
@@ -83,6 +89,7 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=()) -> list[di
             row["step_x_dense"] = dense["dense_fwd_bwd_ms"] / row["step_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
+    key_outer.KEY_OUTER_HOPPER = True
     for launch in launches:
         warps, stages = map(int, launch.split("x"))
         shipped = dict(key_outer.KEY_OUTER_CONFIG)
@@ -108,6 +115,8 @@ def main() -> None:
     parser.add_argument("--kinds", default=",".join(SELECTION_KINDS))
     parser.add_argument("--limits", default="0,1.5,2,3,4")
     parser.add_argument("--launches", default="")
+    parser.add_argument("--key-outer-kernels", default="gluon,triton",
+                        help="at each limit > 0, time the key-outer passes on these kernels")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     limits = [float(x) for x in args.limits.split(",")]
@@ -116,7 +125,8 @@ def main() -> None:
         dense: dict = {}
         for kind in args.kinds.split(","):
             rows += measure(seqlen, kind, limits, dense,
-                            [x for x in args.launches.split(",") if x])
+                            [x for x in args.launches.split(",") if x],
+                            args.key_outer_kernels.split(","))
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, date=time.strftime("%Y-%m-%d"), args=vars(args),
                   config=f"H{HEADS}/Hkv{KV_HEADS}/Hi{INDEX_HEADS}/Hik1 D=Di={DIM} top {TOP_K} "
@@ -124,7 +134,8 @@ def main() -> None:
     with open(os.path.join(args.out, "bench_key_outer.json"), "w") as handle:
         json.dump(result, handle, indent=2)
     print(f"\nkey-outer forward and dQ by walk limit, {result['gpu']}, {result['config']}")
-    print(f"{'S':>7} {'selection':>9} {'Jacc':>5} {'union8':>6} {'limit':>5} {'hard':>5} "
+    print(f"{'S':>7} {'selection':>9} {'Jacc':>5} {'union8':>6} {'limit':>5} {'kernels':>7} "
+          f"{'hard':>5} "
           f"{'fwd ms':>8} {'bwd ms':>8} {'step ms':>8} {'x dense':>7} {'out/dq vs walk':>16}")
     for r in rows:
         if "launch" in r:
@@ -132,7 +143,8 @@ def main() -> None:
                   f"{r['fwd_ms']:.2f} ms, bwd {r['bwd_ms']:.2f} ms")
             continue
         print(f"{r['seqlen']:>7} {r['selection']:>9} {r['jaccard']:>5.2f} {r['union_8']:>6.1f} "
-              f"{r['limit_per_slot']:>5.1f} {r['hard_row_share']:>5.2f} {r['fwd_ms']:>8.2f} "
+              f"{r['limit_per_slot']:>5.1f} {r['key_outer_kernels']:>7} "
+              f"{r['hard_row_share']:>5.2f} {r['fwd_ms']:>8.2f} "
               f"{r['bwd_ms']:>8.2f} {r['step_ms']:>8.2f} {r.get('step_x_dense', 0):>6.2f}x "
               f"{r['out_vs_walk']:>7.1e}/{r['dq_vs_walk']:>7.1e}")
 

@@ -23,21 +23,26 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from openmsa.ops.attention.sm90_backward import (_dkdv_maxnreg, _sparse_attn_dkdv_hopper_kernel,
                                                  _sparse_attn_dq_hopper_kernel)
 from openmsa.ops.attention.sm90_forward import _sparse_attn_fwd_hopper_kernel
-from openmsa.ops.configs import (DQ_REGISTERS, FORWARD_REGISTERS, KEY_STEP_REGISTERS,
-                                 KEY_STEP_STAGES, KL_STAGES)
+from openmsa.ops.attention.sm90_key_outer import _key_outer_hopper_kernel, step_tokens
+from openmsa.ops.configs import (DQ_REGISTERS, FORWARD_REGISTERS, KEY_OUTER_HOPPER_REGISTERS,
+                                 KEY_OUTER_HOPPER_STAGES, KEY_STEP_REGISTERS, KEY_STEP_STAGES,
+                                 KL_STAGES)
 from openmsa.ops.kl.sm90 import _kl_hopper_kernel
 from openmsa.ops.sm90 import NUM_WARPS, ROWS, _maxnreg, key_step_tokens
 
 
 def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "bf16",
                      kernel: str = "forward", heads_per_token: int = 16):
-    """The ``kernel`` ("forward", "dq", "dkdv" or "kl") compiled for sm_90a on any machine, GPU
+    """The ``kernel`` ("forward", "dq", "dkdv", "kl", "key-outer-forward" or "key-outer-dq")
+    compiled for sm_90a on any machine, GPU
     or not (nothing runs): the compiled kernel, whose ``asm["ptx"]`` ``ptxas_report`` reports on
     (benchmarks/inspect_kernels.py, tests/ops/test_sm90.py)."""
     element = gl.bfloat16 if dtype == "bf16" else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([block_size, head_dim], element)
     fn = {"forward": _sparse_attn_fwd_hopper_kernel, "dq": _sparse_attn_dq_hopper_kernel,
-          "dkdv": _sparse_attn_dkdv_hopper_kernel, "kl": _kl_hopper_kernel}[kernel]
+          "dkdv": _sparse_attn_dkdv_hopper_kernel, "kl": _kl_hopper_kernel,
+          "key-outer-forward": _key_outer_hopper_kernel,
+          "key-outer-dq": _key_outer_hopper_kernel}[kernel]
     tile_tokens = ROWS // (1 << (heads_per_token - 1).bit_length())  # 128-row query tiles
     constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, TOK=tile_tokens, BLOCK=block_size,
                      HEAD_DIM=head_dim, UNION_SLOTS=tile_tokens * 16)
@@ -61,10 +66,20 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
         constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, INDEX_GROUP=4, PAIRS=64,
                          BLOCK=block_size, HEAD_DIM=head_dim, SEGMENT_PAIRS=2048,
                          QUERY_SIDE=True, WITH_VALUE=True, STAGES=KL_STAGES)
+    if kernel.startswith("key-outer"):  # as key_outer's windows launch it
+        consumer, gather = KEY_OUTER_HOPPER_REGISTERS
+        constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1,
+                         TOK=step_tokens(heads_per_token), BLOCK=block_size,
+                         HEAD_DIM=head_dim, TOP_K=16, TOP_K_PAD=16, SEGMENT_PAIRS=1024,
+                         SEARCH_STEPS=12, STAGES=KEY_OUTER_HOPPER_STAGES,
+                         WITH_GRAD=kernel.endswith("dq"), CONSUMER_REGS=consumer,
+                         GATHER_REGS=gather)
+        options = dict(num_warps=4, maxnreg=_maxnreg(3, KEY_OUTER_HOPPER_REGISTERS))
     pointers = dict(Q=f"*{dtype}", OUT=f"*{dtype}", DOUT=f"*{dtype}", DQ=f"*{dtype}",
                     LSE="*fp32", DELTA="*fp32", DK_PART="*fp32", DV_PART="*fp32",
                     UNION_MEMBERS="*i64", IQ=f"*{dtype}", LSE_INDEX="*fp32", DIK="*fp32",
-                    KL_PARTS="*fp32", DIQ="*fp32")
+                    KL_PARTS="*fp32", DIQ="*fp32", LSE_PART="*fp32",
+                    OUT_PART="*fp32" if kernel == "key-outer-dq" else f"*{dtype}")
     types = {}
     for name in fn.arg_names:
         if name in constants:

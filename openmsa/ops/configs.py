@@ -39,6 +39,7 @@ INDEX_LSE_SPLIT = False
 # launch of their per-segment kernels, and the rows (query rows x heads) of a combine program.
 KEY_OUTER_CONFIG = dict(num_warps=8, num_stages=2)
 KEY_OUTER_COMBINE_ROWS = 64
+KEY_OUTER_HOPPER = True  # the key-outer forward and dQ on Gluon kernels where supported
 QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
 REDUCE_KEYS = 32  # keys per program of the segment reductions: enough programs at small sizes
 
@@ -70,6 +71,8 @@ KL_STAGES = 4  # KL: units of q rows in shared memory (two ahead)
 FORWARD_REGISTERS = (232, 40)
 DQ_REGISTERS = (232, 40)
 KEY_STEP_REGISTERS = (232, 40)
+KEY_OUTER_HOPPER_REGISTERS = (232, 40)  # key-outer forward and dQ (Gluon): consumer, gather
+KEY_OUTER_HOPPER_STAGES = 4  # their steps of gathered rows in shared memory
 
 
 @dataclass(frozen=True)

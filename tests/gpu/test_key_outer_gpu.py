@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from openmsa.ops.attention import key_outer
+from openmsa.ops.attention import attention_backward, key_outer, sm90_key_outer
+from openmsa.ops.attention import sparse_attention_fwd
 from openmsa.ops.configs import Tuning
 from openmsa.testing import (TOLERANCE, MSACase, compare_with_reference, random_inputs,
                              run_with_grads, tuned_msa_attention)
@@ -29,8 +30,22 @@ CASES = [
 TUNING = Tuning(main_walk_limit_per_slot=1.0, key_outer_partial_bytes=64 << 20)
 
 
+def _count_gluon_launches(monkeypatch) -> list:
+    """The Gluon key-outer launches made from now on: True for dQ's, False for the forward's."""
+    launches = []
+    original = sm90_key_outer.launch_key_outer
+
+    def counted(*args, **kwargs):
+        launches.append(kwargs.get("dout") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sm90_key_outer, "launch_key_outer", counted)
+    return launches
+
+
+@pytest.mark.parametrize("kernels", ["gluon", "triton"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_bf16_key_outer_within_twice_the_reference_error(case, monkeypatch):
+def test_bf16_key_outer_within_twice_the_reference_error(case, kernels, monkeypatch):
     counts = []
     original = key_outer.hard_rows
 
@@ -40,17 +55,21 @@ def test_bf16_key_outer_within_twice_the_reference_error(case, monkeypatch):
         return hard
 
     monkeypatch.setattr(key_outer, "hard_rows", counted)
+    monkeypatch.setattr(key_outer, "KEY_OUTER_HOPPER", kernels == "gluon")
+    launches = _count_gluon_launches(monkeypatch)
     comparison = compare_with_reference(tuned_msa_attention(TUNING), case, torch.bfloat16,
                                         "cuda")
     record = os.environ.get("OPENMSA_GPU_RECORD")
     if record:
         with open(record, "a") as f:
-            f.write(json.dumps({"test": "key_outer_bf16", "case": case.name,
+            f.write(json.dumps({"test": "key_outer_bf16", "case": case.name, "kernels": kernels,
                                 "hard_row_share": counts, "errors": comparison.errors,
                                 "reference_bf16_errors": comparison.baseline_errors}) + "\n")
     print(case.name, counts, {n: f"{e:.2e}/{comparison.baseline_errors[n]:.2e}"
                               for n, e in comparison.errors.items()})
     assert counts and all(share > 0 for share in counts), counts
+    # The Gluon kernels ran both passes, or none ran when switched off.
+    assert set(launches) == ({False, True} if kernels == "gluon" else set()), launches
     assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
 
 
@@ -63,3 +82,41 @@ def test_key_outer_is_bitwise_deterministic():
                            deterministic=True, **case.options)[0] for _ in range(2)]
     for name, value in runs[0].items():
         assert torch.equal(value, runs[1][name]), name
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_gluon_key_outer_matches_the_triton_kernels(case, monkeypatch):
+    """The Gluon key-outer forward and dQ against the Triton ones on the same hard rows: the
+    same products in another order (relative RMS within bf16 rounding)."""
+    from openmsa.ops.layout import batch_cu_seqlens
+    from openmsa.ops.problem import SparseAttentionProblem
+    from openmsa.ops.select import select_blocks_fwd
+    from openmsa.testing import rel_rms_error
+
+    inputs, cu = random_inputs(case, torch.bfloat16, "cuda", seed=5)
+    q, k, v, index_q, index_k = (t.detach().reshape(-1, *t.shape[-2:]) for t in inputs)
+    if cu is None:
+        cu = batch_cu_seqlens(case.batch, case.seqlen, "cuda")
+    options = dict(case.options)
+    top_k, block = options.pop("top_k"), options.pop("block_size")
+    ids, _ = select_blocks_fwd(index_q, index_k, cu, top_k=top_k, block_size=block,
+                               index_softmax_scale=case.index_head_dim ** -0.5,
+                               num_local_blocks=options.get("num_local_blocks", 1),
+                               num_sink_blocks=options.get("num_sink_blocks", 0),
+                               return_max=True)
+    dout = torch.randn_like(q)
+    results = {}
+    for kernels in ("gluon", "triton"):
+        monkeypatch.setattr(key_outer, "KEY_OUTER_HOPPER", kernels == "gluon")
+        launches = _count_gluon_launches(monkeypatch)
+        problem = SparseAttentionProblem(q, k, ids, cu, block, q.shape[-1] ** -0.5,
+                                         tuning=TUNING)
+        out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
+        dq = attention_backward(q, k, v, out, dout, lse, problem)[0]
+        results[kernels] = (out.float(), lse, dq.float())
+        assert bool(launches) == (kernels == "gluon"), launches
+    for name, gluon_value, triton_value in zip(("out", "lse", "dq"), results["gluon"],
+                                               results["triton"]):
+        error = rel_rms_error(gluon_value, triton_value)
+        print(case.name, name, f"{error:.2e}")
+        assert error < 1e-2, (name, error)

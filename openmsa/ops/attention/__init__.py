@@ -53,7 +53,7 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
     if use_hopper is not False and split and sm90.supported(q, k, v, p):
         out, lse = sm90_forward.sparse_attention_fwd(q, k, v, p, p.scale * LOG2_E, limit)
         if limit:
-            key_outer_forward(q, k, v, p, limit, out, lse)
+            key_outer_forward(q, k, v, p, limit, out, lse, use_hopper)
         if not p.with_index:
             return out, lse, None
         if INDEX_LSE_SPLIT and index_max is not None and not deterministic:
@@ -62,7 +62,7 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
     out, lse, lse_index = triton_forward(q, k, v, index_q, index_k, p, index_max, num_warps,
                                          num_stages, limit)
     if limit:
-        key_outer_forward(q, k, v, p, limit, out, lse)
+        key_outer_forward(q, k, v, p, limit, out, lse, use_hopper)
     return out, lse, lse_index
 
 
@@ -83,7 +83,7 @@ def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
     else:
         dq = triton_dq(q, k, v, dout, lse, delta, p, walk_limit=limit, **launch_options)
     if limit:
-        key_outer_dq(q, k, v, dout, lse, delta, p, limit, dq)
+        key_outer_dq(q, k, v, dout, lse, delta, p, limit, dq, use_hopper)
     return dq
 
 

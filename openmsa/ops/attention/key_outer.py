@@ -22,11 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..configs import KEY_OUTER_COMBINE_ROWS, KEY_OUTER_CONFIG
+from ..configs import KEY_OUTER_COMBINE_ROWS, KEY_OUTER_CONFIG, KEY_OUTER_HOPPER
 from ..launch import launch, strides
 from ..problem import LOG2_E, SparseAttentionProblem
 from ..tiles import _block_keys, _load_rows, _query_tile, _segment
 from ..worklists import build_block_work
+from . import sm90_key_outer
 
 __all__ = ["key_outer_dq", "key_outer_forward", "walk_limit"]
 
@@ -359,19 +360,34 @@ def _combine_tokens(p: SparseAttentionProblem) -> int:
     return max(1, rows_per_program // p.shared["GQ_PAD"])
 
 
-def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse):
+def _use_hopper(use_hopper: bool | None, supported: bool) -> bool:
+    """Whether the Gluon kernels run the key-outer passes: where they support the inputs,
+    unless ``use_hopper`` is False or ``KEY_OUTER_HOPPER`` is off (benchmarks time both)."""
+    return use_hopper is not False and KEY_OUTER_HOPPER and supported
+
+
+def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse,
+                      use_hopper: bool | None = None):
     """Writes ``out`` [Tq, H, D] and ``lse`` (lse2, [Tq, H]) of the rows whose tiles' unions
-    hold more than ``limit`` blocks (the walk left them), window by window."""
+    hold more than ``limit`` blocks (the walk left them), window by window: the partials from
+    the Gluon kernel on a Hopper GPU where it takes the inputs, else from the Triton one."""
     hard, ids, arguments, segments, constants = _hard_work(p, limit)
     rows, windows, window_hard = _windows(p, q.element_size() * p.head_dim + 4, hard)
     slots = rows * p.num_index_heads * p.top_k * p.gq
     out_part = torch.empty(slots, p.head_dim, dtype=q.dtype, device=q.device)
     lse_part = torch.empty(slots, dtype=torch.float32, device=q.device)
     tokens = _combine_tokens(p)
+    hopper = _use_hopper(use_hopper, sm90_key_outer.supported(q, k, v, p))
     for window, (start, end) in enumerate(windows):
-        launch(_fwd_key_outer_kernel, (segments,),
-               q, k, v, ids, window_hard, window, out_part, lse_part, *arguments, start, end,
-               *strides(q, k, v, ids), p.scale * LOG2_E, **constants, **KEY_OUTER_CONFIG)
+        if hopper:
+            sm90_key_outer.launch_key_outer(q, k, v, ids, window_hard, window, out_part,
+                                            lse_part, arguments, start, end, segments,
+                                            constants, p.scale * LOG2_E)
+        else:
+            launch(_fwd_key_outer_kernel, (segments,),
+                   q, k, v, ids, window_hard, window, out_part, lse_part, *arguments, start,
+                   end, *strides(q, k, v, ids), p.scale * LOG2_E, **constants,
+                   **KEY_OUTER_CONFIG)
         _combine_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
             ids, hard, window_hard, window, out_part, lse_part, out, lse, start, end,
             *strides(ids, out), HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"],
@@ -379,19 +395,27 @@ def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse):
     return out, lse
 
 
-def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: int, dq):
+def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: int, dq,
+                 use_hopper: bool | None = None):
     """Writes ``dq``'s rows whose tiles' unions hold more than ``limit`` blocks (the walk left
-    them), window by window."""
+    them), window by window: the partials from the Gluon kernel on a Hopper GPU where it takes
+    the inputs, else from the Triton one."""
     hard, ids, arguments, segments, constants = _hard_work(p, limit)
     rows, windows, window_hard = _windows(p, 4 * p.head_dim, hard)
     dq_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
                           dtype=torch.float32, device=q.device)
     tokens = _combine_tokens(p)
+    hopper = _use_hopper(use_hopper, sm90_key_outer.supported(q, k, v, p, dout))
     for window, (start, end) in enumerate(windows):
-        launch(_dq_key_outer_kernel, (segments,),
-               q, k, v, dout, lse, delta, ids, window_hard, window, dq_part, *arguments, start,
-               end, *strides(q, k, v, dout, ids), p.scale * LOG2_E, **constants,
-               **KEY_OUTER_CONFIG)
+        if hopper:
+            sm90_key_outer.launch_key_outer(q, k, v, ids, window_hard, window, dq_part, None,
+                                            arguments, start, end, segments, constants,
+                                            p.scale * LOG2_E, dout=dout, lse=lse, delta=delta)
+        else:
+            launch(_dq_key_outer_kernel, (segments,),
+                   q, k, v, dout, lse, delta, ids, window_hard, window, dq_part, *arguments,
+                   start, end, *strides(q, k, v, dout, ids), p.scale * LOG2_E, **constants,
+                   **KEY_OUTER_CONFIG)
         _dq_sum_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
             ids, hard, window_hard, window, dq_part, dq, start, end, *strides(ids, dq), p.scale,
             HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"], TOP_K=p.top_k,

@@ -1,0 +1,376 @@
+"""The key-outer forward and dQ (``attention.key_outer``) for Hopper GPUs, in Gluon.
+
+The Triton kernels' programs (one per segment of a key block's hard pairs, the window's rows)
+with the dK/dV kernel's machinery: K and V of the block by TMA once, the steps' q (and dO,
+log-sum-exps, deltas) rows gathered by ``cp.async`` into a ring of shared memory by one warp,
+and two consumer warpgroups taking alternate steps of 64 rows (pairs x heads), so one's
+exponentials run while the other's products do. Rows are the products' M dimension, so a row's
+softmax over the block stays within one warpgroup. They write the same per-slot partials as the
+Triton kernels, which the same combine and sum read.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+from ..configs import KEY_OUTER_HOPPER_REGISTERS, KEY_OUTER_HOPPER_STAGES
+from ..sm90 import (BLOCK_SIZES, HEAD_DIMS, _block_descriptor, _diagonal_pairs, _hopper_16bit,
+                    _io_layout, _maxnreg, _mma_layout, _rows_ready, _segment_of, _step_tokens,
+                    _tma_ready)
+
+STEP_ROWS = 64  # rows (pairs x padded heads) of one consumer step: one warpgroup's MMA rows
+
+
+def step_tokens(heads_per_token: int) -> int | None:
+    """Pairs per step (STEP_ROWS rows of their padded heads), None when one pair's heads exceed
+    a step."""
+    padded = 1 << (heads_per_token - 1).bit_length()
+    return STEP_ROWS // padded if padded <= STEP_ROWS else None
+
+
+def supported(q, k, v, p, dout=None) -> bool:
+    """Whether the Gluon key-outer kernels take ``p``'s hard rows: a Hopper GPU, 16-bit inputs,
+    head dim 64 or 128, blocks of 64 or 128 keys, K and V that TMA reads, q (and dO) rows that
+    16-byte copies gather."""
+    tensors = (q, k, v) if dout is None else (q, k, v, dout)
+    return (_hopper_16bit(*tensors) and p.head_dim in HEAD_DIMS
+            and p.block_size in BLOCK_SIZES and step_tokens(p.gq) is not None
+            and _tma_ready(k) and _tma_ready(v) and _rows_ready(q)
+            and (dout is None or _rows_ready(dout)))
+
+
+@gluon.jit
+def _first_at_least(PAIR_TOKEN, first, last, value, STEPS: gl.constexpr):
+    """The first pair in [first, last) whose query row is >= value (rows ascend there)."""
+    low = first
+    high = last
+    for _ in gl.static_range(STEPS):
+        middle = (low + high) // 2
+        active = low < high
+        below = gl.load(PAIR_TOKEN + middle, mask=active, other=0) < value
+        low = gl.where(active & below, middle + 1, low)
+        high = gl.where(active & ~below, middle, high)
+    return low
+
+
+@gluon.jit
+def _window_pairs(WINDOW_HARD, window, SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START,
+                  BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start,
+                  window_start, window_end, HI: gl.constexpr, SEGMENT_PAIRS: gl.constexpr,
+                  STEPS: gl.constexpr):
+    """This program's segment cut to the pairs [low, high) whose rows lie in the window (empty
+    for a padding segment or a window without hard rows), its index head, block, sequence start
+    and the query row of the sequence's position 0."""
+    segment = gl.load(SEGMENT_ORDER + gl.program_id(0))
+    bucket = gl.load(SEGMENTS + 2 * segment)
+    skip = (bucket < 0) | (gl.load(WINDOW_HARD + window) == 0)
+    first, last, index_head, block, seq_start, query_base = _segment_of(
+        SEGMENTS, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
+        query_start, segment, gl.maximum(bucket, 0), HI, SEGMENT_PAIRS)
+    last = gl.where(skip, first, last)
+    low = _first_at_least(PAIR_TOKEN, first, last, window_start, STEPS)
+    high = _first_at_least(PAIR_TOKEN, low, last, window_end, STEPS)
+    return low, high, index_head, block, seq_start, query_base
+
+
+@gluon.jit
+def _step_rows(first_pair, end, GQ: gl.constexpr, TOK: gl.constexpr, ROWS: gl.constexpr,
+               layout: gl.constexpr):
+    """Per row of a step (head-major: row = g * TOK + t) in ``layout``: whether it is a pair's
+    head, and its head g."""
+    rows = gl.arange(0, ROWS, layout=layout)
+    return (first_pair + rows % TOK < end) & (rows // TOK < GQ), rows // TOK
+
+
+@gluon.jit
+def _row_slots(IDS, token, valid, block, index_head, stride_ids_t, stride_ids_h,
+               TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr, ROWS: gl.constexpr,
+               NUM_WARPS: gl.constexpr, layout: gl.constexpr):
+    """Per row (``token``, ``valid`` in any layout), the position of ``block`` in its token's
+    ids, in ``layout``."""
+    ids_layout: gl.constexpr = gl.BlockedLayout([1, TOP_K_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])
+    token = gl.convert_layout(token, gl.SliceLayout(1, ids_layout))
+    valid = gl.convert_layout(valid, gl.SliceLayout(1, ids_layout))
+    slots = gl.arange(0, TOP_K_PAD, layout=gl.SliceLayout(0, ids_layout))
+    ids = gl.load(IDS + token.to(gl.int64)[:, None] * stride_ids_t + index_head * stride_ids_h
+                  + slots[None, :], mask=valid[:, None] & (slots < TOP_K)[None, :], other=-1)
+    slot = gl.sum(gl.where(ids == block, slots[None, :], 0), axis=1)
+    return gl.convert_layout(slot, layout)
+
+
+@gluon.jit
+def _gather_steps(Q, DOUT, LSE, DELTA, PAIR_TOKEN, q_smem, do_smem, lse_smem, delta_smem,
+                  token_smem, full, empty, low, high, steps, index_head, stride_q_t,
+                  stride_q_h, stride_do_t, stride_do_h, HI: gl.constexpr, GQ: gl.constexpr,
+                  TOK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  WITH_GRAD: gl.constexpr):
+    """The gather partition (one warp): each step's q rows and tokens (and, WITH_GRAD, dO rows,
+    log-sum-exps and deltas) by ``cp.async`` into ring slot ``j % STAGES`` once the consumer of
+    step ``j - STAGES`` handed it back; a slot is full when every copy into it has landed."""
+    ROWS: gl.constexpr = 64
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
+    row_layout: gl.constexpr = gl.SliceLayout(1, io_layout)
+    rows = gl.arange(0, ROWS, layout=row_layout)
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
+    head = index_head * GQ + rows // TOK
+    for j in range(0, steps):
+        slot = j % STAGES
+        first_pair = low + j * TOK
+        tokens = _step_tokens(PAIR_TOKEN, first_pair, high, GQ, TOK, ROWS, row_layout)
+        valid = tokens < (1 << 30)
+        token = gl.where(valid, tokens, 0).to(gl.int64)
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+        async_copy.async_copy_global_to_shared(
+            q_smem.index(slot), (Q + token * stride_q_t + head * stride_q_h)[:, None]
+            + dims[None, :], mask=valid[:, None])
+        async_copy.async_copy_global_to_shared(token_smem.index(slot),
+                                               PAIR_TOKEN + first_pair + rows % TOK,
+                                               mask=valid)
+        if WITH_GRAD:
+            async_copy.async_copy_global_to_shared(
+                do_smem.index(slot), (DOUT + token * stride_do_t + head * stride_do_h)[:, None]
+                + dims[None, :], mask=valid[:, None])
+            row = token * (HI * GQ) + head
+            async_copy.async_copy_global_to_shared(lse_smem.index(slot), LSE + row, mask=valid)
+            async_copy.async_copy_global_to_shared(delta_smem.index(slot), DELTA + row,
+                                                   mask=valid)
+        async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
+
+
+@gluon.jit
+def _fwd_steps(IDS, OUT_PART, LSE_PART, k_smem, v_smem, q_smem, token_smem, kv_ready, full,
+               empty, low, high, steps, diagonal_steps, block, index_head, query_base,
+               window_start, stride_ids_t, stride_ids_h, scale_log2, HI: gl.constexpr,
+               GQ: gl.constexpr, TOK: gl.constexpr, BLOCK: gl.constexpr,
+               HEAD_DIM: gl.constexpr, TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr,
+               STAGES: gl.constexpr, HALF: gl.constexpr):
+    """One consumer warpgroup of the forward: steps HALF, HALF + 2, ... Per step, the rows'
+    softmax over the block's visible keys, their output normalized over the block and their
+    log-sum-exp (base 2) into each row's slot of OUT_PART [window rows, HI, TOP_K, GQ, D] and
+    LSE_PART [..., GQ]."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = 64
+    s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)  # scores [ROWS, BLOCK]
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # [ROWS, D]
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    io_rows: gl.constexpr = gl.SliceLayout(1, io_layout)
+    key_pos = block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
+    no_scores = gl.zeros((ROWS, BLOCK), gl.float32, layout=s_layout)
+    no_out = gl.zeros((ROWS, HEAD_DIM), gl.float32, layout=o_layout)
+    mbarrier.wait(kv_ready, 0)
+    for j in range(HALF, steps, 2):
+        slot = j % STAGES
+        mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+        scores = warpgroup_mma(q_smem.index(slot), k_smem.permute((1, 0)), no_scores,
+                               use_acc=False, is_async=True)
+        token = token_smem.index(slot).load(rows_layout)
+        token_io = token_smem.index(slot).load(io_rows)
+        # The rows' slots while Q K^T runs.
+        first_pair = low + j * TOK
+        valid_io, head_io = _step_rows(first_pair, high, GQ, TOK, ROWS, io_rows)
+        slot_io = _row_slots(IDS, token_io, valid_io, block, index_head, stride_ids_t,
+                             stride_ids_h, TOP_K, TOP_K_PAD, ROWS, NUM_WARPS, io_rows)
+        offset_io = ((((token_io - window_start).to(gl.int64) * HI + index_head) * TOP_K
+                      + slot_io) * GQ + head_io)
+        scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
+        mbarrier.arrive(empty.index(slot), count=1)  # q and tokens read
+        valid, head = _step_rows(first_pair, high, GQ, TOK, ROWS, rows_layout)
+        scores = scores * scale_log2
+        if j < diagonal_steps:  # pairs ascend by row: only the first can see past the query
+            scores = gl.where(key_pos[None, :] <= (token - query_base)[:, None], scores,
+                              float("-inf"))
+        row_max = gl.max(scores, axis=1)
+        safe_max = gl.where(row_max == float("-inf"), 0.0, row_max)
+        probs = gl.exp2(scores - safe_max[:, None])
+        row_sum = gl.sum(probs, axis=1)
+        p = gl.convert_layout(probs.to(q_smem.dtype), p_layout)
+        out = warpgroup_mma(p, v_smem, no_out, use_acc=False, is_async=True)
+        offset = gl.convert_layout(offset_io, rows_layout)
+        gl.store(LSE_PART + offset, safe_max + gl.log2(gl.where(valid, row_sum, 1.0)),
+                 mask=valid)
+        out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))
+        row_sum = gl.where(row_sum > 0, row_sum, 1.0)
+        out = out / gl.convert_layout(row_sum, gl.SliceLayout(1, o_layout))[:, None]
+        out = gl.convert_layout(out.to(OUT_PART.dtype.element_ty), io_layout)
+        gl.store(OUT_PART + offset_io[:, None] * HEAD_DIM + dims[None, :], out,
+                 mask=valid_io[:, None])
+
+
+@gluon.jit
+def _dq_steps(IDS, DQ_PART, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, token_smem,
+              kv_ready, full, empty, low, high, steps, diagonal_steps, block, index_head,
+              query_base, window_start, stride_ids_t, stride_ids_h, scale_log2,
+              HI: gl.constexpr, GQ: gl.constexpr, TOK: gl.constexpr, BLOCK: gl.constexpr,
+              HEAD_DIM: gl.constexpr, TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr,
+              STAGES: gl.constexpr, HALF: gl.constexpr):
+    """One consumer warpgroup of dQ: steps HALF, HALF + 2, ... Per step, ``P = exp2(S -
+    lse2)``, ``dS = P (dO V^T - delta)`` and the rows' dQ over the block, ``dS K`` (unscaled,
+    fp32), into each row's slot of DQ_PART [window rows, HI, TOP_K, GQ, D]."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = 64
+    s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    out_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    key_pos = block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    no_scores = gl.zeros((ROWS, BLOCK), gl.float32, layout=s_layout)
+    no_dq = gl.zeros((ROWS, HEAD_DIM), gl.float32, layout=o_layout)
+    mbarrier.wait(kv_ready, 0)
+    for j in range(HALF, steps, 2):
+        slot = j % STAGES
+        mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+        scores = warpgroup_mma(q_smem.index(slot), k_smem.permute((1, 0)), no_scores,
+                               use_acc=False, is_async=True)
+        dprobs = warpgroup_mma(do_smem.index(slot), v_smem.permute((1, 0)), no_scores,
+                               use_acc=False, is_async=True)
+        token = token_smem.index(slot).load(rows_layout)
+        lse = lse_smem.index(slot).load(rows_layout)
+        delta = delta_smem.index(slot).load(rows_layout)
+        scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
+        probs = gl.exp2(scores * scale_log2 - lse[:, None])
+        if j < diagonal_steps:
+            probs = gl.where(key_pos[None, :] <= (token - query_base)[:, None], probs, 0.0)
+        dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(dprobs,))
+        mbarrier.arrive(empty.index(slot), count=1)  # q, dO and the rows' values read
+        dscores = gl.convert_layout((probs * (dprobs - delta[:, None])).to(q_smem.dtype),
+                                    ds_layout)
+        dq = warpgroup_mma(dscores, k_smem, no_dq, use_acc=False, is_async=True)
+        first_pair = low + j * TOK
+        valid, head = _step_rows(first_pair, high, GQ, TOK, ROWS, out_rows)
+        token_out = gl.convert_layout(token, out_rows)
+        slot_out = _row_slots(IDS, token_out, valid, block, index_head, stride_ids_t,
+                              stride_ids_h, TOP_K, TOP_K_PAD, ROWS, NUM_WARPS, out_rows)
+        offset = ((((token_out - window_start).to(gl.int64) * HI + index_head) * TOP_K
+                   + slot_out) * GQ + head)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        gl.store(DQ_PART + offset[:, None] * HEAD_DIM + dims[None, :], dq, mask=valid[:, None])
+
+
+# A pass launches once per window: its scalars would otherwise compile variants (1, multiples
+# of 16).
+@gluon.jit(do_not_specialize=["window", "query_start", "window_start", "window_end"])
+def _key_outer_hopper_kernel(
+    Q, DOUT, LSE, DELTA, IDS, WINDOW_HARD, window, OUT_PART, LSE_PART, k_desc, v_desc,
+    SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+    BLOCK_LOCAL, CU_SEQLENS, query_start, window_start, window_end,
+    stride_q_t, stride_q_h, stride_do_t, stride_do_h, stride_ids_t, stride_ids_h, scale_log2,
+    HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
+    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, TOP_K: gl.constexpr,
+    TOP_K_PAD: gl.constexpr, SEGMENT_PAIRS: gl.constexpr, SEARCH_STEPS: gl.constexpr,
+    STAGES: gl.constexpr, WITH_GRAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    GATHER_REGS: gl.constexpr,
+):
+    """One segment of a key block's hard pairs, the window's rows, warp-specialized: one warp
+    gathers the steps' rows (``_gather_steps``), two warpgroups take alternate steps (the first
+    is the launch's 4 warps, the second a worker partition). Without WITH_GRAD the forward
+    (``_fwd_steps``: OUT_PART, LSE_PART), with it dQ (``_dq_steps``: fp32 partials in
+    OUT_PART; DOUT, LSE and DELTA read)."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = 64
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    vector_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    low, high, index_head, block, seq_start, query_base = _window_pairs(
+        WINDOW_HARD, window, SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT,
+        BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start, window_start, window_end, HI,
+        SEGMENT_PAIRS, SEARCH_STEPS)
+    if low >= high:
+        return
+    steps = (high - low + TOK - 1) // TOK
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK, HEAD_DIM], v_desc.layout)
+    step_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM],
+                                                                   Q.dtype.element_ty)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, ROWS, HEAD_DIM], step_smem)
+    if WITH_GRAD:
+        do_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, ROWS, HEAD_DIM],
+                                            step_smem)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], vector_smem)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], vector_smem)
+    else:  # unread
+        do_smem = q_smem
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], vector_smem)
+        delta_smem = lse_smem
+    token_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS], vector_smem)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for stage in gl.static_range(STAGES):
+        mbarrier.init(full.index(stage), count=32)  # one arrival per gathering thread
+        mbarrier.init(empty.index(stage), count=1)  # the step's one consumer warpgroup
+    fence_async_shared()
+    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+    row = (seq_start + block * BLOCK).to(gl.int32)
+    kv_col = (index_head // KV_GROUP) * HEAD_DIM
+    tma.async_copy_global_to_shared(k_desc, [row, kv_col], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [row, kv_col], kv_ready, v_smem)
+    diagonal_steps = (_diagonal_pairs(PAIR_TOKEN, low, high, query_base, block, BLOCK,
+                                      row_layout) + TOK - 1) // TOK
+    # The constants go in literally: a tuple bound to a name would turn them into tensors.
+    if WITH_GRAD:
+        gl.warp_specialize([
+            (_dq_steps, (IDS, OUT_PART, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                         token_smem, kv_ready, full, empty, low, high, steps, diagonal_steps,
+                         block, index_head, query_base, window_start, stride_ids_t,
+                         stride_ids_h, scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, TOP_K,
+                         TOP_K_PAD, STAGES, 0)),
+            (_dq_steps, (IDS, OUT_PART, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                         token_smem, kv_ready, full, empty, low, high, steps, diagonal_steps,
+                         block, index_head, query_base, window_start, stride_ids_t,
+                         stride_ids_h, scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, TOP_K,
+                         TOP_K_PAD, STAGES, 1)),
+            (_gather_steps, (Q, DOUT, LSE, DELTA, PAIR_TOKEN, q_smem, do_smem, lse_smem,
+                             delta_smem, token_smem, full, empty, low, high, steps, index_head,
+                             stride_q_t, stride_q_h, stride_do_t, stride_do_h, HI, GQ, TOK,
+                             HEAD_DIM, STAGES, True)),
+        ], [4, 1], [CONSUMER_REGS, GATHER_REGS])
+    else:
+        gl.warp_specialize([
+            (_fwd_steps, (IDS, OUT_PART, LSE_PART, k_smem, v_smem, q_smem, token_smem,
+                          kv_ready, full, empty, low, high, steps, diagonal_steps, block,
+                          index_head, query_base, window_start, stride_ids_t, stride_ids_h,
+                          scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, TOP_K, TOP_K_PAD, STAGES,
+                          0)),
+            (_fwd_steps, (IDS, OUT_PART, LSE_PART, k_smem, v_smem, q_smem, token_smem,
+                          kv_ready, full, empty, low, high, steps, diagonal_steps, block,
+                          index_head, query_base, window_start, stride_ids_t, stride_ids_h,
+                          scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, TOP_K, TOP_K_PAD, STAGES,
+                          1)),
+            (_gather_steps, (Q, DOUT, LSE, DELTA, PAIR_TOKEN, q_smem, do_smem, lse_smem,
+                             delta_smem, token_smem, full, empty, low, high, steps, index_head,
+                             stride_q_t, stride_q_h, stride_do_t, stride_do_h, HI, GQ, TOK,
+                             HEAD_DIM, STAGES, False)),
+        ], [4, 1], [CONSUMER_REGS, GATHER_REGS])
+
+
+def launch_key_outer(q, k, v, ids, window_hard, window, part, lse_part, arguments, start, end,
+                     segments, constants, scale_log2, dout=None, lse=None, delta=None):
+    """One window's forward (``dout`` None: ``part`` the bf16/fp16 outputs, ``lse_part`` their
+    log-sum-exps) or dQ (``part`` the fp32 partials) over the hard pairs' key-block list
+    (``key_outer._hard_work``'s ``arguments``, ``segments`` programs); ``supported`` must
+    hold."""
+    with_grad = dout is not None
+    block_size = constants["BLOCK"]
+    _key_outer_hopper_kernel[(segments,)](
+        q, dout if with_grad else q, lse if with_grad else lse_part,
+        delta if with_grad else lse_part, ids, window_hard, window, part,
+        lse_part if lse_part is not None else part, _block_descriptor(k, block_size),
+        _block_descriptor(v, block_size), *arguments, start, end, q.stride(0), q.stride(1),
+        (dout if with_grad else q).stride(0), (dout if with_grad else q).stride(1),
+        ids.stride(0), ids.stride(1), scale_log2, HI=constants["HI"], GQ=constants["GQ"],
+        KV_GROUP=constants["KV_GROUP"], TOK=step_tokens(constants["GQ"]), BLOCK=block_size,
+        HEAD_DIM=constants["HEAD_DIM"], TOP_K=constants["TOP_K"],
+        TOP_K_PAD=constants["TOP_K_PAD"], SEGMENT_PAIRS=constants["SEGMENT_PAIRS"],
+        SEARCH_STEPS=constants["SEARCH_STEPS"], STAGES=KEY_OUTER_HOPPER_STAGES,
+        WITH_GRAD=with_grad, CONSUMER_REGS=KEY_OUTER_HOPPER_REGISTERS[0],
+        GATHER_REGS=KEY_OUTER_HOPPER_REGISTERS[1], num_warps=4,
+        maxnreg=_maxnreg(3, KEY_OUTER_HOPPER_REGISTERS))
