@@ -25,7 +25,7 @@ import triton
 
 from openmsa.bench.flops import kept_triples
 from openmsa.bench.selection import index_inputs
-from openmsa.bench.timing import median_ms
+from openmsa.bench.timing import kernel_times, median_ms
 from openmsa.ops import sm90
 from openmsa.ops.attention import (attention_backward, attention_delta, attention_dkdv,
                                    attention_dq, sparse_attention_fwd)
@@ -110,24 +110,6 @@ def tune(args, seqlen=32768, heads=64, kv_heads=4, index_heads=4, head_dim=128):
                 record("dkdv", config, lambda: attention_dkdv(q, k, v, dout, lse, delta,
                                                               main_only, **triton_launch))
     return {kernel: config for kernel, (config, _) in best.items()}, sweep
-
-
-def kernel_times(fn, top=16):
-    """Milliseconds per GPU kernel name for one call of ``fn`` (torch profiler), the ``top``
-    longest."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        fn()
-        torch.cuda.synchronize()
-    times = {}
-    for event in profile.key_averages():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue  # operators: their time is their kernels'
-        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if total > 0:
-            times[event.key[:60]] = total / 1000
-    return dict(sorted(times.items(), key=lambda item: -item[1])[:top])
 
 
 bench = median_ms

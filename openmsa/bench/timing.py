@@ -71,3 +71,21 @@ def graphed(fn):
     """``fn``'s replay from a CUDA graph (``captured``): the same kernels without the host's
     launch and Python costs."""
     return captured(fn)[0].replay
+
+
+def kernel_times(fn, top=16):
+    """Milliseconds per GPU kernel name for one call of ``fn`` (torch profiler), the ``top``
+    longest."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in profile.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue  # operators: their time is their kernels'
+        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if total > 0:
+            times[event.key[:60]] = total / 1000
+    return dict(sorted(times.items(), key=lambda item: -item[1])[:top])

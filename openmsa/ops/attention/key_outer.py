@@ -378,9 +378,10 @@ def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse,
     lse_part = torch.empty(slots, dtype=torch.float32, device=q.device)
     tokens = _combine_tokens(p)
     hopper = _use_hopper(use_hopper, sm90_key_outer.supported(q, k, v, p))
+    descriptors = sm90_key_outer.block_descriptors(k, v, p.block_size) if hopper else None
     for window, (start, end) in enumerate(windows):
         if hopper:
-            sm90_key_outer.launch_key_outer(q, k, v, ids, window_hard, window, out_part,
+            sm90_key_outer.launch_key_outer(q, descriptors, ids, window_hard, window, out_part,
                                             lse_part, arguments, start, end, segments,
                                             constants, p.scale * LOG2_E)
         else:
@@ -406,10 +407,11 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
                           dtype=torch.float32, device=q.device)
     tokens = _combine_tokens(p)
     hopper = _use_hopper(use_hopper, sm90_key_outer.supported(q, k, v, p, dout))
+    descriptors = sm90_key_outer.block_descriptors(k, v, p.block_size) if hopper else None
     for window, (start, end) in enumerate(windows):
         if hopper:
-            sm90_key_outer.launch_key_outer(q, k, v, ids, window_hard, window, dq_part, None,
-                                            arguments, start, end, segments, constants,
+            sm90_key_outer.launch_key_outer(q, descriptors, ids, window_hard, window, dq_part,
+                                            None, arguments, start, end, segments, constants,
                                             p.scale * LOG2_E, dout=dout, lse=lse, delta=delta)
         else:
             launch(_dq_key_outer_kernel, (segments,),

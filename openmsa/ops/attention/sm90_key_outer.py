@@ -57,16 +57,16 @@ def _first_at_least(PAIR_TOKEN, first, last, value, STEPS: gl.constexpr):
 
 
 @gluon.jit
-def _window_pairs(WINDOW_HARD, window, SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START,
-                  BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start,
-                  window_start, window_end, HI: gl.constexpr, SEGMENT_PAIRS: gl.constexpr,
+def _window_pairs(SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT,
+                  BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start, window_start,
+                  window_end, HI: gl.constexpr, SEGMENT_PAIRS: gl.constexpr,
                   STEPS: gl.constexpr):
     """This program's segment cut to the pairs [low, high) whose rows lie in the window (empty
-    for a padding segment or a window without hard rows), its index head, block, sequence start
-    and the query row of the sequence's position 0."""
+    for a padding segment), its index head, block, sequence start and the query row of the
+    sequence's position 0."""
     segment = gl.load(SEGMENT_ORDER + gl.program_id(0))
     bucket = gl.load(SEGMENTS + 2 * segment)
-    skip = (bucket < 0) | (gl.load(WINDOW_HARD + window) == 0)
+    skip = bucket < 0
     first, last, index_head, block, seq_start, query_base = _segment_of(
         SEGMENTS, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
         query_start, segment, gl.maximum(bucket, 0), HI, SEGMENT_PAIRS)
@@ -277,8 +277,10 @@ def _key_outer_hopper_kernel(
     ROWS: gl.constexpr = 64
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
     vector_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    if gl.load(WINDOW_HARD + window) == 0:  # every program of a window without hard rows
+        return
     low, high, index_head, block, seq_start, query_base = _window_pairs(
-        WINDOW_HARD, window, SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT,
+        SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT,
         BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start, window_start, window_end, HI,
         SEGMENT_PAIRS, SEARCH_STEPS)
     if low >= high:
@@ -352,19 +354,24 @@ def _key_outer_hopper_kernel(
         ], [4, 1], [CONSUMER_REGS, GATHER_REGS])
 
 
-def launch_key_outer(q, k, v, ids, window_hard, window, part, lse_part, arguments, start, end,
-                     segments, constants, scale_log2, dout=None, lse=None, delta=None):
+def block_descriptors(k, v, block_size: int):
+    """The TMA descriptors of K's and V's blocks, made once per pass (on the host's path)."""
+    return _block_descriptor(k, block_size), _block_descriptor(v, block_size)
+
+
+def launch_key_outer(q, descriptors, ids, window_hard, window, part, lse_part, arguments, start,
+                     end, segments, constants, scale_log2, dout=None, lse=None, delta=None):
     """One window's forward (``dout`` None: ``part`` the bf16/fp16 outputs, ``lse_part`` their
     log-sum-exps) or dQ (``part`` the fp32 partials) over the hard pairs' key-block list
-    (``key_outer._hard_work``'s ``arguments``, ``segments`` programs); ``supported`` must
-    hold."""
+    (``key_outer._hard_work``'s ``arguments``, ``segments`` programs), K and V read through
+    ``descriptors`` (``block_descriptors``); ``supported`` must hold."""
     with_grad = dout is not None
     block_size = constants["BLOCK"]
     _key_outer_hopper_kernel[(segments,)](
         q, dout if with_grad else q, lse if with_grad else lse_part,
         delta if with_grad else lse_part, ids, window_hard, window, part,
-        lse_part if lse_part is not None else part, _block_descriptor(k, block_size),
-        _block_descriptor(v, block_size), *arguments, start, end, q.stride(0), q.stride(1),
+        lse_part if lse_part is not None else part, *descriptors, *arguments, start, end,
+        q.stride(0), q.stride(1),
         (dout if with_grad else q).stride(0), (dout if with_grad else q).stride(1),
         ids.stride(0), ids.stride(1), scale_log2, HI=constants["HI"], GQ=constants["GQ"],
         KV_GROUP=constants["KV_GROUP"], TOK=step_tokens(constants["GQ"]), BLOCK=block_size,
