@@ -3,7 +3,7 @@
 
     python benchmarks/bench_key_outer.py --out DIR [--seqlens 8192,32768,131072]
         [--limits 0,1.5,2,3,4] [--key-outer-kernels gluon,triton] [--partial-gib 2,8]
-        [--kernels] [--launches 8x2,4x2,8x3]
+        [--kernels] [--launches 8x2,4x2,8x3] [--combine-launches 64x4,128x8]
 
 A limit L sends the query tiles whose union holds more than L x top_k blocks key-outer; 0 walks
 every tile (the kernels before). H64/Hkv4/Hi4/Hik1, D = Di = 128, top 16 of 128, bf16, B = 1.
@@ -45,7 +45,7 @@ HEADS, KV_HEADS, INDEX_HEADS, DIM, TOP_K, BLOCK = 64, 4, 4, 128, 16, 128
 
 def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
             key_outer_kernels=("gluon", "triton"), partial_gib=(2.0,),
-            profile: bool = False) -> list[dict]:
+            profile: bool = False, combine_launches=()) -> list[dict]:
     generator = torch.Generator(device="cuda").manual_seed(seqlen)
     q, k, v = (torch.randn(seqlen, h, DIM, device="cuda", generator=generator).bfloat16()
                for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -102,6 +102,21 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
         rows.append(row)
         print(json.dumps(row), flush=True)
     key_outer.KEY_OUTER_HOPPER = True
+    for launch in combine_launches:
+        combine_rows, warps = map(int, launch.split("x"))
+        shipped = (key_outer.KEY_OUTER_COMBINE_ROWS, key_outer.KEY_OUTER_COMBINE_WARPS)
+        key_outer.KEY_OUTER_COMBINE_ROWS, key_outer.KEY_OUTER_COMBINE_WARPS = combine_rows, warps
+        try:
+            forward = kernel_times(lambda: sparse_attention_fwd(q, k, v, None, None, problem))
+            backward = kernel_times(lambda: attention_backward(q, k, v, out, dout, lse,
+                                                               problem))
+            row = dict(seqlen=seqlen, selection=kind, limit_per_slot=limits[-1],
+                       combine_launch=launch, combine_ms=forward.get("_combine_kernel", 0.0),
+                       dq_sum_ms=backward.get("_dq_sum_kernel", 0.0))
+        finally:
+            key_outer.KEY_OUTER_COMBINE_ROWS, key_outer.KEY_OUTER_COMBINE_WARPS = shipped
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     for launch in launches:
         warps, stages = map(int, launch.split("x"))
         shipped = dict(key_outer.KEY_OUTER_CONFIG)
@@ -131,6 +146,9 @@ def main() -> None:
                         help="at each limit > 0, time the key-outer passes on these kernels")
     parser.add_argument("--partial-gib", default="2",
                         help="at each limit > 0, Tuning.key_outer_partial_bytes (GiB) to time")
+    parser.add_argument("--combine-launches", default="",
+                        help="RxW,...: the combine's and dQ sum's rows and warps a program to "
+                        "time (kernel times) at the last limit")
     parser.add_argument("--kernels", action="store_true",
                         help="also record each row's forward and backward kernel times")
     args = parser.parse_args()
@@ -143,7 +161,8 @@ def main() -> None:
             rows += measure(seqlen, kind, limits, dense,
                             [x for x in args.launches.split(",") if x],
                             args.key_outer_kernels.split(","),
-                            [float(x) for x in args.partial_gib.split(",")], args.kernels)
+                            [float(x) for x in args.partial_gib.split(",")], args.kernels,
+                            [x for x in args.combine_launches.split(",") if x])
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, date=time.strftime("%Y-%m-%d"), args=vars(args),
                   config=f"H{HEADS}/Hkv{KV_HEADS}/Hi{INDEX_HEADS}/Hik1 D=Di={DIM} top {TOP_K} "
@@ -155,6 +174,10 @@ def main() -> None:
           f"{'GiB':>4} {'hard':>5} "
           f"{'fwd ms':>8} {'bwd ms':>8} {'step ms':>8} {'x dense':>7} {'out/dq vs walk':>16}")
     for r in rows:
+        if "combine_launch" in r:
+            print(f"{r['seqlen']:>7} {r['selection']:>9} combine {r['combine_launch']}: "
+                  f"combine {r['combine_ms']:.2f} ms, dq sum {r['dq_sum_ms']:.2f} ms")
+            continue
         if "launch" in r:
             print(f"{r['seqlen']:>7} {r['selection']:>9} launch {r['launch']}: fwd "
                   f"{r['fwd_ms']:.2f} ms, bwd {r['bwd_ms']:.2f} ms")

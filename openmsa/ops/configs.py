@@ -39,6 +39,7 @@ INDEX_LSE_SPLIT = False
 # launch of their per-segment kernels, and the rows (query rows x heads) of a combine program.
 KEY_OUTER_CONFIG = dict(num_warps=8, num_stages=2)
 KEY_OUTER_COMBINE_ROWS = 64
+KEY_OUTER_COMBINE_WARPS = 4  # warps of a combine or dQ-sum program
 KEY_OUTER_HOPPER = True  # the key-outer forward and dQ on Gluon kernels where supported
 QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
 REDUCE_KEYS = 32  # keys per program of the segment reductions: enough programs at small sizes

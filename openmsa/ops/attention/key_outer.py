@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..configs import KEY_OUTER_COMBINE_ROWS, KEY_OUTER_CONFIG, KEY_OUTER_HOPPER
+from ..configs import (KEY_OUTER_COMBINE_ROWS, KEY_OUTER_COMBINE_WARPS, KEY_OUTER_CONFIG,
+                       KEY_OUTER_HOPPER)
 from ..launch import launch, strides
 from ..problem import LOG2_E, SparseAttentionProblem
 from ..tiles import _block_keys, _load_rows, _query_tile, _segment
@@ -392,7 +393,8 @@ def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse,
         _combine_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
             ids, hard, window_hard, window, out_part, lse_part, out, lse, start, end,
             *strides(ids, out), HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"],
-            TOP_K=p.top_k, HEAD_DIM=p.head_dim, TOKENS=tokens)
+            TOP_K=p.top_k, HEAD_DIM=p.head_dim, TOKENS=tokens,
+            num_warps=KEY_OUTER_COMBINE_WARPS)
     return out, lse
 
 
@@ -421,5 +423,5 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
         _dq_sum_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
             ids, hard, window_hard, window, dq_part, dq, start, end, *strides(ids, dq), p.scale,
             HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"], TOP_K=p.top_k,
-            HEAD_DIM=p.head_dim, TOKENS=tokens)
+            HEAD_DIM=p.head_dim, TOKENS=tokens, num_warps=KEY_OUTER_COMBINE_WARPS)
     return dq
