@@ -104,8 +104,10 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
     key_outer.KEY_OUTER_HOPPER = True
     for launch in combine_launches:
         combine_rows, warps = map(int, launch.split("x"))
-        shipped = (key_outer.KEY_OUTER_COMBINE_ROWS, key_outer.KEY_OUTER_COMBINE_WARPS)
-        key_outer.KEY_OUTER_COMBINE_ROWS, key_outer.KEY_OUTER_COMBINE_WARPS = combine_rows, warps
+        shipped = (key_outer.KEY_OUTER_COMBINE_ROWS, key_outer.KEY_OUTER_SUM_ROWS,
+                   key_outer.KEY_OUTER_COMBINE_WARPS)
+        (key_outer.KEY_OUTER_COMBINE_ROWS, key_outer.KEY_OUTER_SUM_ROWS,
+         key_outer.KEY_OUTER_COMBINE_WARPS) = combine_rows, combine_rows, warps
         try:
             forward = kernel_times(lambda: sparse_attention_fwd(q, k, v, None, None, problem))
             backward = kernel_times(lambda: attention_backward(q, k, v, out, dout, lse,
@@ -114,7 +116,8 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
                        combine_launch=launch, combine_ms=forward.get("_combine_kernel", 0.0),
                        dq_sum_ms=backward.get("_dq_sum_kernel", 0.0))
         finally:
-            key_outer.KEY_OUTER_COMBINE_ROWS, key_outer.KEY_OUTER_COMBINE_WARPS = shipped
+            (key_outer.KEY_OUTER_COMBINE_ROWS, key_outer.KEY_OUTER_SUM_ROWS,
+             key_outer.KEY_OUTER_COMBINE_WARPS) = shipped
         rows.append(row)
         print(json.dumps(row), flush=True)
     for launch in launches:

@@ -36,10 +36,14 @@ INDEX_WALK_LIMIT_PER_SLOT = 3
 # pass reading every pair's row first (docs/EXPERIMENTS.md).
 INDEX_LSE_SPLIT = False
 # The key-outer forward and dQ of the tiles whose walk would be long (attention.key_outer): the
-# launch of their per-segment kernels, and the rows (query rows x heads) of a combine program.
+# launch of their per-segment Triton kernels, and whether the Gluon ones replace them.
 KEY_OUTER_CONFIG = dict(num_warps=8, num_stages=2)
-KEY_OUTER_COMBINE_ROWS = 64
-KEY_OUTER_COMBINE_WARPS = 4  # warps of a combine or dQ-sum program
+# Rows (query rows x heads) of a combine program and of a dQ-sum program, and their warps:
+# H200, 128k, random selections, H64/Hi4 (docs/BENCHMARKS.md): the combine 10.0 ms at 16 rows
+# against 15.0 at 64, the dQ sum best at 64 (16.4 ms).
+KEY_OUTER_COMBINE_ROWS = 16
+KEY_OUTER_SUM_ROWS = 64
+KEY_OUTER_COMBINE_WARPS = 4
 KEY_OUTER_HOPPER = True  # the key-outer forward and dQ on Gluon kernels where supported
 QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
 REDUCE_KEYS = 32  # keys per program of the segment reductions: enough programs at small sizes

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..configs import (KEY_OUTER_COMBINE_ROWS, KEY_OUTER_COMBINE_WARPS, KEY_OUTER_CONFIG,
-                       KEY_OUTER_HOPPER)
+                       KEY_OUTER_HOPPER, KEY_OUTER_SUM_ROWS)
 from ..launch import launch, strides
 from ..problem import LOG2_E, SparseAttentionProblem
 from ..tiles import _block_keys, _load_rows, _query_tile, _segment
@@ -354,11 +354,11 @@ def _hard_work(p: SparseAttentionProblem, limit: int):
     return hard, ids, arguments, work.segments.shape[0], constants
 
 
-def _combine_tokens(p: SparseAttentionProblem) -> int:
-    """Query rows per program of the combine and the dQ sum (x GQ_PAD heads each); the
-    interpreter's cost is per program, so wide ones there."""
-    rows_per_program = KEY_OUTER_COMBINE_ROWS if p.block_ids.is_cuda else 1024
-    return max(1, rows_per_program // p.shared["GQ_PAD"])
+def _combine_tokens(p: SparseAttentionProblem, rows_per_program: int) -> int:
+    """Query rows per program of the combine or the dQ sum, for ``rows_per_program`` rows
+    (x GQ_PAD heads) on the GPU; the interpreter's cost is per program, so wide ones there."""
+    rows = rows_per_program if p.block_ids.is_cuda else 1024
+    return max(1, rows // p.shared["GQ_PAD"])
 
 
 def _use_hopper(use_hopper: bool | None, supported: bool) -> bool:
@@ -377,7 +377,7 @@ def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse,
     slots = rows * p.num_index_heads * p.top_k * p.gq
     out_part = torch.empty(slots, p.head_dim, dtype=q.dtype, device=q.device)
     lse_part = torch.empty(slots, dtype=torch.float32, device=q.device)
-    tokens = _combine_tokens(p)
+    tokens = _combine_tokens(p, KEY_OUTER_COMBINE_ROWS)
     hopper = _use_hopper(use_hopper, sm90_key_outer.supported(q, k, v, p))
     descriptors = sm90_key_outer.block_descriptors(k, v, p.block_size) if hopper else None
     for window, (start, end) in enumerate(windows):
@@ -407,7 +407,7 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
     rows, windows, window_hard = _windows(p, 4 * p.head_dim, hard)
     dq_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
                           dtype=torch.float32, device=q.device)
-    tokens = _combine_tokens(p)
+    tokens = _combine_tokens(p, KEY_OUTER_SUM_ROWS)
     hopper = _use_hopper(use_hopper, sm90_key_outer.supported(q, k, v, p, dout))
     descriptors = sm90_key_outer.block_descriptors(k, v, p.block_size) if hopper else None
     for window, (start, end) in enumerate(windows):
