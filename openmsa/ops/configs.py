@@ -102,11 +102,13 @@ class Tuning:
     kl_pairs: pairs per step of the key-outer KL kernel (its teacher is [block, kl_pairs]).
     main_walk_limit_per_slot: the main attention's forward and dQ take a query tile's rows
         key-outer (``attention.key_outer``) when the tile's union holds more than this many
-        blocks per kept slot (x top_k); 0 (the default): every tile walks its union. At 4 the
-        H200's step at 128k ran 1.21x faster on random selections and 1.3% slower on coherent
-        ones (benchmarks/records/key-outer.json), so it stays off.
+        blocks per kept slot (x top_k); 0 (the default): every tile walks its union. At 4, with
+        the Gluon key-outer kernels, the H200's step at 128k ran 1.35x faster on random
+        selections and 1-5% slower on coherent and mid ones (no hard rows; the fixed costs of
+        the flags, list and windows: benchmarks/records/key-outer-gluon.json), so it stays off.
     key_outer_partial_bytes: the most memory the key-outer forward's or dQ's per-slot
-        partials take at once (they run over windows of query rows that fit).
+        partials take at once (they run over windows of query rows that fit). At 128k on
+        random selections 8 GiB made the step 4% faster than 2 GiB (fewer windows).
     """
 
     segment_pairs: int = 1024
