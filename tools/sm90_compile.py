@@ -23,7 +23,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from openmsa.ops.attention.sm90_backward import (_dkdv_maxnreg, _sparse_attn_dkdv_hopper_kernel,
                                                  _sparse_attn_dq_hopper_kernel)
 from openmsa.ops.attention.sm90_forward import _sparse_attn_fwd_hopper_kernel
-from openmsa.ops.attention.sm90_key_outer import _key_outer_hopper_kernel, step_tokens
+from openmsa.ops.attention.sm90_key_outer import STEP_ROWS, _key_outer_hopper_kernel
 from openmsa.ops.configs import (DQ_REGISTERS, FORWARD_REGISTERS, KEY_OUTER_HOPPER_REGISTERS,
                                  KEY_OUTER_HOPPER_STAGES, KEY_STEP_REGISTERS, KEY_STEP_STAGES,
                                  KL_STAGES)
@@ -69,7 +69,7 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
     if kernel.startswith("key-outer"):  # as key_outer's windows launch it
         consumer, gather = KEY_OUTER_HOPPER_REGISTERS
         constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1,
-                         TOK=step_tokens(heads_per_token), BLOCK=block_size,
+                         TOK=key_step_tokens(heads_per_token, STEP_ROWS), BLOCK=block_size,
                          HEAD_DIM=head_dim, TOP_K=16, TOP_K_PAD=16, SEGMENT_PAIRS=1024,
                          SEARCH_STEPS=12, STAGES=KEY_OUTER_HOPPER_STAGES,
                          WITH_GRAD=kernel.endswith("dq"), CONSUMER_REGS=consumer,

@@ -266,11 +266,11 @@ def supported(q, k, v, p) -> bool:
             and _tma_ready(k) and _tma_ready(v))
 
 
-def key_step_tokens(heads_per_token: int) -> int | None:
-    """Pairs per dK/dV step (KEY_STEP_ROWS rows of their padded heads), or None when one
-    pair's heads exceed a step."""
+def key_step_tokens(heads_per_token: int, rows: int = KEY_STEP_ROWS) -> int | None:
+    """Pairs per key-outer step of ``rows`` rows of their padded heads (dK/dV's
+    KEY_STEP_ROWS by default), or None when one pair's heads exceed a step."""
     padded = 1 << (heads_per_token - 1).bit_length()
-    return KEY_STEP_ROWS // padded if padded <= KEY_STEP_ROWS else None
+    return rows // padded if padded <= rows else None
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,16 +19,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ..configs import KEY_OUTER_HOPPER_REGISTERS, KEY_OUTER_HOPPER_STAGES
 from ..sm90 import (BLOCK_SIZES, HEAD_DIMS, _block_descriptor, _diagonal_pairs, _hopper_16bit,
                     _io_layout, _maxnreg, _mma_layout, _rows_ready, _segment_of, _step_tokens,
-                    _tma_ready)
+                    _tma_ready, key_step_tokens)
 
 STEP_ROWS = 64  # rows (pairs x padded heads) of one consumer step: one warpgroup's MMA rows
-
-
-def step_tokens(heads_per_token: int) -> int | None:
-    """Pairs per step (STEP_ROWS rows of their padded heads), None when one pair's heads exceed
-    a step."""
-    padded = 1 << (heads_per_token - 1).bit_length()
-    return STEP_ROWS // padded if padded <= STEP_ROWS else None
 
 
 def supported(q, k, v, p, dout=None) -> bool:
@@ -37,7 +30,7 @@ def supported(q, k, v, p, dout=None) -> bool:
     16-byte copies gather."""
     tensors = (q, k, v) if dout is None else (q, k, v, dout)
     return (_hopper_16bit(*tensors) and p.head_dim in HEAD_DIMS
-            and p.block_size in BLOCK_SIZES and step_tokens(p.gq) is not None
+            and p.block_size in BLOCK_SIZES and key_step_tokens(p.gq, STEP_ROWS) is not None
             and _tma_ready(k) and _tma_ready(v) and _rows_ready(q)
             and (dout is None or _rows_ready(dout)))
 
@@ -87,8 +80,8 @@ def _step_rows(first_pair, end, GQ: gl.constexpr, TOK: gl.constexpr, ROWS: gl.co
 
 @gluon.jit
 def _row_slots(IDS, token, valid, block, index_head, stride_ids_t, stride_ids_h,
-               TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr, ROWS: gl.constexpr,
-               NUM_WARPS: gl.constexpr, layout: gl.constexpr):
+               TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr, NUM_WARPS: gl.constexpr,
+               layout: gl.constexpr):
     """Per row (``token``, ``valid`` in any layout), the position of ``block`` in its token's
     ids, in ``layout``."""
     ids_layout: gl.constexpr = gl.BlockedLayout([1, TOP_K_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])
@@ -175,7 +168,7 @@ def _fwd_steps(IDS, OUT_PART, LSE_PART, k_smem, v_smem, q_smem, token_smem, kv_r
         first_pair = low + j * TOK
         valid_io, head_io = _step_rows(first_pair, high, GQ, TOK, ROWS, io_rows)
         slot_io = _row_slots(IDS, token_io, valid_io, block, index_head, stride_ids_t,
-                             stride_ids_h, TOP_K, TOP_K_PAD, ROWS, NUM_WARPS, io_rows)
+                             stride_ids_h, TOP_K, TOP_K_PAD, NUM_WARPS, io_rows)
         offset_io = ((((token_io - window_start).to(gl.int64) * HI + index_head) * TOP_K
                       + slot_io) * GQ + head_io)
         scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
@@ -247,7 +240,7 @@ def _dq_steps(IDS, DQ_PART, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_sme
         valid, head = _step_rows(first_pair, high, GQ, TOK, ROWS, out_rows)
         token_out = gl.convert_layout(token, out_rows)
         slot_out = _row_slots(IDS, token_out, valid, block, index_head, stride_ids_t,
-                              stride_ids_h, TOP_K, TOP_K_PAD, ROWS, NUM_WARPS, out_rows)
+                              stride_ids_h, TOP_K, TOP_K_PAD, NUM_WARPS, out_rows)
         offset = ((((token_out - window_start).to(gl.int64) * HI + index_head) * TOP_K
                    + slot_out) * GQ + head)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
@@ -292,16 +285,14 @@ def _key_outer_hopper_kernel(
     step_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM],
                                                                    Q.dtype.element_ty)
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, ROWS, HEAD_DIM], step_smem)
+    token_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS], vector_smem)
     if WITH_GRAD:
         do_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, ROWS, HEAD_DIM],
                                             step_smem)
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], vector_smem)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], vector_smem)
-    else:  # unread
-        do_smem = q_smem
-        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], vector_smem)
-        delta_smem = lse_smem
-    token_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS], vector_smem)
+    else:  # the forward gathers no dO, lse2 or deltas: names only
+        do_smem, lse_smem, delta_smem = q_smem, token_smem, token_smem
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -366,16 +357,15 @@ def launch_key_outer(q, descriptors, ids, window_hard, window, part, lse_part, a
     (``key_outer._hard_work``'s ``arguments``, ``segments`` programs), K and V read through
     ``descriptors`` (``block_descriptors``); ``supported`` must hold."""
     with_grad = dout is not None
-    block_size = constants["BLOCK"]
+    # The forward reads no dO, lse2 or deltas, dQ writes no lse2 partials: stand-ins.
+    dout, lse, delta, lse_part = ((dout, lse, delta, part) if with_grad
+                                  else (q, lse_part, lse_part, lse_part))
     _key_outer_hopper_kernel[(segments,)](
-        q, dout if with_grad else q, lse if with_grad else lse_part,
-        delta if with_grad else lse_part, ids, window_hard, window, part,
-        lse_part if lse_part is not None else part, *descriptors, *arguments, start, end,
-        q.stride(0), q.stride(1),
-        (dout if with_grad else q).stride(0), (dout if with_grad else q).stride(1),
+        q, dout, lse, delta, ids, window_hard, window, part, lse_part, *descriptors,
+        *arguments, start, end, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1),
         ids.stride(0), ids.stride(1), scale_log2, HI=constants["HI"], GQ=constants["GQ"],
-        KV_GROUP=constants["KV_GROUP"], TOK=step_tokens(constants["GQ"]), BLOCK=block_size,
-        HEAD_DIM=constants["HEAD_DIM"], TOP_K=constants["TOP_K"],
+        KV_GROUP=constants["KV_GROUP"], TOK=key_step_tokens(constants["GQ"], STEP_ROWS),
+        BLOCK=constants["BLOCK"], HEAD_DIM=constants["HEAD_DIM"], TOP_K=constants["TOP_K"],
         TOP_K_PAD=constants["TOP_K_PAD"], SEGMENT_PAIRS=constants["SEGMENT_PAIRS"],
         SEARCH_STEPS=constants["SEARCH_STEPS"], STAGES=KEY_OUTER_HOPPER_STAGES,
         WITH_GRAD=with_grad, CONSUMER_REGS=KEY_OUTER_HOPPER_REGISTERS[0],
