@@ -75,18 +75,43 @@ def _block_row(blocks, u, walk_length, seq_start, BLOCK: gl.constexpr):
 
 
 @gluon.jit
+def _row_head_token(rows, TOK: gl.constexpr):
+    """Head and token of a 128-row query tile's rows: each 64-row half (one consumer
+    warpgroup's) holds half of the tile's tokens, all heads, head-major, so that a warpgroup
+    can pass over a walk entry none of its tokens kept (``_half_members``). A tile of one token
+    splits its heads instead."""
+    if TOK >= 2:
+        HALF_TOKENS: gl.constexpr = TOK // 2
+        within = rows % 64
+        return within // HALF_TOKENS, (rows // 64) * HALF_TOKENS + within % HALF_TOKENS
+    else:
+        return rows, rows * 0
+
+
+@gluon.jit
+def _half_members(HALF: gl.constexpr, TOK: gl.constexpr):
+    """The members-mask bits of the tokens in rows [64 HALF, 64 HALF + 64) of a query tile."""
+    if TOK >= 2:
+        HALF_TOKENS: gl.constexpr = TOK // 2
+        return ((1 << HALF_TOKENS) - 1) << (HALF * HALF_TOKENS)
+    else:
+        return -1
+
+
+@gluon.jit
 def _tile_rows(index_head, first_position, first_query, end_query, query_base,
                GQ: gl.constexpr, TOK: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                layout: gl.constexpr, FIRST_ROW: gl.constexpr = 0):
     """Per row of a [ROWS, HEAD_DIM] tile in ``layout``: whether it is a query, its token's
     row in the query tensors, its head; and the column indices. Computed where needed (before
     the walk, and again after it) rather than held in registers across it. The tile's rows
-    [FIRST_ROW, FIRST_ROW + ROWS)."""
+    [FIRST_ROW, FIRST_ROW + ROWS), laid out by ``_row_head_token``."""
     rows = FIRST_ROW + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    valid = (rows // TOK < GQ) & (rows % TOK >= first_query) & (rows % TOK < end_query)
-    token = (query_base + first_position + rows % TOK).to(gl.int64)
-    return valid, token, index_head * GQ + rows // TOK, dims
+    head, tok = _row_head_token(rows, TOK)
+    valid = (head < GQ) & (tok >= first_query) & (tok < end_query)
+    token = (query_base + first_position + tok).to(gl.int64)
+    return valid, token, index_head * GQ + head, dims
 
 
 @gluon.jit
@@ -110,11 +135,11 @@ def _tile_of(CU_SEQLENS, sequence, tile, query_start, query_end, TOK: gl.constex
 def _mma_rows(first_position, first_query, end_query, GQ: gl.constexpr, TOK: gl.constexpr,
               ROWS: gl.constexpr, layout: gl.constexpr, FIRST_ROW: gl.constexpr = 0):
     """Per MMA row (in ``layout``, a row slice of the products; the tile's rows [FIRST_ROW,
-    FIRST_ROW + ROWS)): its index, its token's bit in a members mask, whether it is a query,
-    its position."""
-    rows = FIRST_ROW + gl.arange(0, ROWS, layout=layout)
-    row_valid = (rows // TOK < GQ) & (rows % TOK >= first_query) & (rows % TOK < end_query)
-    return rows, (rows % TOK).to(gl.int64), row_valid, first_position + rows % TOK
+    FIRST_ROW + ROWS), laid out by ``_row_head_token``): its head, its token's bit in a members
+    mask, whether it is a query, its position."""
+    head, tok = _row_head_token(FIRST_ROW + gl.arange(0, ROWS, layout=layout), TOK)
+    row_valid = (head < GQ) & (tok >= first_query) & (tok < end_query)
+    return head, tok.to(gl.int64), row_valid, first_position + tok
 
 
 @gluon.jit

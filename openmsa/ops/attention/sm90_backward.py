@@ -14,9 +14,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..configs import DQ_REGISTERS, KEY_STEP_REGISTERS, KEY_STEP_STAGES
 from ..sm90 import (BLOCK_SIZES, HEAD_DIMS, _block_descriptor, _block_loads, _block_rings,
-                    _diagonal_pairs, _hopper_16bit, _io_layout, _maxnreg, _mma_layout,
-                    _mma_rows, _rows_ready, _segment_of, _step_tokens, _tile_of, _tile_rows,
-                    _tma_ready, _visible, _walk_of, key_step_tokens)
+                    _diagonal_pairs, _half_members, _hopper_16bit, _io_layout, _maxnreg,
+                    _mma_layout, _mma_rows, _rows_ready, _segment_of, _step_tokens, _tile_of,
+                    _tile_rows, _tma_ready, _visible, _walk_of, key_step_tokens)
 
 
 @gluon.jit
@@ -24,11 +24,11 @@ def _masked_probs(scores, u, lse, blocks, members_of, first_position, all_member
                   row_valid, row_position, scale_log2, BLOCK: gl.constexpr,
                   layout: gl.constexpr):
     """Walk entry u's probabilities from the final log-sum-exps, zero where a row does not see
-    a key."""
+    a key; ``all_members``: the members mask of a block all the warpgroup's queries kept."""
     block = gl.load(blocks + u)
     members = gl.load(members_of + u)
     probs = gl.exp2(scores * scale_log2 - lse[:, None])
-    if (block * BLOCK + BLOCK > first_position) | (members != all_members):
+    if (block * BLOCK + BLOCK > first_position) | ((members & all_members) != all_members):
         probs = gl.where(_visible(block, members, row_bit, row_valid, row_position, BLOCK,
                                   layout), probs, 0.0)
     return probs
@@ -42,13 +42,15 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
                    GQ: gl.constexpr, TOK: gl.constexpr, BLOCK: gl.constexpr,
                    HEAD_DIM: gl.constexpr, WRITE_DELTA: gl.constexpr, HALF: gl.constexpr):
     """One consumer warpgroup of the warp-specialized dQ: rows [64 HALF, 64 HALF + 64) of the
-    tile. It brings its q and dO rows into shared memory (and, with WRITE_DELTA, computes and
-    writes their deltas), walks the loader's K and V rings, and stores its rows of dq.
+    tile (half of its tokens). It brings its q and dO rows into shared memory (and, with
+    WRITE_DELTA, computes and writes their deltas), walks the loader's K and V rings, and stores
+    its rows of dq.
 
-    Per walk entry u: ``dQ += dS_{u-1} K_{u-1}`` and ``S_u = Q K_u^T`` are issued together;
-    K(u - 1) goes back to the loader as soon as the first is done (so a ring of two K blocks
-    keeps the loader a whole entry ahead), then ``dP_u = dO V_u^T`` is issued and block u's
-    exponentials run while it is computed."""
+    Per walk entry u: ``dQ += dS K`` of the warpgroup's previous entry (whose K stays held
+    until then, "pending") and ``S_u = Q K_u^T`` are issued together; the held K goes back to
+    the loader as soon as the first is done, then ``dP_u = dO V_u^T`` is issued and block u's
+    exponentials run while it is computed. An entry none of the warpgroup's tokens kept is
+    passed over as in the forward (``_fwd_query_rows``)."""
     (seq_start, seq_len, first_position, first_query, end_query, all_members,
      query_base) = tile
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -75,10 +77,11 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
         tile_delta = gl.sum(out.to(gl.float32) * dout.to(gl.float32), axis=1)
     fence_async_shared()  # the products read q and dO through the async proxy
 
-    rows, row_bit, row_valid, row_position = _mma_rows(first_position, first_query, end_query,
-                                                       GQ, TOK, ROWS, rows_layout, HALF * ROWS)
+    heads, row_bit, row_valid, row_position = _mma_rows(first_position, first_query,
+                                                        end_query, GQ, TOK, ROWS, rows_layout,
+                                                        HALF * ROWS)
     row_index = ((query_base + row_position).to(gl.int64) * (HI * GQ) + index_head * GQ
-                 + rows // TOK)
+                 + heads)
     lse = gl.load(LSE + row_index, mask=row_valid, other=0.0)
     if WRITE_DELTA:
         # Row r of the io rows is row r of the products (the same rows of q_rows).
@@ -87,47 +90,52 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
     else:
         delta = gl.load(DELTA + row_index, mask=row_valid, other=0.0)
 
+    half_members = _half_members(HALF, TOK)
+    half_all = all_members & half_members
     dq = gl.zeros((ROWS, HEAD_DIM), gl.float32, layout=o_layout)
     no_scores = gl.zeros((ROWS, BLOCK), gl.float32, layout=s_layout)
-    if walk_length > 0:
-        # Walk entry u: stage u % 2 of both rings, phase (u // 2) % 2.
-        mbarrier.wait(k_full.index(0), 0)
-        scores = warpgroup_mma(q_rows, k_smem.index(0).permute((1, 0)), no_scores,
-                               use_acc=False, is_async=True)
-        mbarrier.wait(v_full.index(0), 0)
-        dprobs = warpgroup_mma(do_rows, v_smem.index(0).permute((1, 0)), no_scores,
-                               use_acc=False, is_async=True)
-        scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
-        probs = _masked_probs(scores, 0, lse, blocks, members_of, first_position, all_members,
-                              row_bit, row_valid, row_position, scale_log2, BLOCK,
-                              s_layout)
-        dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(dprobs,))
-        mbarrier.arrive(v_empty.index(0), count=1)
-        dscores = gl.convert_layout((probs * (dprobs - delta[:, None])).to(Q.dtype.element_ty),
-                                    ds_layout)
-        for u in range(1, walk_length):
-            stage = u % 2
-            previous = 1 - stage
-            mbarrier.wait(k_full.index(stage), (u // 2) & 1)
-            dq = warpgroup_mma(dscores, k_smem.index(previous), dq, is_async=True)
+    no_dscores = gl.zeros((ROWS, BLOCK), Q.dtype.element_ty, layout=ds_layout)
+    dscores = no_dscores
+    pending = False  # dscores belong to entry `held`, whose K stage is still held
+    held = 0
+    for u in range(0, walk_length):
+        stage = u % 2
+        phase = (u // 2) & 1
+        if (gl.load(members_of + u) & half_members) != 0:
+            # Without a pending entry, dS K multiplies zeros by this entry's K (as good as any
+            # finite block) and hands nothing back.
+            dq_stage = gl.where(pending, held, u) % 2
+            mbarrier.wait(k_full.index(stage), phase)
+            dq = warpgroup_mma(dscores, k_smem.index(dq_stage), dq, is_async=True)
             scores = warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), no_scores,
                                    use_acc=False, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))
-            mbarrier.arrive(k_empty.index(previous), count=1)
-            mbarrier.wait(v_full.index(stage), (u // 2) & 1)
+            mbarrier.arrive(k_empty.index(held % 2), count=1, pred=pending)
+            mbarrier.wait(v_full.index(stage), phase)
             dprobs = warpgroup_mma(do_rows, v_smem.index(stage).permute((1, 0)), no_scores,
                                    use_acc=False, is_async=True)
             # Q K^T of block u is done; its exponentials run while dO V^T does.
             scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
-            probs = _masked_probs(scores, u, lse, blocks, members_of, first_position,
-                                  all_members, row_bit, row_valid, row_position,
-                                  scale_log2, BLOCK, s_layout)
+            probs = _masked_probs(scores, u, lse, blocks, members_of, first_position, half_all,
+                                  row_bit, row_valid, row_position, scale_log2, BLOCK,
+                                  s_layout)
             dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(dprobs,))
             mbarrier.arrive(v_empty.index(stage), count=1)
             dscores = gl.convert_layout(
                 (probs * (dprobs - delta[:, None])).to(Q.dtype.element_ty), ds_layout)
-        dq = warpgroup_mma(dscores, k_smem.index((walk_length - 1) % 2), dq, is_async=True)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+            pending = True
+            held = u
+        else:
+            if pending:
+                dq = _pending_dsk(dscores, dq, k_smem, k_empty, held)
+                dscores = no_dscores
+                pending = False
+            mbarrier.wait(k_full.index(stage), phase)
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            mbarrier.wait(v_full.index(stage), phase)
+            mbarrier.arrive(v_empty.index(stage), count=1)
+    if pending:
+        dq = _pending_dsk(dscores, dq, k_smem, k_empty, held)
 
     dq = gl.convert_layout((dq * scale).to(DQ.dtype.element_ty), io_layout)
     io_valid, io_token, io_head, dims = _tile_rows(index_head, first_position, first_query,
@@ -135,6 +143,15 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
                                                    HEAD_DIM, io_layout, HALF * ROWS)
     gl.store(DQ + io_token[:, None] * stride_dq_t + io_head[:, None] * stride_dq_h
              + dims[None, :], dq, mask=io_valid[:, None])
+
+
+@gluon.jit
+def _pending_dsk(dscores, dq, k_smem, k_empty, held):
+    """``dq + dS K`` of the pending entry ``held``, its K stage then handed back."""
+    dq = warpgroup_mma(dscores, k_smem.index(held % 2), dq, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+    mbarrier.arrive(k_empty.index(held % 2), count=1)
+    return dq
 
 
 @gluon.jit

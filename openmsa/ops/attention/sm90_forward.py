@@ -13,8 +13,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgrou
 
 from ..configs import FORWARD_REGISTERS
 from ..sm90 import (_block_descriptor, _block_loads, _block_rings, _io_layout, _maxnreg,
-                    _mma_layout, _mma_rows, _row_member, _tile_of, _tile_rows, _visible,
-                    _walk_of)
+                    _half_members, _mma_layout, _mma_rows, _row_member, _tile_of, _tile_rows,
+                    _visible, _walk_of)
 
 
 @gluon.jit
@@ -22,14 +22,15 @@ def _online_softmax(scores, u, running_max, running_sum, blocks, members_of, fir
                     all_members, row_bit, row_valid, row_position, scale_log2,
                     BLOCK: gl.constexpr, layout: gl.constexpr):
     """Walk entry u's probabilities (unnormalized, base 2) and the running max and sum. Masked
-    only where the block needs it (see tiles._walk_block)."""
+    only where the block needs it (see tiles._walk_block); ``all_members``: the members mask
+    of a block all the warpgroup's queries kept."""
     block = gl.load(blocks + u)
     members = gl.load(members_of + u)
     scores = scores * scale_log2
     if block * BLOCK + BLOCK > first_position:  # the tile's own block(s): a mask per element
         scores = gl.where(_visible(block, members, row_bit, row_valid, row_position, BLOCK,
                                    layout), scores, float("-inf"))
-    elif members != all_members:  # before the tile only whole rows drop out
+    elif (members & all_members) != all_members:  # before the tile only whole rows drop out
         scores = gl.where(_row_member(members, row_bit, row_valid)[:, None], scores,
                           float("-inf"))
     new_max = gl.maximum(running_max, gl.max(scores, axis=1))
@@ -46,8 +47,13 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
                     scale_log2, HI: gl.constexpr, GQ: gl.constexpr, TOK: gl.constexpr,
                     BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, HALF: gl.constexpr):
     """One consumer warpgroup of the warp-specialized forward: rows [64 HALF, 64 HALF + 64) of
-    the tile through its walk (the loader's K and V rings; each stage handed back once its
-    product is done), then their out and log-sum-exp."""
+    the tile (half of its tokens) through its walk, then their out and log-sum-exp.
+
+    Walk entry u's ``S_u = Q K_u^T`` is issued with ``O += P V`` of the warpgroup's previous
+    entry, whose V stays held until then ("pending"); block u's exponentials run while that
+    product does. An entry none of the warpgroup's tokens kept is passed over: its stages are
+    handed back at once, after the pending ``P V`` (the loader cannot refill the held V stage
+    before both warpgroups handed it back, so it waits for no entry behind it)."""
     (seq_start, seq_len, first_position, first_query, end_query, all_members,
      query_base) = tile
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -58,46 +64,52 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
     io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_rows = q_smem.slice(HALF * ROWS, ROWS)
-    rows, row_bit, row_valid, row_position = _mma_rows(first_position, first_query, end_query,
-                                                       GQ, TOK, ROWS, rows_layout, HALF * ROWS)
+    heads, row_bit, row_valid, row_position = _mma_rows(first_position, first_query, end_query,
+                                                        GQ, TOK, ROWS, rows_layout, HALF * ROWS)
+    half_members = _half_members(HALF, TOK)
+    half_all = all_members & half_members
     running_max = gl.full((ROWS,), float("-inf"), gl.float32, layout=rows_layout)
     running_sum = gl.zeros((ROWS,), gl.float32, layout=rows_layout)
     acc = gl.zeros((ROWS, HEAD_DIM), gl.float32, layout=o_layout)
     no_scores = gl.zeros((ROWS, BLOCK), gl.float32, layout=s_layout)
-    if walk_length > 0:
-        # Walk entry u: stage u % 2 of both rings, phase (u // 2) % 2.
-        mbarrier.wait(k_full.index(0), 0)
-        scores = warpgroup_mma(q_rows, k_smem.index(0).permute((1, 0)), no_scores,
-                               use_acc=False, is_async=True)
-        scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
-        mbarrier.arrive(k_empty.index(0), count=1)
-        probs, rescale, running_max, running_sum = _online_softmax(
-            scores, 0, running_max, running_sum, blocks, members_of, first_position,
-            all_members, row_bit, row_valid, row_position, scale_log2, BLOCK, s_layout)
-        p = gl.convert_layout(probs.to(Q.dtype.element_ty), p_layout)
-        for u in range(1, walk_length):
-            stage = u % 2
-            previous = 1 - stage
-            mbarrier.wait(k_full.index(stage), (u // 2) & 1)
+    no_probs = gl.zeros((ROWS, BLOCK), Q.dtype.element_ty, layout=p_layout)
+    p = no_probs
+    pending = False  # p holds the probabilities of entry `held`, whose V stage is still held
+    held = 0
+    for u in range(0, walk_length):
+        stage = u % 2
+        phase = (u // 2) & 1
+        if (gl.load(members_of + u) & half_members) != 0:
+            # Without a pending entry, P V multiplies zeros by this entry's V (as good as any
+            # finite block) and hands nothing back.
+            pv_entry = gl.where(pending, held, u)
+            mbarrier.wait(k_full.index(stage), phase)
             scores = warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), no_scores,
                                    use_acc=False, is_async=True)
-            mbarrier.wait(v_full.index(previous), ((u - 1) // 2) & 1)
-            pv = warpgroup_mma(p, v_smem.index(previous), acc, is_async=True)
-            # Q K^T of block u is done; its exponentials run while P V of block u - 1 does.
+            mbarrier.wait(v_full.index(pv_entry % 2), (pv_entry // 2) & 1)
+            pv = warpgroup_mma(p, v_smem.index(pv_entry % 2), acc, is_async=True)
             scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
             mbarrier.arrive(k_empty.index(stage), count=1)
             probs, rescale, running_max, running_sum = _online_softmax(
                 scores, u, running_max, running_sum, blocks, members_of, first_position,
-                all_members, row_bit, row_valid, row_position, scale_log2, BLOCK,
-                s_layout)
+                half_all, row_bit, row_valid, row_position, scale_log2, BLOCK, s_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-            mbarrier.arrive(v_empty.index(previous), count=1)
+            mbarrier.arrive(v_empty.index(held % 2), count=1, pred=pending)
             acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
             p = gl.convert_layout(probs.to(Q.dtype.element_ty), p_layout)
-        last = (walk_length - 1) % 2
-        mbarrier.wait(v_full.index(last), ((walk_length - 1) // 2) & 1)
-        acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            pending = True
+            held = u
+        else:
+            if pending:
+                acc = _pending_pv(p, acc, v_smem, v_full, v_empty, held)
+                p = no_probs
+                pending = False
+            mbarrier.wait(k_full.index(stage), phase)
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            mbarrier.wait(v_full.index(stage), phase)
+            mbarrier.arrive(v_empty.index(stage), count=1)
+    if pending:
+        acc = _pending_pv(p, acc, v_smem, v_full, v_empty, held)
 
     running_sum = gl.where(row_valid, running_sum, 1.0)
     out = acc / gl.convert_layout(running_sum, gl.SliceLayout(1, o_layout))[:, None]
@@ -107,9 +119,19 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
                                                    HEAD_DIM, io_layout, HALF * ROWS)
     gl.store(OUT + io_token[:, None] * stride_o_t + io_head[:, None] * stride_o_h
              + dims[None, :], out, mask=io_valid[:, None])
-    row_head = index_head * GQ + rows // TOK
+    row_head = index_head * GQ + heads
     gl.store(LSE + (query_base + row_position).to(gl.int64) * (HI * GQ) + row_head,
              running_max + gl.log2(running_sum), mask=row_valid)
+
+
+@gluon.jit
+def _pending_pv(p, acc, v_smem, v_full, v_empty, held):
+    """``acc + P V`` of the pending entry ``held``, its V stage then handed back."""
+    mbarrier.wait(v_full.index(held % 2), (held // 2) & 1)
+    acc = warpgroup_mma(p, v_smem.index(held % 2), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(held % 2), count=1)
+    return acc
 
 
 @gluon.jit
