@@ -50,7 +50,8 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
     until then, "pending") and ``S_u = Q K_u^T`` are issued together; the held K goes back to
     the loader as soon as the first is done, then ``dP_u = dO V_u^T`` is issued and block u's
     exponentials run while it is computed. An entry none of the warpgroup's tokens kept is
-    passed over as in the forward (``_fwd_query_rows``)."""
+    passed over as in the forward (``_fwd_query_rows``), the pending product done first when
+    its K stage is the current entry's."""
     (seq_start, seq_len, first_position, first_query, end_query, all_members,
      query_base) = tile
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -101,6 +102,11 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
     for u in range(0, walk_length):
         stage = u % 2
         phase = (u // 2) & 1
+        if pending & (held % 2 == stage):
+            # The held K stage is entry u's: the loader brings u's K once it is handed back.
+            dq = _pending_dsk(dscores, dq, k_smem, k_empty, held)
+            dscores = no_dscores
+            pending = False
         if (gl.load(members_of + u) & half_members) != 0:
             # Without a pending entry, dS K multiplies zeros by this entry's K (as good as any
             # finite block) and hands nothing back.
@@ -126,10 +132,6 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
             pending = True
             held = u
         else:
-            if pending:
-                dq = _pending_dsk(dscores, dq, k_smem, k_empty, held)
-                dscores = no_dscores
-                pending = False
             mbarrier.wait(k_full.index(stage), phase)
             mbarrier.arrive(k_empty.index(stage), count=1)
             mbarrier.wait(v_full.index(stage), phase)

@@ -52,8 +52,8 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
     Walk entry u's ``S_u = Q K_u^T`` is issued with ``O += P V`` of the warpgroup's previous
     entry, whose V stays held until then ("pending"); block u's exponentials run while that
     product does. An entry none of the warpgroup's tokens kept is passed over: its stages are
-    handed back at once, after the pending ``P V`` (the loader cannot refill the held V stage
-    before both warpgroups handed it back, so it waits for no entry behind it)."""
+    handed back at once. The pending entry is at most two behind: when it is, its V stage is
+    the current entry's, so its ``P V`` is done first."""
     (seq_start, seq_len, first_position, first_query, end_query, all_members,
      query_base) = tile
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -79,6 +79,11 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
     for u in range(0, walk_length):
         stage = u % 2
         phase = (u // 2) & 1
+        if pending & (held % 2 == stage):
+            # The held V stage is entry u's: the loader brings u's V once it is handed back.
+            acc = _pending_pv(p, acc, v_smem, v_full, v_empty, held)
+            p = no_probs
+            pending = False
         if (gl.load(members_of + u) & half_members) != 0:
             # Without a pending entry, P V multiplies zeros by this entry's V (as good as any
             # finite block) and hands nothing back.
@@ -100,10 +105,6 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
             pending = True
             held = u
         else:
-            if pending:
-                acc = _pending_pv(p, acc, v_smem, v_full, v_empty, held)
-                p = no_probs
-                pending = False
             mbarrier.wait(k_full.index(stage), phase)
             mbarrier.arrive(k_empty.index(stage), count=1)
             mbarrier.wait(v_full.index(stage), phase)
