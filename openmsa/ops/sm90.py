@@ -173,22 +173,22 @@ def _visible(block, members, row_bit, row_valid, row_position, BLOCK: gl.constex
 
 
 @gluon.jit
-def _block_loads(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, blocks,
-                 walk_length, seq_start, kv_col, BLOCK: gl.constexpr):
-    """The loader (one warp) of the warp-specialized forward and dQ: each walk entry's K and V
-    blocks by TMA into two-stage rings, each stage once both consumers handed it back."""
+def _ring_loads(desc, smem, full, empty, blocks, walk_length, seq_start, kv_col,
+                BLOCK: gl.constexpr):
+    """A loader (one warp) of the warp-specialized forward and dQ: each walk entry's K (or V)
+    block by TMA into its two-stage ring, each stage once both consumers handed it back. K and
+    V have a loader each, so that a V stage a consumer still holds never delays the next K
+    (nor, in dQ, a held K the next V)."""
     for u in range(0, walk_length):
         stage = u % 2
         row = _block_row(blocks, u, walk_length, seq_start, BLOCK)
-        mbarrier.wait(k_empty.index(stage), ((u // 2) & 1) ^ 1)
-        _issue_block_load(k_desc, k_full.index(stage), k_smem.index(stage), row, kv_col, True)
-        mbarrier.wait(v_empty.index(stage), ((u // 2) & 1) ^ 1)
-        _issue_block_load(v_desc, v_full.index(stage), v_smem.index(stage), row, kv_col, True)
+        mbarrier.wait(empty.index(stage), ((u // 2) & 1) ^ 1)
+        _issue_block_load(desc, full.index(stage), smem.index(stage), row, kv_col, True)
 
 
 @gluon.jit
 def _block_rings(k_desc, v_desc, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """``_block_loads``' two-stage K and V rings in shared memory and their barriers: full
+    """``_ring_loads``' two-stage K and V rings in shared memory and their barriers: full
     (the TMA landed) and empty (both consumer warpgroups handed the stage back)."""
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK, HEAD_DIM], v_desc.layout)

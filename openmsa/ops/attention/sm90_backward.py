@@ -13,10 +13,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from ..configs import DQ_REGISTERS, KEY_STEP_REGISTERS, KEY_STEP_STAGES
-from ..sm90 import (BLOCK_SIZES, HEAD_DIMS, _block_descriptor, _block_loads, _block_rings,
+from ..sm90 import (BLOCK_SIZES, HEAD_DIMS, _block_descriptor, _block_rings,
                     _diagonal_pairs, _half_members, _hopper_16bit, _io_layout, _maxnreg,
-                    _mma_layout, _mma_rows, _rows_ready, _segment_of, _step_tokens, _tile_of,
-                    _tile_rows, _tma_ready, _visible, _walk_of, key_step_tokens)
+                    _mma_layout, _mma_rows, _ring_loads, _rows_ready, _segment_of, _step_tokens,
+                    _tile_of, _tile_rows, _tma_ready, _visible, _walk_of, key_step_tokens)
 
 
 @gluon.jit
@@ -166,11 +166,11 @@ def _sparse_attn_dq_hopper_kernel(
     WRITE_DELTA: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     WALK_LIMIT: gl.constexpr,
 ):
-    """dQ, query-outer and warp-specialized as the forward: the forward's loader
-    (``_block_loads``) and two warpgroups of 64 rows each (``_dq_query_rows``). With
-    WRITE_DELTA the deltas (sum_d dO * O) are computed here from OUT and written to DELTA for
-    the dK/dV kernel, instead of read from it. WALK_LIMIT > 0: a tile whose union holds more
-    blocks is left to the key-outer dQ."""
+    """dQ, query-outer and warp-specialized as the forward: the forward's loaders
+    (``_ring_loads``, one warp each for K and V) and two warpgroups of 64 rows each
+    (``_dq_query_rows``). With WRITE_DELTA the deltas (sum_d dO * O) are computed here from OUT
+    and written to DELTA for the dK/dV kernel, instead of read from it. WALK_LIMIT > 0: a tile
+    whose union holds more blocks is left to the key-outer dQ."""
     entry = gl.program_id(0)
     index_head = gl.program_id(1)
     sequence = gl.load(SCHEDULE + 2 * entry)
@@ -203,9 +203,11 @@ def _sparse_attn_dq_hopper_kernel(
                           tile, index_head, stride_q_t, stride_q_h, stride_do_t, stride_do_h,
                           stride_o_t, stride_o_h, stride_dq_t, stride_dq_h, scale, scale_log2,
                           HI, GQ, TOK, BLOCK, HEAD_DIM, WRITE_DELTA, 1)),
-        (_block_loads, (k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
-                        blocks, walk_length, seq_start, kv_col, BLOCK)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        (_ring_loads, (k_desc, k_smem, k_full, k_empty, blocks, walk_length, seq_start,
+                       kv_col, BLOCK)),
+        (_ring_loads, (v_desc, v_smem, v_full, v_empty, blocks, walk_length, seq_start,
+                       kv_col, BLOCK)),
+    ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
 
 
 def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float, out=None,

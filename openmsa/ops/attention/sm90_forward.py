@@ -1,7 +1,8 @@
 """The main attention's forward for Hopper GPUs, in Gluon: the Triton forward's program
 (``attention.forward``, main branch only) with K and V blocks arriving by TMA into rings of
 shared memory, asynchronous tensor-core products (block u's exponentials run during ``P V`` of
-block u - 1) and warp specialization (a loader warp, two consumer warpgroups of 64 rows each).
+block u - 1) and warp specialization (a loader warp each for K and V, two consumer warpgroups of
+64 rows each, each taking half of the tile's tokens).
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgrou
                                                               warpgroup_mma_wait)
 
 from ..configs import FORWARD_REGISTERS
-from ..sm90 import (_block_descriptor, _block_loads, _block_rings, _io_layout, _maxnreg,
-                    _half_members, _mma_layout, _mma_rows, _row_member, _tile_of, _tile_rows,
+from ..sm90 import (_block_descriptor, _block_rings, _half_members, _io_layout, _maxnreg,
+                    _mma_layout, _mma_rows, _ring_loads, _row_member, _tile_of, _tile_rows,
                     _visible, _walk_of)
 
 
@@ -52,8 +53,9 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
     Walk entry u's ``S_u = Q K_u^T`` is issued with ``O += P V`` of the warpgroup's previous
     entry, whose V stays held until then ("pending"); block u's exponentials run while that
     product does. An entry none of the warpgroup's tokens kept is passed over: its stages are
-    handed back at once. The pending entry is at most two behind: when it is, its V stage is
-    the current entry's, so its ``P V`` is done first."""
+    handed back at once. The pending entry is at most two behind; when it is, its V stage is
+    the current entry's: an entry passed over does its ``P V`` first (it waits for u's V),
+    an entry computed issues it as always (the loader brings K(u) meanwhile, V(u) after)."""
     (seq_start, seq_len, first_position, first_query, end_query, all_members,
      query_base) = tile
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -79,12 +81,13 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
     for u in range(0, walk_length):
         stage = u % 2
         phase = (u // 2) & 1
-        if pending & (held % 2 == stage):
+        mine = (gl.load(members_of + u) & half_members) != 0
+        if pending & (held % 2 == stage) & (not mine):
             # The held V stage is entry u's: the loader brings u's V once it is handed back.
             acc = _pending_pv(p, acc, v_smem, v_full, v_empty, held)
             p = no_probs
             pending = False
-        if (gl.load(members_of + u) & half_members) != 0:
+        if mine:
             # Without a pending entry, P V multiplies zeros by this entry's V (as good as any
             # finite block) and hands nothing back.
             pv_entry = gl.where(pending, held, u)
@@ -143,9 +146,10 @@ def _sparse_attn_fwd_hopper_kernel(
     BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, UNION_SLOTS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, WALK_LIMIT: gl.constexpr,
 ):
-    """The forward warp-specialized: one warp loads the walk's K and V blocks (``_block_loads``)
-    and each warpgroup computes 64 of the tile's 128 rows (``_fwd_query_rows``; the first is the
-    launch's 4 warps, the second a worker partition), with no barrier between the two.
+    """The forward warp-specialized: a warp each loads the walk's K and V blocks
+    (``_ring_loads``) and each warpgroup computes 64 of the tile's 128 rows
+    (``_fwd_query_rows``; the first is the launch's 4 warps, the second a worker partition),
+    with no barrier between the two.
     WALK_LIMIT > 0: a tile whose union holds more blocks is left to the key-outer forward."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = 128
@@ -184,9 +188,11 @@ def _sparse_attn_fwd_hopper_kernel(
         (_fwd_query_rows, (Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full,
                            v_empty, blocks, members_of, walk_length, tile, index_head,
                            stride_o_t, stride_o_h, scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, 1)),
-        (_block_loads, (k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
-                        blocks, walk_length, seq_start, kv_col, BLOCK)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        (_ring_loads, (k_desc, k_smem, k_full, k_empty, blocks, walk_length, seq_start,
+                       kv_col, BLOCK)),
+        (_ring_loads, (v_desc, v_smem, v_full, v_empty, blocks, walk_length, seq_start,
+                       kv_col, BLOCK)),
+    ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
 
 
 def sparse_attention_fwd(q, k, v, p, scale_log2: float, walk_limit: int = 0):
