@@ -40,37 +40,6 @@ TILE_CASES = [(1, RANGES[0]), (4, RANGES[0]), (8, RANGES[0]), (64, RANGES[0]), (
               (64, RANGES[2])]
 
 
-def _walk_order(kept: dict, tile_start: int, tile_tokens: int) -> list:
-    """The union of ``kept`` (token -> its kept blocks) in walk order, written out plainly:
-    blocks of both halves of the tile, then one half's and the other's in turn."""
-    half = tile_tokens // 2
-    first = set().union(*(b for t, b in kept.items() if t - tile_start < half))
-    second = set().union(*(b for t, b in kept.items() if t - tile_start >= half))
-    if tile_tokens == 1:
-        first = second = first | second
-    both = sorted(first & second)
-    first_only, second_only = sorted(first - second), sorted(second - first)
-    order = list(both)
-    for i in range(max(len(first_only), len(second_only))):
-        order += first_only[i:i + 1] + second_only[i:i + 1]
-    return order
-
-
-def test_walk_order_alternates_the_halves():
-    """A tile of 4 tokens: blocks of both halves first, then first-half and second-half ones
-    alternating, the longer class's rest last."""
-    ids = torch.full((4, 1, 4), -1, dtype=torch.int32)
-    ids[0, 0, :3] = torch.tensor([9, 1, 5])
-    ids[1, 0, :2] = torch.tensor([7, 3])
-    ids[2, 0, :2] = torch.tensor([5, 2])
-    ids[3, 0, :1] = torch.tensor([8])
-    cu = torch.tensor([0, 4], dtype=torch.int32)
-    for use_triton in (False, True):
-        work = build_query_tile_work(ids, cu, 4, use_triton=use_triton)
-        assert work.union[0, 0, :8].tolist() == [5, 1, 2, 3, 8, 7, 9, -1]
-        assert work.union_members[0, 0, :7].tolist() == [5, 1, 4, 2, 8, 2, 1]
-
-
 @pytest.mark.parametrize("use_triton,tile_tokens,query_range",
                          [(False, *case) for case in TILE_CASES]
                          + [(True, *case) for case in TILE_CASES[3:]])
@@ -91,7 +60,7 @@ def test_query_tile_unions_and_members(use_triton, tile_tokens, query_range):
         tokens = range(max(tile_start, first), min(tile_start + tile_tokens, stop, end))
         for head in range(3):
             kept = {t: set(ids[t, head].tolist()) - {-1} for t in tokens}
-            expected = _walk_order(kept, tile_start, tile_tokens)
+            expected = sorted(set().union(*kept.values()))
             count = work.union_count[entry, head].item()
             assert work.union[entry, head, :count].tolist() == expected
             assert (work.union[entry, head, count:] == -1).all()

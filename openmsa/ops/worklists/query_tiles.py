@@ -3,9 +3,8 @@ without host synchronization.
 
 - The schedule: one entry per query tile (``tile_tokens`` consecutive tokens of one sequence,
   on the sequence's own grid of tiles), most causal work first.
-- ``QueryTileWork``: per tile and index head, the distinct blocks its tokens kept (the blocks
-  a kernel walks, in the walk order below), each with a bit mask of the tile's tokens that
-  kept it.
+- ``QueryTileWork``: per tile and index head, the sorted distinct blocks its tokens kept (the
+  blocks a kernel walks), each with a bit mask of the tile's tokens that kept it.
 
 The queries may be a range of the keys' packing (``query_start``, for context parallelism): the
 lists name queries by their row in the query tensors (packed token - query_start). Every size
@@ -136,19 +135,11 @@ def _query_tile_schedule_torch(cu_seqlens: torch.Tensor, num_queries: int, tile_
 @dataclass
 class QueryTileWork:
     """Query tiles (``tile_tokens`` consecutive tokens of one sequence, most work first) and, per
-    tile and index head, the distinct blocks its tokens kept (the blocks a query-outer kernel
-    walks), each with a bit mask of the tile's tokens that kept it.
-
-    Walk order: first the blocks that tokens of both halves of the tile kept (positions
-    [0, tile_tokens // 2) and the rest), then those one half alone kept, alternating between
-    the halves while both have some; each class ascending by block. The Hopper forward and dQ
-    give each half to a warpgroup that passes over the entries none of its tokens kept, and
-    the two share a ring of two key blocks: alternating lets one compute an entry while the
-    other computes the next, where in ascending order either would often wait for the other.
-    The other kernels do not depend on the order."""
+    tile and index head, the sorted distinct blocks its tokens kept (the blocks a query-outer
+    kernel walks), each with a bit mask of the tile's tokens that kept it."""
 
     schedule: torch.Tensor  # int32 [E, 2]: (sequence, tile within the sequence); -1 = padding
-    union: torch.Tensor  # int32 [E, Hi, tile_tokens * top_k]: distinct kept blocks, walk order
+    union: torch.Tensor  # int32 [E, Hi, tile_tokens * top_k]: distinct kept blocks, ascending
     union_members: torch.Tensor  # int64 [E, Hi, tile_tokens * top_k]: bit t = token t kept it
     union_count: torch.Tensor  # int32 [E, Hi]: how many entries of ``union`` are blocks
     tile_tokens: int
@@ -192,40 +183,13 @@ def _maximum(a, b):
 
 
 @triton.jit
-def _halves_kept(members, real, TILE_TOKENS: tl.constexpr):
-    """Which of the entries whose token bits are ``members`` (where ``real``) the tokens of
-    both halves of the tile kept (positions [0, TILE_TOKENS // 2) and the rest), of the first
-    half alone, of the second alone. A tile of one token has no halves: both."""
-    if TILE_TOKENS == 1:
-        return real, tl.zeros_like(real), tl.zeros_like(real)
-    else:
-        in_first = (members & ((1 << (TILE_TOKENS // 2)) - 1)) != 0
-        in_second = (members >> (TILE_TOKENS // 2)) != 0
-        return (real & in_first & in_second, real & in_first & ~in_second,
-                real & ~in_first & in_second)
-
-
-@triton.jit
-def _walk_places(both, first_half, second_half, both_rank, first_rank, second_rank,
-                 both_count, first_count, second_count):
-    """An entry's place in its tile's walk order (see ``QueryTileWork``), from its class
-    (``_halves_kept``), its rank by block within the class and the classes' sizes."""
-    paired = tl.minimum(first_count, second_count)
-    first_place = both_count + tl.where(first_rank < paired, 2 * first_rank, paired + first_rank)
-    second_place = both_count + tl.where(second_rank < paired, 2 * second_rank + 1,
-                                         paired + second_rank)
-    return tl.where(both, both_rank, tl.where(first_half, first_place, second_place))
-
-
-@triton.jit
 def _query_tile_union_kernel(IDS, SCHEDULE, CU_SEQLENS, UNION, MEMBERS, COUNT, query_start,
                              num_queries, stride_ids_t, stride_ids_h, num_index_heads,
                              TILE_TOKENS: tl.constexpr, TOP_K: tl.constexpr,
                              ENTRIES: tl.constexpr):
     """One (tile, index head): its tokens' kept blocks, sorted as (block, token) keys, become
     the runs of equal blocks; each run gives one union entry and the OR of its tokens' bits
-    (an XOR: a token keeps a block once), at its place in the walk order. Entries past the
-    union hold -1 and 0."""
+    (an XOR: a token keeps a block once). Entries past the union hold -1 and 0."""
     entry = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     width = TILE_TOKENS * TOP_K
@@ -249,22 +213,16 @@ def _query_tile_union_kernel(IDS, SCHEDULE, CU_SEQLENS, UNION, MEMBERS, COUNT, q
     following = tl.gather(block, tl.minimum(index + 1, ENTRIES - 1), 0)
     first = valid & ((index == 0) | (block != previous))
     last = valid & ((index == ENTRIES - 1) | (block != following))
+    slot = tl.cumsum(first.to(tl.int32), 0) - 1
     count = tl.sum(first.to(tl.int32), 0)
     bits = tl.where(valid, tl.full([ENTRIES], 1, tl.int64) << (keys % TILE_TOKENS).to(tl.int64),
                     0)
     prefix = tl.associative_scan(bits, 0, _xor)  # bits of entries 0..i
     run_start = tl.associative_scan(tl.where(first, index, 0), 0, _maximum)
-    members = prefix ^ tl.gather(prefix ^ bits, run_start, 0)  # at a run's last entry
-    # Each run's place in the walk order (``_walk_places``), written from its last entry.
-    both, first_half, second_half = _halves_kept(members, last, TILE_TOKENS)
-    place = _walk_places(both, first_half, second_half, tl.cumsum(both.to(tl.int32), 0) - 1,
-                         tl.cumsum(first_half.to(tl.int32), 0) - 1,
-                         tl.cumsum(second_half.to(tl.int32), 0) - 1,
-                         tl.sum(both.to(tl.int32), 0), tl.sum(first_half.to(tl.int32), 0),
-                         tl.sum(second_half.to(tl.int32), 0))
+    before_run = tl.gather(prefix ^ bits, run_start, 0)  # bits of entries before the run
     out = (entry * num_index_heads + head) * width
-    tl.store(UNION + out + place, block, mask=last)
-    tl.store(MEMBERS + out + place, members, mask=last)
+    tl.store(UNION + out + slot, block, mask=first)
+    tl.store(MEMBERS + out + slot, prefix ^ before_run, mask=last)
     empty = (index >= count) & (index < width)
     tl.store(UNION + out + index, -1, mask=empty)
     tl.store(MEMBERS + out + index, 0, mask=empty)
@@ -315,8 +273,7 @@ def build_query_tile_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor,
 
 def _query_tile_work_torch(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, tile_tokens: int,
                            query_start: int = 0) -> QueryTileWork:
-    """``build_query_tile_work`` in torch operations: (block, token) keys sorted per tile, the
-    union then put in walk order."""
+    """``build_query_tile_work`` in torch operations: (block, token) keys sorted per tile."""
     total, num_index_heads, top_k = block_ids.shape
     device = block_ids.device
     schedule, _, token_valid, row = _tile_queries(cu_seqlens, total, tile_tokens, query_start)
@@ -344,36 +301,11 @@ def _query_tile_work_torch(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, ti
     members = torch.zeros_like(union)
     token_bit = torch.bitwise_left_shift(torch.ones_like(keys), keys % tile_tokens)
     members.scatter_add_(-1, torch.where(valid, slot, width), token_bit)
-    union, members = _in_walk_order(union[..., :width], members[..., :width], tile_tokens)
-    return QueryTileWork(schedule=schedule, union=union.to(torch.int32).contiguous(),
-                         union_members=members.contiguous(),
+    return QueryTileWork(schedule=schedule,
+                         union=union[..., :width].to(torch.int32).contiguous(),
+                         union_members=members[..., :width].contiguous(),
                          union_count=first_of_run.sum(dim=-1).to(torch.int32).contiguous(),
                          tile_tokens=tile_tokens)
-
-
-def _in_walk_order(union: torch.Tensor, members: torch.Tensor, tile_tokens: int):
-    """Ascending unions and their members masks (``[..., width]``, -1 and 0 past the union)
-    rearranged into the walk order of ``QueryTileWork`` (as ``_walk_places``)."""
-    real = union >= 0
-    if tile_tokens == 1:
-        both, first_half, second_half = real, real & False, real & False
-    else:
-        half = tile_tokens // 2
-        in_first = (members & ((1 << half) - 1)) != 0
-        in_second = (members >> half) != 0
-        both = real & in_first & in_second
-        first_half = real & in_first & ~in_second
-        second_half = real & ~in_first & in_second
-    ranks = [torch.cumsum(kind, dim=-1) - 1 for kind in (both, first_half, second_half)]
-    counts = [kind.sum(dim=-1, keepdim=True) for kind in (both, first_half, second_half)]
-    paired = torch.minimum(counts[1], counts[2])
-    first_place = counts[0] + torch.where(ranks[1] < paired, 2 * ranks[1], paired + ranks[1])
-    second_place = counts[0] + torch.where(ranks[2] < paired, 2 * ranks[2] + 1,
-                                           paired + ranks[2])
-    place = torch.where(both, ranks[0], torch.where(first_half, first_place, second_place))
-    place = torch.where(real, place, torch.arange(union.shape[-1], device=union.device))
-    return (torch.empty_like(union).scatter_(-1, place, union),
-            torch.empty_like(members).scatter_(-1, place, members))
 
 
 def build_causal_query_tile_work(cu_seqlens: torch.Tensor, num_queries: int,
