@@ -18,6 +18,10 @@
 #   (benchmarks/quality_study.py: OPENMSA_STUDY_STAGES, default train,adapt,eval,report, of the
 #   long-context quality study into OPENMSA_STUDY_DIR, default runs/study, which a warm
 #   machine keeps between calls; OPENMSA_STUDY_ARGS adds arguments, e.g. --variants fp8,share2),
+#   compare (`openmsa bench` from each folder of OPENMSA_COMPARE_TREES, then from this tree, one
+#   after the other in one call: before and after a change, each with its own dense; a folder
+#   holds another commit's package, made here with tools/tree_copy.sh and carried to the
+#   machine; OPENMSA_COMPARE_ARGS, default "--seqlens 32k,128k --no-flex --no-fla"),
 #   learn-probe (benchmarks/probe_lm_learning.py at the ruler-gpu model's size, 1024 tokens:
 #   niah_single alone and the six-task mix side by side: does the study's model learn?)
 # OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
@@ -29,7 +33,7 @@ set -u
 out=${1:?usage: run_gpu.sh OUTDIR [all|PART,PART...]}
 parts=",${2:-all},"
 wants() {
-  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer|short|megatron|study|learn-probe)$ ]] \
+  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer|short|megatron|study|learn-probe|compare)$ ]] \
     && return 0
   [[ "$parts" == *",$1,"* ]] || { [[ "$parts" == *",cli,"* ]] && [[ "$1" =~ ^(train|bench)$ ]]; }
 }
@@ -108,6 +112,16 @@ if wants megatron; then
     | grep -E "passed|failed|error" | tail -5
   python3 benchmarks/bench_megatron.py --out "$out/megatron" 2>&1 | tee "$out/bench_megatron.log" \
     | tail -8
+fi
+if wants compare; then
+  # Run from inside each folder: `python -m` puts the working directory ahead of PYTHONPATH.
+  for tree in ${OPENMSA_COMPARE_TREES:-} "$PWD"; do
+    name=$(basename "$tree")
+    (cd "$tree" && PYTHONPATH="$PWD" python3 -m openmsa.cli bench \
+      ${OPENMSA_COMPARE_ARGS:---seqlens 32k,128k --no-flex --no-fla} --out "$out/compare-$name" \
+      2>&1 | tee "$out/compare-$name.log" | tail -8; \
+      python3 -c "import openmsa; print('package:', openmsa.__file__)")
+  done
 fi
 if wants learn-probe; then
   size="--layers 4 --hidden 512 --heads 8 --kv-heads 2 --length 1024 --batch 32 --lr 5e-4"
