@@ -187,6 +187,16 @@ def _ring_loads(desc, smem, full, empty, blocks, walk_length, seq_start, kv_col,
 
 
 @gluon.jit
+def _pass_over(k_full, k_empty, v_full, v_empty, stage, phase):
+    """A consumer's turn at a walk entry none of its rows kept: the entry's K and V stages
+    handed back as soon as they have landed (the loaders count on both consumers' arrivals)."""
+    mbarrier.wait(k_full.index(stage), phase)
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    mbarrier.wait(v_full.index(stage), phase)
+    mbarrier.arrive(v_empty.index(stage), count=1)
+
+
+@gluon.jit
 def _block_rings(k_desc, v_desc, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
     """``_ring_loads``' two-stage K and V rings in shared memory and their barriers: full
     (the TMA landed) and empty (both consumer warpgroups handed the stage back)."""

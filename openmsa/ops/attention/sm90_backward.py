@@ -15,8 +15,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ..configs import DQ_REGISTERS, KEY_STEP_REGISTERS, KEY_STEP_STAGES
 from ..sm90 import (BLOCK_SIZES, HEAD_DIMS, _block_descriptor, _block_rings,
                     _diagonal_pairs, _half_members, _hopper_16bit, _io_layout, _maxnreg,
-                    _mma_layout, _mma_rows, _ring_loads, _rows_ready, _segment_of, _step_tokens,
-                    _tile_of, _tile_rows, _tma_ready, _visible, _walk_of, key_step_tokens)
+                    _mma_layout, _mma_rows, _pass_over, _ring_loads, _rows_ready, _segment_of,
+                    _step_tokens, _tile_of, _tile_rows, _tma_ready, _visible, _walk_of,
+                    key_step_tokens)
 
 
 @gluon.jit
@@ -132,10 +133,7 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
             pending = True
             held = u
         else:
-            mbarrier.wait(k_full.index(stage), phase)
-            mbarrier.arrive(k_empty.index(stage), count=1)
-            mbarrier.wait(v_full.index(stage), phase)
-            mbarrier.arrive(v_empty.index(stage), count=1)
+            _pass_over(k_full, k_empty, v_full, v_empty, stage, phase)
     if pending:
         dq = _pending_dsk(dscores, dq, k_smem, k_empty, held)
 

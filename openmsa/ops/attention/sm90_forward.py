@@ -14,8 +14,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgrou
 
 from ..configs import FORWARD_REGISTERS
 from ..sm90 import (_block_descriptor, _block_rings, _half_members, _io_layout, _maxnreg,
-                    _mma_layout, _mma_rows, _ring_loads, _row_member, _tile_of, _tile_rows,
-                    _visible, _walk_of)
+                    _mma_layout, _mma_rows, _pass_over, _ring_loads, _row_member, _tile_of,
+                    _tile_rows, _visible, _walk_of)
 
 
 @gluon.jit
@@ -108,10 +108,7 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
             pending = True
             held = u
         else:
-            mbarrier.wait(k_full.index(stage), phase)
-            mbarrier.arrive(k_empty.index(stage), count=1)
-            mbarrier.wait(v_full.index(stage), phase)
-            mbarrier.arrive(v_empty.index(stage), count=1)
+            _pass_over(k_full, k_empty, v_full, v_empty, stage, phase)
     if pending:
         acc = _pending_pv(p, acc, v_smem, v_full, v_empty, held)
 
