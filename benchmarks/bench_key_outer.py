@@ -3,7 +3,8 @@
 
     python benchmarks/bench_key_outer.py --out DIR [--seqlens 8192,32768,131072]
         [--limits 0,1.5,2,3,4] [--key-outer-kernels gluon,triton] [--partial-gib 2,8]
-        [--kernels] [--launches 8x2,4x2,8x3] [--combine-launches 64x4,128x8]
+        [--dq-partials float32,input] [--kernels] [--launches 8x2,4x2,8x3]
+        [--combine-launches 64x4,128x8]
 
 A limit L sends the query tiles whose union holds more than L x top_k blocks key-outer; 0 walks
 every tile (the kernels before). H64/Hkv4/Hi4/Hik1, D = Di = 128, top 16 of 128, bf16, B = 1.
@@ -13,8 +14,9 @@ lists are built beforehand, the whole training step (selection, main attention, 
 backward) through ``msa_attention``'s kernels at that limit, dense SDPA's step in the same run,
 and how far out and dq lie from the walk's (relative RMS). Each limit above 0 is timed with the
 key-outer passes on each of ``--key-outer-kernels`` (the Gluon kernels, the Triton ones) and
-each of ``--partial-gib`` (the memory their partials take at once); ``--kernels`` adds each
-row's kernel times (torch profiler) of one forward and one backward.
+each of ``--partial-gib`` (the memory their partials take at once) and ``--dq-partials`` (dQ's
+partials in fp32 or bf16); ``--kernels`` adds each row's kernel times (torch profiler) of one
+forward and one backward.
 ``--launches WxS,...``: also times
 the key-outer kernels' launch (warps x stages, ``configs.KEY_OUTER_CONFIG``) at the last limit,
 forward and backward alone. Prints a table last.
@@ -45,7 +47,7 @@ HEADS, KV_HEADS, INDEX_HEADS, DIM, TOP_K, BLOCK = 64, 4, 4, 128, 16, 128
 
 def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
             key_outer_kernels=("gluon", "triton"), partial_gib=(2.0,),
-            profile: bool = False, combine_launches=()) -> list[dict]:
+            profile: bool = False, combine_launches=(), dq_partials=("float32",)) -> list[dict]:
     generator = torch.Generator(device="cuda").manual_seed(seqlen)
     q, k, v = (torch.randn(seqlen, h, DIM, device="cuda", generator=generator).bfloat16()
                for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -62,13 +64,15 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
     if not dense:
         dense.update(dense_baseline(*inputs[:3], dout[None], median_ms))
     rows, walked = [], None
-    runs = [(limit, kernel, gib) for limit in limits
+    runs = [(limit, kernel, gib, partials) for limit in limits
             for kernel in (key_outer_kernels if limit else ["-"])
-            for gib in (partial_gib if limit else partial_gib[:1])]
-    for limit, kernel, gib in runs:
+            for gib in (partial_gib if limit else partial_gib[:1])
+            for partials in (dq_partials if limit else dq_partials[:1])]
+    for limit, kernel, gib, partials in runs:
         key_outer.KEY_OUTER_HOPPER = kernel != "triton"
         tuning = Tuning(main_walk_limit_per_slot=limit,
-                        key_outer_partial_bytes=int(gib * (1 << 30)))
+                        key_outer_partial_bytes=int(gib * (1 << 30)),
+                        key_outer_dq_partials=partials)
         problem = SparseAttentionProblem(q, k, ids, cu, BLOCK, scale, tuning=tuning)
         problem.block_work  # the step builds it for dK/dV anyway
         blocks = key_outer.walk_limit(problem)
@@ -84,7 +88,8 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
             torch.autograd.grad((result, kl), inputs, (dout[None], one))
 
         row = dict(seqlen=seqlen, selection=kind, limit_per_slot=limit, walk_limit_blocks=blocks,
-                   key_outer_kernels=kernel, partial_gib=gib, hard_row_share=hard,
+                   key_outer_kernels=kernel, partial_gib=gib, dq_partials=partials,
+                   hard_row_share=hard,
                    **statistics,
                    fwd_ms=median_ms(lambda: sparse_attention_fwd(q, k, v, None, None, problem)),
                    bwd_ms=median_ms(lambda: attention_backward(q, k, v, out, dout, lse,
@@ -149,6 +154,8 @@ def main() -> None:
                         help="at each limit > 0, time the key-outer passes on these kernels")
     parser.add_argument("--partial-gib", default="2",
                         help="at each limit > 0, Tuning.key_outer_partial_bytes (GiB) to time")
+    parser.add_argument("--dq-partials", default="float32",
+                        help="at each limit > 0, Tuning.key_outer_dq_partials to time")
     parser.add_argument("--combine-launches", default="",
                         help="RxW,...: the combine's and dQ sum's rows and warps a program to "
                         "time (kernel times) at the last limit")
@@ -165,7 +172,8 @@ def main() -> None:
                             [x for x in args.launches.split(",") if x],
                             args.key_outer_kernels.split(","),
                             [float(x) for x in args.partial_gib.split(",")], args.kernels,
-                            [x for x in args.combine_launches.split(",") if x])
+                            [x for x in args.combine_launches.split(",") if x],
+                            args.dq_partials.split(","))
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, date=time.strftime("%Y-%m-%d"), args=vars(args),
                   config=f"H{HEADS}/Hkv{KV_HEADS}/Hi{INDEX_HEADS}/Hik1 D=Di={DIM} top {TOP_K} "
@@ -174,7 +182,7 @@ def main() -> None:
         json.dump(result, handle, indent=2)
     print(f"\nkey-outer forward and dQ by walk limit, {result['gpu']}, {result['config']}")
     print(f"{'S':>7} {'selection':>9} {'Jacc':>5} {'union8':>6} {'limit':>5} {'kernels':>7} "
-          f"{'GiB':>4} {'hard':>5} "
+          f"{'GiB':>4} {'dQ part':>7} {'hard':>5} "
           f"{'fwd ms':>8} {'bwd ms':>8} {'step ms':>8} {'x dense':>7} {'out/dq vs walk':>16}")
     for r in rows:
         if "combine_launch" in r:
@@ -187,6 +195,7 @@ def main() -> None:
             continue
         print(f"{r['seqlen']:>7} {r['selection']:>9} {r['jaccard']:>5.2f} {r['union_8']:>6.1f} "
               f"{r['limit_per_slot']:>5.1f} {r['key_outer_kernels']:>7} {r['partial_gib']:>4g} "
+              f"{r['dq_partials']:>7} "
               f"{r['hard_row_share']:>5.2f} {r['fwd_ms']:>8.2f} "
               f"{r['bwd_ms']:>8.2f} {r['step_ms']:>8.2f} {r.get('step_x_dense', 0):>6.2f}x "
               f"{r['out_vs_walk']:>7.1e}/{r['dq_vs_walk']:>7.1e}")

@@ -33,16 +33,17 @@ from openmsa.ops.sm90 import NUM_WARPS, ROWS, _maxnreg, key_step_tokens
 
 def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "bf16",
                      kernel: str = "forward", heads_per_token: int = 16):
-    """The ``kernel`` ("forward", "dq", "dkdv", "kl", "key-outer-forward" or "key-outer-dq")
-    compiled for sm_90a on any machine, GPU
-    or not (nothing runs): the compiled kernel, whose ``asm["ptx"]`` ``ptxas_report`` reports on
-    (benchmarks/inspect_kernels.py, tests/ops/test_sm90.py)."""
+    """The ``kernel`` ("forward", "dq", "dkdv", "kl", "key-outer-forward", "key-outer-dq" or
+    "key-outer-dq-16bit": its partials in the inputs' precision) compiled for sm_90a on any
+    machine, GPU or not (nothing runs): the compiled kernel, whose ``asm["ptx"]``
+    ``ptxas_report`` reports on (benchmarks/inspect_kernels.py, tests/ops/test_sm90.py)."""
     element = gl.bfloat16 if dtype == "bf16" else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([block_size, head_dim], element)
     fn = {"forward": _sparse_attn_fwd_hopper_kernel, "dq": _sparse_attn_dq_hopper_kernel,
           "dkdv": _sparse_attn_dkdv_hopper_kernel, "kl": _kl_hopper_kernel,
           "key-outer-forward": _key_outer_hopper_kernel,
-          "key-outer-dq": _key_outer_hopper_kernel}[kernel]
+          "key-outer-dq": _key_outer_hopper_kernel,
+          "key-outer-dq-16bit": _key_outer_hopper_kernel}[kernel]
     tile_tokens = ROWS // (1 << (heads_per_token - 1).bit_length())  # 128-row query tiles
     constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, TOK=tile_tokens, BLOCK=block_size,
                      HEAD_DIM=head_dim, UNION_SLOTS=tile_tokens * 16)
@@ -72,7 +73,7 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
                          TOK=key_step_tokens(heads_per_token, STEP_ROWS), BLOCK=block_size,
                          HEAD_DIM=head_dim, TOP_K=16, TOP_K_PAD=16, SEGMENT_PAIRS=1024,
                          SEARCH_STEPS=12, STAGES=KEY_OUTER_HOPPER_STAGES,
-                         WITH_GRAD=kernel.endswith("dq"), CONSUMER_REGS=consumer,
+                         WITH_GRAD=kernel.startswith("key-outer-dq"), CONSUMER_REGS=consumer,
                          GATHER_REGS=gather)
         options = dict(num_warps=4, maxnreg=_maxnreg(3, KEY_OUTER_HOPPER_REGISTERS))
     pointers = dict(Q=f"*{dtype}", OUT=f"*{dtype}", DOUT=f"*{dtype}", DQ=f"*{dtype}",

@@ -80,6 +80,9 @@ KEY_OUTER_HOPPER_REGISTERS = (232, 40)  # key-outer forward and dQ (Gluon): cons
 KEY_OUTER_HOPPER_STAGES = 4  # their steps of gathered rows in shared memory
 
 
+KEY_OUTER_DQ_PARTIALS = ("float32", "input")
+
+
 @dataclass(frozen=True)
 class Tuning:
     """The work lists' and key-outer kernels' sizes.
@@ -110,6 +113,9 @@ class Tuning:
     key_outer_partial_bytes: the most memory the key-outer forward's or dQ's per-slot
         partials take at once (they run over windows of query rows that fit). At 128k on
         random selections 8 GiB made the step 4% faster than 2 GiB (fewer windows).
+    key_outer_dq_partials: the key-outer dQ's per-slot partials in "float32" (the default) or
+        in the inputs' "input" precision (half the memory traffic of writing and summing them;
+        each partial is rounded once before the fp32 sum). Opt-in until measured on a GPU.
     """
 
     segment_pairs: int = 1024
@@ -122,6 +128,12 @@ class Tuning:
     kl_pairs: int = 64
     main_walk_limit_per_slot: float = 0.0
     key_outer_partial_bytes: int = 2 << 30
+    key_outer_dq_partials: str = "float32"
+
+    def __post_init__(self):
+        if self.key_outer_dq_partials not in KEY_OUTER_DQ_PARTIALS:
+            raise ValueError(f"key_outer_dq_partials: expected one of {KEY_OUTER_DQ_PARTIALS}, "
+                             f"received {self.key_outer_dq_partials!r}")
 
     def segment_pairs_for(self, num_queries: int, num_index_heads: int, slots: int,
                           heads_per_index_head: int = 1, multiprocessors: int = 1) -> int:

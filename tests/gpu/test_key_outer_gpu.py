@@ -2,6 +2,7 @@
 the other tiles: bf16 against the fp32 reference (within twice the reference's own bf16 error),
 and bitwise the same twice. Skipped without a GPU."""
 
+import dataclasses
 import json
 import os
 
@@ -43,9 +44,12 @@ def _count_gluon_launches(monkeypatch) -> list:
     return launches
 
 
-@pytest.mark.parametrize("kernels", ["gluon", "triton"])
+@pytest.mark.parametrize("kernels,dq_partials", [("gluon", "float32"), ("triton", "float32"),
+                                                ("gluon", "input"), ("triton", "input")])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_bf16_key_outer_within_twice_the_reference_error(case, kernels, monkeypatch):
+def test_bf16_key_outer_within_twice_the_reference_error(case, kernels, dq_partials,
+                                                         monkeypatch):
+    """Both kernels, the dQ partials in fp32 and in bf16 (``Tuning.key_outer_dq_partials``)."""
     counts = []
     original = key_outer.hard_rows
 
@@ -57,17 +61,25 @@ def test_bf16_key_outer_within_twice_the_reference_error(case, kernels, monkeypa
     monkeypatch.setattr(key_outer, "hard_rows", counted)
     monkeypatch.setattr(key_outer, "KEY_OUTER_HOPPER", kernels == "gluon")
     launches = _count_gluon_launches(monkeypatch)
-    comparison = compare_with_reference(tuned_msa_attention(TUNING), case, torch.bfloat16,
+    slot_bytes = []
+    windows = key_outer._windows
+    monkeypatch.setattr(key_outer, "_windows",
+                        lambda p, size, hard: slot_bytes.append(size) or windows(p, size, hard))
+    tuning = dataclasses.replace(TUNING, key_outer_dq_partials=dq_partials)
+    comparison = compare_with_reference(tuned_msa_attention(tuning), case, torch.bfloat16,
                                         "cuda")
     record = os.environ.get("OPENMSA_GPU_RECORD")
     if record:
         with open(record, "a") as f:
             f.write(json.dumps({"test": "key_outer_bf16", "case": case.name, "kernels": kernels,
-                                "hard_row_share": counts, "errors": comparison.errors,
+                                "dq_partials": dq_partials, "hard_row_share": counts,
+                                "errors": comparison.errors,
                                 "reference_bf16_errors": comparison.baseline_errors}) + "\n")
     print(case.name, counts, {n: f"{e:.2e}/{comparison.baseline_errors[n]:.2e}"
                               for n, e in comparison.errors.items()})
     assert counts and all(share > 0 for share in counts), counts
+    # dQ's partials took 4 bytes an element, or the inputs' 2.
+    assert slot_bytes[1] == (4 if dq_partials == "float32" else 2) * case.head_dim, slot_bytes
     # The Gluon kernels ran both passes, or none ran when switched off.
     assert set(launches) == ({False, True} if kernels == "gluon" else set()), launches
     assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors

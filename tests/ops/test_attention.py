@@ -396,6 +396,44 @@ def test_key_outer_forward_and_dq_match_reference(case, dtype, tuning, monkeypat
         assert torch.equal(again[name], got[name]), name
 
 
+def _window_bytes(monkeypatch) -> list:
+    """The bytes per slot each key-outer pass sized its windows by (the patched ``_windows``):
+    the forward's first, then dQ's."""
+    sizes = []
+    original = key_outer_module._windows
+
+    def recorded(p, bytes_per_slot, hard):
+        sizes.append(bytes_per_slot)
+        return original(p, bytes_per_slot, hard)
+
+    monkeypatch.setattr(key_outer_module, "_windows", recorded)
+    return sizes
+
+
+@pytest.mark.parametrize("dq_partials,dq_bytes", [("float32", 4), ("input", 2)])
+def test_key_outer_dq_partials_in_the_chosen_precision(dq_partials, dq_bytes, monkeypatch):
+    """fp16 inputs: dQ's partials in fp32 or fp16 (``Tuning.key_outer_dq_partials``), summed in
+    fp32; within the precision's tolerance of the reference either way, bitwise the same
+    twice."""
+    sizes = _window_bytes(monkeypatch)
+    tuning = Tuning(main_walk_limit_per_slot=1.0, key_outer_partial_bytes=120 * 16 * 2 * 256,
+                    key_outer_dq_partials=dq_partials)
+    got, expected, _ = kernel_and_reference(KEY_OUTER_CASE, torch.float16, seed=4,
+                                            tuning=tuning)
+    head_dim = KEY_OUTER_CASE.head_dim
+    assert sizes == [2 * head_dim + 4, dq_bytes * head_dim], sizes
+    for name in QUANTITY_NAMES:
+        error = rel_rms_error(got[name], expected[name])
+        assert error < TOLERANCE[torch.float16], (name, error)
+    again, _, _ = kernel_and_reference(KEY_OUTER_CASE, torch.float16, seed=4, tuning=tuning)
+    assert torch.equal(again["dq"], got["dq"])
+
+
+def test_key_outer_dq_partials_must_be_named():
+    with pytest.raises(ValueError, match="key_outer_dq_partials"):
+        Tuning(key_outer_dq_partials="bfloat16")
+
+
 def test_key_outer_rows_of_query_ranges_add_up_to_the_full_run(monkeypatch):
     """The key-outer passes on query ranges (rows named relative to ``query_start``): out and
     dq are the full run's rows."""

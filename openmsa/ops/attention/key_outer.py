@@ -11,7 +11,8 @@ time, every row of which kept the block, so the cost follows the kept pairs.
 Forward: each (row, kept block) writes its partial output (normalized over that block) and
 its log-sum-exp into the row's slot (the block's position in the row's ids), and a combine
 step merges a row's ``top_k`` slots by their log-sum-exps. dQ: each (row, kept block) writes
-its fp32 partial, and a sum adds a row's slots in slot order. No atomics: both are
+its partial (fp32, or in the inputs' precision: ``Tuning.key_outer_dq_partials``), and a sum
+adds a row's slots in slot order in fp32. No atomics: both are
 deterministic. The slots of a window of query rows at a time live in memory
 (``Tuning.key_outer_partial_bytes`` bounds them), so the passes run once per window.
 """
@@ -258,7 +259,8 @@ def _dq_key_outer_kernel(
     PRECISION: tl.constexpr,
 ):
     """One segment of a key block's pairs, the window's hard rows: each row's dQ over the
-    block (unscaled, fp32) into its slot of DQ_PART [window rows, HI, TOP_K, GQ, D]."""
+    block (unscaled, fp32; stored in DQ_PART's precision) into its slot of DQ_PART [window rows,
+    HI, TOP_K, GQ, D]."""
     if tl.load(WINDOW_HARD + window) == 0:  # no hard row in the window
         return
     low, high, index_head, block, seq_start, seq_len, query_base = _window_segment(
@@ -294,8 +296,8 @@ def _dq_key_outer_kernel(
         dscores = probs * (dprobs - delta[:, None])
         dq = tl.dot(dscores.to(k.dtype), k, input_precision=PRECISION)
         offsets = ((row_token - window_start) * HI + index_head) * TOP_K + row_slot
-        tl.store(DQ_PART + (offsets * GQ + head)[:, None] * HEAD_DIM + dims[None, :], dq,
-                 mask=row_valid[:, None])
+        tl.store(DQ_PART + (offsets * GQ + head)[:, None] * HEAD_DIM + dims[None, :],
+                 dq.to(DQ_PART.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit
@@ -314,7 +316,7 @@ def _dq_sum_kernel(IDS, HARD, WINDOW_HARD, window, DQ_PART, DQ, window_start, wi
         kept = valid & (tl.load(ids + s, mask=valid, other=-1) >= 0)
         offsets = (first_slot * TOP_K + s) * GQ + head
         acc += tl.load(DQ_PART + offsets[:, None] * HEAD_DIM + dims[None, :],
-                       mask=kept[:, None], other=0.0)
+                       mask=kept[:, None], other=0.0).to(tl.float32)
     out_head = index_head * GQ + head
     tl.store(DQ + token[:, None] * stride_dq_t + out_head[:, None] * stride_dq_h
              + dims[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=valid[:, None])
@@ -404,9 +406,10 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
     them), window by window: the partials from the Gluon kernel on a Hopper GPU where it takes
     the inputs, else from the Triton one."""
     hard, ids, arguments, segments, constants = _hard_work(p, limit)
-    rows, windows, window_hard = _windows(p, 4 * p.head_dim, hard)
+    part_dtype = torch.float32 if p.tuning.key_outer_dq_partials == "float32" else q.dtype
+    rows, windows, window_hard = _windows(p, part_dtype.itemsize * p.head_dim, hard)
     dq_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
-                          dtype=torch.float32, device=q.device)
+                          dtype=part_dtype, device=q.device)
     tokens = _combine_tokens(p, KEY_OUTER_SUM_ROWS)
     hopper = _use_hopper(use_hopper, sm90_key_outer.supported(q, k, v, p, dout))
     descriptors = sm90_key_outer.block_descriptors(k, v, p.block_size) if hopper else None

@@ -204,7 +204,8 @@ def _dq_steps(IDS, DQ_PART, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_sme
               STAGES: gl.constexpr, HALF: gl.constexpr):
     """One consumer warpgroup of dQ: steps HALF, HALF + 2, ... Per step, ``P = exp2(S -
     lse2)``, ``dS = P (dO V^T - delta)`` and the rows' dQ over the block, ``dS K`` (unscaled,
-    fp32), into each row's slot of DQ_PART [window rows, HI, TOP_K, GQ, D]."""
+    fp32, stored in DQ_PART's precision), into each row's slot of DQ_PART [window rows, HI,
+    TOP_K, GQ, D]."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = 64
     s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)
@@ -244,7 +245,8 @@ def _dq_steps(IDS, DQ_PART, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_sme
         offset = ((((token_out - window_start).to(gl.int64) * HI + index_head) * TOP_K
                    + slot_out) * GQ + head)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-        gl.store(DQ_PART + offset[:, None] * HEAD_DIM + dims[None, :], dq, mask=valid[:, None])
+        gl.store(DQ_PART + offset[:, None] * HEAD_DIM + dims[None, :],
+                 dq.to(DQ_PART.dtype.element_ty), mask=valid[:, None])
 
 
 # A pass launches once per window: its scalars would otherwise compile variants (1, multiples
@@ -264,8 +266,8 @@ def _key_outer_hopper_kernel(
     """One segment of a key block's hard pairs, the window's rows, warp-specialized: one warp
     gathers the steps' rows (``_gather_steps``), two warpgroups take alternate steps (the first
     is the launch's 4 warps, the second a worker partition). Without WITH_GRAD the forward
-    (``_fwd_steps``: OUT_PART, LSE_PART), with it dQ (``_dq_steps``: fp32 partials in
-    OUT_PART; DOUT, LSE and DELTA read)."""
+    (``_fwd_steps``: OUT_PART, LSE_PART), with it dQ (``_dq_steps``: partials in OUT_PART,
+    fp32 or 16-bit; DOUT, LSE and DELTA read)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = 64
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
@@ -353,7 +355,7 @@ def block_descriptors(k, v, block_size: int):
 def launch_key_outer(q, descriptors, ids, window_hard, window, part, lse_part, arguments, start,
                      end, segments, constants, scale_log2, dout=None, lse=None, delta=None):
     """One window's forward (``dout`` None: ``part`` the bf16/fp16 outputs, ``lse_part`` their
-    log-sum-exps) or dQ (``part`` the fp32 partials) over the hard pairs' key-block list
+    log-sum-exps) or dQ (``part`` the partials, fp32 or 16-bit) over the hard pairs' key-block list
     (``key_outer._hard_work``'s ``arguments``, ``segments`` programs), K and V read through
     ``descriptors`` (``block_descriptors``); ``supported`` must hold."""
     with_grad = dout is not None
