@@ -8,12 +8,15 @@ task, the teacher-forced accuracy of the answer tokens (the answer's words, its 
 and [EOS]) on fixed held-out samples.
 
     python benchmarks/probe_lm_learning.py --tasks niah_single --length 256 --steps 1500
-        [--first-tasks niah_single --first-steps 1000] [--layers 2] [--hidden 128]
+        [--first-tasks niah_single --first-steps 1000 --first-length 256] [--layers 2]
+        [--hidden 128]
         [--heads 4] [--kv-heads 2] [--batch 16] [--lr 1e-3] [--loss answer|all]
         [--device cpu] [--out FILE.json]
 
-``--first-tasks`` and ``--first-steps``: a curriculum's first phase, those tasks alone for
-those steps (counted in ``--steps``), then ``--tasks``; accuracy is reported on both sets.
+``--first-tasks``, ``--first-steps`` and ``--first-length``: a curriculum's first phase, those
+tasks alone for those steps (counted in ``--steps``) at that length (default ``--length``),
+then ``--tasks``; accuracy is reported on both sets, at both lengths (``task@length`` for the
+first phase's length where it differs).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def main() -> None:
     parser.add_argument("--tasks", default="niah_single")
     parser.add_argument("--first-tasks", default="")
     parser.add_argument("--first-steps", type=int, default=0)
+    parser.add_argument("--first-length", type=int, default=0)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--layers", type=int, default=2)
@@ -75,14 +79,20 @@ def main() -> None:
                       num_kv_heads=args.kv_heads, lr=args.lr, tasks=tuple(tasks))
     model = build_model(preset, tokenizer, "dense", 0, {}).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    held_out = {task: [make_batch(tokenizer, BatchSpec(task, args.length, 16,
-                                                       10_000_000 + 16 * i), device)
-                       for i in range(2)] for task in dict.fromkeys(first_tasks + tasks)}
+    first_length = args.first_length or args.length
+    evaluated = [(task, args.length) for task in dict.fromkeys(first_tasks + tasks)]
+    if first_length != args.length:
+        evaluated += [(task, first_length) for task in first_tasks]
+    held_out = {(task if length == args.length else f"{task}@{length}"):
+                [make_batch(tokenizer, BatchSpec(task, length, 16, 10_000_000 + 16 * i), device)
+                 for i in range(2)] for task, length in evaluated}
     rows, start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
-        phase = first_tasks if step <= args.first_steps else tasks
+        first = step <= args.first_steps
+        phase = first_tasks if first else tasks
         task = phase[(step - 1) % len(phase)]
-        input_ids, labels = make_batch(tokenizer, BatchSpec(task, args.length, args.batch,
+        length = first_length if first else args.length
+        input_ids, labels = make_batch(tokenizer, BatchSpec(task, length, args.batch,
                                                             args.batch * step), device)
         if args.loss == "all":
             labels = torch.where(input_ids == tokenizer.pad_token_id, -100, input_ids)
