@@ -160,6 +160,33 @@ def test_lm_batches_label_only_the_answer_and_eos():
     assert (input_ids[labels == -100] != -100).all()
 
 
+def test_curriculum_phases_train_their_own_tasks():
+    """A phase naming tasks trains those in turn at its length and batch; a phase without
+    tasks, and the steps after the curriculum, train the preset's; scaling the steps keeps
+    each phase's tasks."""
+    from dataclasses import replace
+
+    from openmsa.train.lm import LM_PRESETS, LMPreset, step_batches
+
+    preset = LMPreset(seqlen=512, block_size=64, top_k=2, steps=12, warmup_steps=0, batch=2,
+                      tasks=("niah_single", "variable_tracking", "common_words"),
+                      curriculum=((4, 128, 8, ("niah_multikey", "niah_single")), (3, 256, 4)))
+    specs = step_batches(preset, seed=0)
+    # Step s (from 1) trains task (s - 1) mod the number of its phase's tasks.
+    assert [(s.task, s.length, s.size) for s in specs] == (
+        [("niah_multikey", 128, 8), ("niah_single", 128, 8)] * 2
+        + [("variable_tracking", 256, 4), ("common_words", 256, 4), ("niah_single", 256, 4)]
+        + [("variable_tracking", 512, 2), ("common_words", 512, 2), ("niah_single", 512, 2),
+           ("variable_tracking", 512, 2), ("common_words", 512, 2)])
+    scaled = replace(preset, steps=24, curriculum=tuple((2 * n, *rest)
+                                                        for n, *rest in preset.curriculum))
+    assert {s.task for s in step_batches(scaled, seed=0)[:8]} == {"niah_multikey",
+                                                                  "niah_single"}
+    for name, lm_preset in LM_PRESETS.items():
+        for phase in lm_preset.curriculum:
+            assert set(phase[3] if len(phase) > 3 else lm_preset.tasks) <= set(TASKS), name
+
+
 def test_lm_batches_from_worker_processes_equal_the_batches_made_in_the_loop():
     """Batches generated ahead by 2 spawned processes arrive in the steps' order, equal to the
     ones the step loop makes itself; the preset's steps follow its curriculum, tasks in turn."""

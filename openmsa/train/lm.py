@@ -44,8 +44,9 @@ class LMPreset:
     kl_weight: float = 1.0
     rope_theta: float = 1e6
     tasks: tuple[str, ...] = TASKS
-    # Phases of (steps, tokens, batch) before training at seqlen tokens.
-    curriculum: tuple[tuple[int, int, int], ...] = ()
+    # Phases of (steps, tokens, batch) or (steps, tokens, batch, tasks) before training at
+    # seqlen tokens on ``tasks``: a phase without its own tasks trains on the preset's.
+    curriculum: tuple[tuple, ...] = ()
 
 
 LM_PRESETS = {
@@ -99,17 +100,18 @@ def build_model(preset: LMPreset, tokenizer, kind: str, seed: int, msa_options: 
 
 
 def step_batches(preset: LMPreset, seed: int) -> list[BatchSpec]:
-    """The batch of every training step of ``preset``: tasks in turn, the curriculum's lengths
-    and batch sizes, then the preset's."""
+    """The batch of every training step of ``preset``: the curriculum's phases (their lengths,
+    batch sizes and tasks), then the preset's; step s (from 1) trains task (s - 1) mod the
+    number of its phase's tasks."""
     phases, last = [], 0
-    for steps, tokens, batch in preset.curriculum:
+    for steps, tokens, batch, *tasks in preset.curriculum:
         last += steps
-        phases.append((last, tokens, batch))
+        phases.append((last, tokens, batch, tuple(tasks[0]) if tasks else preset.tasks))
     specs = []
     for step in range(1, preset.steps + 1):
-        length, batch = next(((t, b) for end, t, b in phases if step <= end),
-                             (preset.seqlen, preset.batch))
-        specs.append(BatchSpec(preset.tasks[(step - 1) % len(preset.tasks)], length, batch,
+        length, batch, tasks = next(((t, b, k) for end, t, b, k in phases if step <= end),
+                                    (preset.seqlen, preset.batch, preset.tasks))
+        specs.append(BatchSpec(tasks[(step - 1) % len(tasks)], length, batch,
                                seed * 1_000_003 + step * batch))
     return specs
 
@@ -179,8 +181,8 @@ def run_lm(preset_name: str, out_dir: str, device=None, seed: int = 0,
         factor = steps / preset.steps
         preset = replace(preset, steps=steps,
                          warmup_steps=min(round(preset.warmup_steps * factor), steps - 1),
-                         curriculum=tuple((max(1, round(n * factor)), tokens, batch)
-                                          for n, tokens, batch in preset.curriculum))
+                         curriculum=tuple((max(1, round(n * factor)), *rest)
+                                          for n, *rest in preset.curriculum))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     options = _preset_msa_options(preset, device, msa_options)
     os.makedirs(out_dir, exist_ok=True)
