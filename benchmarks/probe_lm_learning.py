@@ -9,14 +9,17 @@ and [EOS]) on fixed held-out samples.
 
     python benchmarks/probe_lm_learning.py --tasks niah_single --length 256 --steps 1500
         [--first-tasks niah_single --first-steps 1000 --first-length 256] [--layers 2]
-        [--hidden 128]
-        [--heads 4] [--kv-heads 2] [--batch 16] [--lr 1e-3] [--loss answer|all]
-        [--device cpu] [--out FILE.json]
+        [--hidden 128] [--heads 4] [--kv-heads 2] [--batch 16] [--lr 1e-3]
+        [--loss answer|all] [--device cpu] [--out FILE.json]
+    python benchmarks/probe_lm_learning.py --preset ruler-gpu --steps 2800 --length 1024
+        --device cuda
 
 ``--first-tasks``, ``--first-steps`` and ``--first-length``: a curriculum's first phase, those
 tasks alone for those steps (counted in ``--steps``) at that length (default ``--length``),
 then ``--tasks``; accuracy is reported on both sets, at both lengths (``task@length`` for the
-first phase's length where it differs).
+first phase's length where it differs). ``--preset NAME``: an LM preset's model, learning rate
+and batches instead (``openmsa.train.lm.step_batches``: its curriculum's lengths, batch sizes
+and tasks), its first ``--steps`` steps; accuracy on all its tasks at ``--length``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 
 from openmsa.eval.tasks import synthetic_tokenizer
 from openmsa.train.batches import BatchSpec, make_batch
-from openmsa.train.lm import LMPreset, build_model
+from openmsa.train.lm import LM_PRESETS, LMPreset, build_model, step_batches
 
 
 def answer_accuracy(model, batches) -> float:
@@ -66,6 +69,8 @@ def main() -> None:
     parser.add_argument("--loss", choices=("answer", "all"), default="answer")
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--preset", default="", choices=("",) + tuple(LM_PRESETS),
+                        help="an LM preset's model, learning rate and batches (its curriculum)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     tasks = args.tasks.split(",")
@@ -73,13 +78,20 @@ def main() -> None:
     torch.manual_seed(0)
     device = torch.device(args.device)
     tokenizer = synthetic_tokenizer()
-    preset = LMPreset(seqlen=args.length, block_size=64, top_k=2, steps=args.steps,
-                      warmup_steps=0, batch=args.batch, layers=args.layers,
-                      hidden_size=args.hidden, num_heads=args.heads,
-                      num_kv_heads=args.kv_heads, lr=args.lr, tasks=tuple(tasks))
-    model = build_model(preset, tokenizer, "dense", 0, {}).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     first_length = args.first_length or args.length
+    if args.preset:
+        preset = LM_PRESETS[args.preset]
+        schedule = step_batches(preset, seed=0)[:args.steps]
+        tasks = first_tasks = list(preset.tasks)
+        first_length = args.length
+    else:
+        preset = LMPreset(seqlen=args.length, block_size=64, top_k=2, steps=args.steps,
+                          warmup_steps=0, batch=args.batch, layers=args.layers,
+                          hidden_size=args.hidden, num_heads=args.heads,
+                          num_kv_heads=args.kv_heads, lr=args.lr, tasks=tuple(tasks))
+        schedule = None
+    model = build_model(preset, tokenizer, "dense", 0, {}).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
     evaluated = [(task, args.length) for task in dict.fromkeys(first_tasks + tasks)]
     if first_length != args.length:
         evaluated += [(task, first_length) for task in first_tasks]
@@ -87,13 +99,16 @@ def main() -> None:
                 [make_batch(tokenizer, BatchSpec(task, length, 16, 10_000_000 + 16 * i), device)
                  for i in range(2)] for task, length in evaluated}
     rows, start = [], time.perf_counter()
-    for step in range(1, args.steps + 1):
-        first = step <= args.first_steps
-        phase = first_tasks if first else tasks
-        task = phase[(step - 1) % len(phase)]
-        length = first_length if first else args.length
-        input_ids, labels = make_batch(tokenizer, BatchSpec(task, length, args.batch,
-                                                            args.batch * step), device)
+    for step in range(1, (len(schedule) if schedule else args.steps) + 1):
+        if schedule:
+            spec = schedule[step - 1]
+        else:
+            first = step <= args.first_steps
+            phase = first_tasks if first else tasks
+            spec = BatchSpec(phase[(step - 1) % len(phase)],
+                             first_length if first else args.length, args.batch,
+                             args.batch * step)
+        input_ids, labels = make_batch(tokenizer, spec, device)
         if args.loss == "all":
             labels = torch.where(input_ids == tokenizer.pad_token_id, -100, input_ids)
         with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
@@ -104,7 +119,8 @@ def main() -> None:
         if step % args.every == 0:
             accuracy = {name: answer_accuracy(model, batches)
                         for name, batches in held_out.items()}
-            rows.append(dict(step=step, seconds=time.perf_counter() - start, loss=loss.item(),
+            rows.append(dict(step=step, length=spec.length, seconds=time.perf_counter() - start,
+                             loss=loss.item(),
                              accuracy=accuracy))
             print(f"step {step} {rows[-1]['seconds']:.0f}s loss {loss.item():.3f} "
                   + " ".join(f"{name} {value:.3f}" for name, value in accuracy.items()),

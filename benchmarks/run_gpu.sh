@@ -22,8 +22,9 @@
 #   after the other in one call: before and after a change, each with its own dense; a folder
 #   holds another commit's package, made here with tools/tree_copy.sh and carried to the
 #   machine; OPENMSA_COMPARE_ARGS, default "--seqlens 32k,128k --no-flex --no-fla"),
-#   learn-probe (benchmarks/probe_lm_learning.py at the ruler-gpu model's size, 1024 tokens:
-#   niah_single alone and the six-task mix side by side: does the study's model learn?)
+#   learn-probe (benchmarks/probe_lm_learning.py --preset ruler-gpu: the study's dense model on
+#   its curriculum through the 1024-token phase, accuracy of all six tasks at 1024 tokens: does
+#   it learn?)
 # OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
 # over calls of a time-limited machine.
 # Where only a few result files can be copied back, write to a scratch folder and tar it:
@@ -124,14 +125,10 @@ if wants compare; then
   done
 fi
 if wants learn-probe; then
-  size="--layers 4 --hidden 512 --heads 8 --kv-heads 2 --length 1024 --batch 32 --lr 5e-4"
-  python3 benchmarks/probe_lm_learning.py $size --tasks niah_single --steps 3000 --every 250 \
-    --device cuda --out "$out/probe_single.json" > "$out/probe_single.log" 2>&1 &
-  python3 benchmarks/probe_lm_learning.py $size --steps 3000 --every 250 --device cuda \
-    --tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery,variable_tracking,common_words \
-    --out "$out/probe_mix.json" > "$out/probe_mix.log" 2>&1
-  wait
-  tail -n 3 "$out/probe_single.log" "$out/probe_mix.log"
+  # The ruler-gpu preset's dense model on its own batches through the 1024-token phase.
+  python3 benchmarks/probe_lm_learning.py --preset ruler-gpu --steps 2800 --length 1024 \
+    --every 200 --device cuda --out "$out/probe_ruler_gpu.json" 2>&1 \
+    | tee "$out/probe_ruler_gpu.log" | tail -n 4
 fi
 if wants study; then
   python3 benchmarks/quality_study.py --out "${OPENMSA_STUDY_DIR:-runs/study}" \

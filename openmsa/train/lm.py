@@ -57,11 +57,16 @@ LM_PRESETS = {
     # 2-core CPU, the eager reference, minutes: 4 layers at 512 tokens, 2 of 8 blocks kept.
     "ruler-cpu": LMPreset(seqlen=512, block_size=64, top_k=2, steps=300, warmup_steps=150,
                           batch=8),
-    # GPU, Triton kernels, bf16 autocast: 4 layers, GQA 8/2 heads, 16k tokens after a curriculum;
-    # 8 of 128 blocks kept.
-    "ruler-gpu": LMPreset(seqlen=16384, block_size=128, top_k=8, steps=3000, warmup_steps=2000,
+    # GPU, Triton kernels, bf16 autocast: 4 layers, GQA 8/2 heads, 16k tokens after a curriculum
+    # (single-needle retrieval alone at 256 tokens first, then the needle tasks, then all six
+    # at growing lengths: docs/EVAL.md, "Will the models learn the tasks?"); 8 of 128 blocks
+    # kept, sparse from step 3001.
+    "ruler-gpu": LMPreset(seqlen=16384, block_size=128, top_k=8, steps=4000, warmup_steps=3000,
                           batch=4, hidden_size=512, num_heads=8, num_kv_heads=2, lr=5e-4,
-                          curriculum=((800, 1024, 32), (700, 4096, 8))),
+                          curriculum=((1000, 256, 64, ("niah_single",)),
+                                      (1000, 256, 64, ("niah_single", "niah_multikey",
+                                                       "niah_multivalue", "niah_multiquery")),
+                                      (800, 1024, 32), (600, 4096, 8))),
 }
 
 
