@@ -11,8 +11,10 @@ with what Triton cannot express:
 - the tensor-core products are issued asynchronously and waited for explicitly, so that
   exponentials run while the tensor cores compute another product (FlashAttention-3's
   intra-warpgroup overlap);
-- warp specialization (forward, dQ, dK/dV): one warp loads the key blocks or gathers the query
-  rows while each of two warpgroups computes half of the rows, synchronized by mbarriers.
+- warp specialization (forward, dQ, dK/dV): loader warps bring the key blocks (one each for K
+  and V) or one warp gathers the query rows while each of two warpgroups computes half of the
+  rows (in the forward and dQ half of a tile's tokens, passing over the blocks none of them
+  kept), synchronized by mbarriers.
 
 The forward and dQ are bitwise equal to the Triton kernels (same products, same order); dK/dV
 and the KL sum the same terms in other groupings, equal up to fp32 rounding. The stages'
