@@ -218,6 +218,35 @@ def _block_rings(k_desc, v_desc, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
+def _step_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """A key-outer kernel's barriers (dK/dV, the key-outer forward and dQ): ``kv_ready`` (K and
+    V of the block landed, ``_block_kv_loads``) and, per slot of the ring of gathered steps,
+    ``full`` (every copy of the gather warp's 32 threads landed) and ``empty`` (``CONSUMERS``
+    consumer warpgroups handed it back)."""
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for stage in gl.static_range(STAGES):
+        mbarrier.init(full.index(stage), count=32)  # one arrival per gathering thread
+        mbarrier.init(empty.index(stage), count=CONSUMERS)
+    fence_async_shared()
+    return kv_ready, full, empty
+
+
+@gluon.jit
+def _block_kv_loads(k_desc, v_desc, k_smem, v_smem, kv_ready, seq_start, block, index_head,
+                    KV_GROUP: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """K and V of key block ``block`` (its KV head's columns) by TMA, once, completing
+    ``kv_ready``."""
+    row = (seq_start + block * BLOCK).to(gl.int32)
+    kv_col = (index_head // KV_GROUP) * HEAD_DIM
+    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row, kv_col], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [row, kv_col], kv_ready, v_smem)
+
+
+@gluon.jit
 def _segment_of(SEGMENTS, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
                 query_start, segment, bucket, HI: gl.constexpr, SEGMENT_PAIRS: gl.constexpr):
     """A key-outer segment's pairs [first, last), index head, key block, its sequence's first

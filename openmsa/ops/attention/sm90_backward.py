@@ -9,15 +9,15 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from ..configs import DQ_REGISTERS, KEY_STEP_REGISTERS, KEY_STEP_STAGES
-from ..sm90 import (BLOCK_SIZES, HEAD_DIMS, _block_descriptor, _block_rings,
+from ..sm90 import (BLOCK_SIZES, HEAD_DIMS, _block_descriptor, _block_kv_loads, _block_rings,
                     _diagonal_pairs, _half_members, _hopper_16bit, _io_layout, _maxnreg,
                     _mma_layout, _mma_rows, _pass_over, _ring_loads, _rows_ready, _segment_of,
-                    _step_tokens, _tile_of, _tile_rows, _tma_ready, _visible, _walk_of,
-                    key_step_tokens)
+                    _step_barriers, _step_tokens, _tile_of, _tile_rows, _tma_ready, _visible,
+                    _walk_of, key_step_tokens)
 
 
 @gluon.jit
@@ -389,19 +389,10 @@ def _sparse_attn_dkdv_hopper_kernel(
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], vector_smem)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], vector_smem)
     token_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS], vector_smem)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    for stage in gl.static_range(STAGES):
-        mbarrier.init(full.index(stage), count=32)  # one arrival per gathering thread
-        mbarrier.init(empty.index(stage), count=BLOCK // 64)  # one per consumer warpgroup
-    fence_async_shared()
-    row = (seq_start + block * BLOCK).to(gl.int32)
-    kv_col = (index_head // KV_GROUP) * HEAD_DIM
-    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row, kv_col], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [row, kv_col], kv_ready, v_smem)
+    # A consumer warpgroup per 64 keys hands each slot back.
+    kv_ready, full, empty = _step_barriers(STAGES, BLOCK // 64)
+    _block_kv_loads(k_desc, v_desc, k_smem, v_smem, kv_ready, seq_start, block, index_head,
+                    KV_GROUP, BLOCK, HEAD_DIM)
     # Step -1's slot: zeros, which the first iteration's dV and dK products multiply by zeros.
     no_rows = gl.zeros((ROWS, HEAD_DIM), Q.dtype.element_ty, layout=io_layout)
     q_smem.index(STAGES - 1).store(no_rows)

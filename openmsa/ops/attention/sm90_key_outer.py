@@ -13,13 +13,14 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 from ..configs import KEY_OUTER_HOPPER_REGISTERS, KEY_OUTER_HOPPER_STAGES
-from ..sm90 import (BLOCK_SIZES, HEAD_DIMS, _block_descriptor, _diagonal_pairs, _hopper_16bit,
-                    _io_layout, _maxnreg, _mma_layout, _rows_ready, _segment_of, _step_tokens,
-                    _tma_ready, key_step_tokens)
+from ..sm90 import (BLOCK_SIZES, HEAD_DIMS, _block_descriptor, _block_kv_loads,
+                    _diagonal_pairs, _hopper_16bit, _io_layout, _maxnreg, _mma_layout,
+                    _rows_ready, _segment_of, _step_barriers, _step_tokens, _tma_ready,
+                    key_step_tokens)
 
 STEP_ROWS = 64  # rows (pairs x padded heads) of one consumer step: one warpgroup's MMA rows
 
@@ -295,19 +296,9 @@ def _key_outer_hopper_kernel(
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], vector_smem)
     else:  # the forward gathers no dO, lse2 or deltas: names only
         do_smem, lse_smem, delta_smem = q_smem, token_smem, token_smem
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    for stage in gl.static_range(STAGES):
-        mbarrier.init(full.index(stage), count=32)  # one arrival per gathering thread
-        mbarrier.init(empty.index(stage), count=1)  # the step's one consumer warpgroup
-    fence_async_shared()
-    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
-    row = (seq_start + block * BLOCK).to(gl.int32)
-    kv_col = (index_head // KV_GROUP) * HEAD_DIM
-    tma.async_copy_global_to_shared(k_desc, [row, kv_col], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [row, kv_col], kv_ready, v_smem)
+    kv_ready, full, empty = _step_barriers(STAGES, 1)  # a step has one consumer warpgroup
+    _block_kv_loads(k_desc, v_desc, k_smem, v_smem, kv_ready, seq_start, block, index_head,
+                    KV_GROUP, BLOCK, HEAD_DIM)
     diagonal_steps = (_diagonal_pairs(PAIR_TOKEN, low, high, query_base, block, BLOCK,
                                       row_layout) + TOK - 1) // TOK
     # The constants go in literally: a tuple bound to a name would turn them into tensors.
