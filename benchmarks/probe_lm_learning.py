@@ -32,7 +32,7 @@ import torch
 
 from openmsa.eval.tasks import synthetic_tokenizer
 from openmsa.train.batches import BatchSpec, make_batch
-from openmsa.train.lm import LM_PRESETS, LMPreset, build_model, step_batches
+from openmsa.train.lm import LM_PRESETS, LMPreset, build_model, step_batches, train_step
 
 
 def answer_accuracy(model, batches) -> float:
@@ -81,15 +81,16 @@ def main() -> None:
     first_length = args.first_length or args.length
     if args.preset:
         preset = LM_PRESETS[args.preset]
-        schedule = step_batches(preset, seed=0)[:args.steps]
         tasks = first_tasks = list(preset.tasks)
         first_length = args.length
-    else:
+    else:  # the first phase as a curriculum phase of its own tasks
+        first_phase = ((args.first_steps, first_length, args.batch, tuple(first_tasks)),)
         preset = LMPreset(seqlen=args.length, block_size=64, top_k=2, steps=args.steps,
                           warmup_steps=0, batch=args.batch, layers=args.layers,
                           hidden_size=args.hidden, num_heads=args.heads,
-                          num_kv_heads=args.kv_heads, lr=args.lr, tasks=tuple(tasks))
-        schedule = None
+                          num_kv_heads=args.kv_heads, lr=args.lr, tasks=tuple(tasks),
+                          curriculum=first_phase if args.first_steps else ())
+    schedule = step_batches(preset, seed=0)[:args.steps]
     model = build_model(preset, tokenizer, "dense", 0, {}).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
     evaluated = [(task, args.length) for task in dict.fromkeys(first_tasks + tasks)]
@@ -99,23 +100,11 @@ def main() -> None:
                 [make_batch(tokenizer, BatchSpec(task, length, 16, 10_000_000 + 16 * i), device)
                  for i in range(2)] for task, length in evaluated}
     rows, start = [], time.perf_counter()
-    for step in range(1, (len(schedule) if schedule else args.steps) + 1):
-        if schedule:
-            spec = schedule[step - 1]
-        else:
-            first = step <= args.first_steps
-            phase = first_tasks if first else tasks
-            spec = BatchSpec(phase[(step - 1) % len(phase)],
-                             first_length if first else args.length, args.batch,
-                             args.batch * step)
+    for step, spec in enumerate(schedule, 1):
         input_ids, labels = make_batch(tokenizer, spec, device)
         if args.loss == "all":
             labels = torch.where(input_ids == tokenizer.pad_token_id, -100, input_ids)
-        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(input_ids, labels=labels).loss  # bf16 on a GPU, as the presets train
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        loss, _ = train_step(model, optimizer, input_ids, labels, 0.0, msa=False)
         if step % args.every == 0:
             accuracy = {name: answer_accuracy(model, batches)
                         for name, batches in held_out.items()}
