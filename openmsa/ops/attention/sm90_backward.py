@@ -21,13 +21,13 @@ from ..sm90 import (BLOCK_SIZES, HEAD_DIMS, _block_descriptor, _block_kv_loads, 
 
 
 @gluon.jit
-def _masked_probs(scores, u, lse, blocks, members_of, first_position, all_members, row_bit,
+def _masked_probs(scores, u, lse, blocks, members, first_position, all_members, row_bit,
                   row_valid, row_position, scale_log2, BLOCK: gl.constexpr,
                   layout: gl.constexpr):
     """Walk entry u's probabilities from the final log-sum-exps, zero where a row does not see
-    a key; ``all_members``: the members mask of a block all the warpgroup's queries kept."""
+    a key; ``members``: entry u's members mask, ``all_members``: that of a block all the
+    warpgroup's queries kept."""
     block = gl.load(blocks + u)
-    members = gl.load(members_of + u)
     probs = gl.exp2(scores * scale_log2 - lse[:, None])
     if (block * BLOCK + BLOCK > first_position) | ((members & all_members) != all_members):
         probs = gl.where(_visible(block, members, row_bit, row_valid, row_position, BLOCK,
@@ -108,7 +108,8 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
             dq = _pending_dsk(dscores, dq, k_smem, k_empty, held)
             dscores = no_dscores
             pending = False
-        if (gl.load(members_of + u) & half_members) != 0:
+        members = gl.load(members_of + u)
+        if (members & half_members) != 0:
             # Without a pending entry, dS K multiplies zeros by this entry's K (as good as any
             # finite block) and hands nothing back.
             dq_stage = gl.where(pending, held, u) % 2
@@ -123,7 +124,7 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
                                    use_acc=False, is_async=True)
             # Q K^T of block u is done; its exponentials run while dO V^T does.
             scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
-            probs = _masked_probs(scores, u, lse, blocks, members_of, first_position, half_all,
+            probs = _masked_probs(scores, u, lse, blocks, members, first_position, half_all,
                                   row_bit, row_valid, row_position, scale_log2, BLOCK,
                                   s_layout)
             dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(dprobs,))

@@ -19,14 +19,13 @@ from ..sm90 import (_block_descriptor, _block_rings, _half_members, _io_layout, 
 
 
 @gluon.jit
-def _online_softmax(scores, u, running_max, running_sum, blocks, members_of, first_position,
+def _online_softmax(scores, u, running_max, running_sum, blocks, members, first_position,
                     all_members, row_bit, row_valid, row_position, scale_log2,
                     BLOCK: gl.constexpr, layout: gl.constexpr):
     """Walk entry u's probabilities (unnormalized, base 2) and the running max and sum. Masked
     only where the block needs it (see tiles._walk_block); ``all_members``: the members mask
-    of a block all the warpgroup's queries kept."""
+    of a block all the warpgroup's queries kept; ``members``: entry u's."""
     block = gl.load(blocks + u)
-    members = gl.load(members_of + u)
     scores = scores * scale_log2
     if block * BLOCK + BLOCK > first_position:  # the tile's own block(s): a mask per element
         scores = gl.where(_visible(block, members, row_bit, row_valid, row_position, BLOCK,
@@ -81,7 +80,8 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
     for u in range(0, walk_length):
         stage = u % 2
         phase = (u // 2) & 1
-        mine = (gl.load(members_of + u) & half_members) != 0
+        members = gl.load(members_of + u)
+        mine = (members & half_members) != 0
         if pending & (held % 2 == stage) & (not mine):
             # The held V stage is entry u's: the loader brings u's V once it is handed back.
             acc = _pending_pv(p, acc, v_smem, v_full, v_empty, held)
@@ -99,7 +99,7 @@ def _fwd_query_rows(Q, OUT, LSE, q_smem, k_smem, v_smem, k_full, k_empty, v_full
             scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
             mbarrier.arrive(k_empty.index(stage), count=1)
             probs, rescale, running_max, running_sum = _online_softmax(
-                scores, u, running_max, running_sum, blocks, members_of, first_position,
+                scores, u, running_max, running_sum, blocks, members, first_position,
                 half_all, row_bit, row_valid, row_position, scale_log2, BLOCK, s_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
             mbarrier.arrive(v_empty.index(held % 2), count=1, pred=pending)
