@@ -33,13 +33,15 @@ from openmsa.ops.sm90 import NUM_WARPS, ROWS, _maxnreg, key_step_tokens
 
 def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "bf16",
                      kernel: str = "forward", heads_per_token: int = 16):
-    """The ``kernel`` ("forward", "dq", "dkdv", "kl", "key-outer-forward", "key-outer-dq" or
+    """The ``kernel`` ("forward", "dq", "dq-walk-limit": leaving long walks to the key-outer dQ,
+    "dkdv", "kl", "key-outer-forward", "key-outer-dq" or
     "key-outer-dq-16bit": its partials in the inputs' precision) compiled for sm_90a on any
     machine, GPU or not (nothing runs): the compiled kernel, whose ``asm["ptx"]``
     ``ptxas_report`` reports on (benchmarks/inspect_kernels.py, tests/ops/test_sm90.py)."""
     element = gl.bfloat16 if dtype == "bf16" else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([block_size, head_dim], element)
     fn = {"forward": _sparse_attn_fwd_hopper_kernel, "dq": _sparse_attn_dq_hopper_kernel,
+          "dq-walk-limit": _sparse_attn_dq_hopper_kernel,
           "dkdv": _sparse_attn_dkdv_hopper_kernel, "kl": _kl_hopper_kernel,
           "key-outer-forward": _key_outer_hopper_kernel,
           "key-outer-dq": _key_outer_hopper_kernel,
@@ -48,9 +50,9 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
     constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, TOK=tile_tokens, BLOCK=block_size,
                      HEAD_DIM=head_dim, UNION_SLOTS=tile_tokens * 16)
     options = dict(num_warps=NUM_WARPS)
-    if kernel == "dq":  # as the backward launches it: computing the deltas, warp-specialized
+    if kernel.startswith("dq"):  # as the backward launches it: computing the deltas
         constants.update(WRITE_DELTA=True, CONSUMER_REGS=DQ_REGISTERS[0],
-                         LOADER_REGS=DQ_REGISTERS[1], WALK_LIMIT=0)
+                         LOADER_REGS=DQ_REGISTERS[1], WALK_LIMIT=64 if "limit" in kernel else 0)
         options = dict(num_warps=4, maxnreg=_maxnreg(3, DQ_REGISTERS))
     if kernel == "forward":  # warp-specialized (sparse_attention_fwd's launch)
         constants.update(CONSUMER_REGS=FORWARD_REGISTERS[0], LOADER_REGS=FORWARD_REGISTERS[1],

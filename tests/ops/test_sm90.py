@@ -22,8 +22,8 @@ SHARED_MEMORY_LIMIT = 227 * 1024  # per block on the H100/H200
 # The KL's step end (student, d index_q and their addresses next to the d index_k accumulator)
 # spills up to 20 bytes at D = 128 (0 at D = 64); its bound stays at the 64 it once needed.
 # The key-outer forward spills 4 bytes at D = 128 with 16 heads a pair (0 elsewhere).
-SPILL_BYTES = {"forward": 0, "dq": 0, "dkdv": 0, "kl": 64, "key-outer-forward": 8,
-               "key-outer-dq": 0, "key-outer-dq-16bit": 0}
+SPILL_BYTES = {"forward": 0, "dq": 0, "dq-walk-limit": 0, "dkdv": 0, "kl": 64,
+               "key-outer-forward": 8, "key-outer-dq": 0, "key-outer-dq-16bit": 0}
 # Compiled in a process of its own: with TRITON_INTERPRET=1 (the README's test command) Triton
 # swaps its language functions for interpreted ones, which the Gluon compiler then refuses.
 COMPILE = """
@@ -46,8 +46,8 @@ def _compile(kernel, head_dim, block_size, dtype, heads_per_token):
     return report, int(shared)
 
 
-@pytest.mark.parametrize("kernel", ["forward", "dq", "dkdv", "kl", "key-outer-forward",
-                                    "key-outer-dq", "key-outer-dq-16bit"])
+@pytest.mark.parametrize("kernel", ["forward", "dq", "dq-walk-limit", "dkdv", "kl",
+                                    "key-outer-forward", "key-outer-dq", "key-outer-dq-16bit"])
 @pytest.mark.parametrize("head_dim,block_size,dtype,heads_per_token", [
     (128, 128, "bf16", 16), (128, 128, "bf16", 4), (64, 64, "fp16", 4), (128, 64, "bf16", 3),
     (64, 128, "bf16", 16)])

@@ -90,13 +90,16 @@ def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
 def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
                        use_hopper: bool | None = None):
     """dq, dk, dv of the main attention: delta, the query-outer dQ, the key-outer dK/dV. The
-    Gluon dQ computes the deltas itself (one pass over out and dout less)."""
+    Gluon dQ computes the deltas itself (one pass over out and dout less), those of the rows
+    it leaves to the key-outer dQ too."""
     dout = dout.contiguous()
-    if (_hopper_dq(q, k, v, dout, p, use_hopper) and out.stride(2) == 1
-            and not walk_limit(p)):  # (the key-outer dQ reads the deltas of its rows)
+    if _hopper_dq(q, k, v, dout, p, use_hopper) and out.stride(2) == 1:
         delta = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
+        limit = walk_limit(p)
         dq = sm90_backward.attention_dq(q, k, v, dout, lse, delta, p, p.scale * LOG2_E,
-                                        out=out)
+                                        out=out, walk_limit=limit)
+        if limit:  # after the deltas of its rows, which the Gluon dQ wrote
+            key_outer_dq(q, k, v, dout, lse, delta, p, limit, dq, use_hopper)
     else:
         delta = attention_delta(out, dout, p)
         dq = attention_dq(q, k, v, dout, lse, delta, p, use_hopper=use_hopper)

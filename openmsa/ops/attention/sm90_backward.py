@@ -156,6 +156,23 @@ def _pending_dsk(dscores, dq, k_smem, k_empty, held):
 
 
 @gluon.jit
+def _tile_deltas(DOUT, OUT, DELTA, tile, index_head, stride_do_t, stride_do_h, stride_o_t,
+                 stride_o_h, HI: gl.constexpr, GQ: gl.constexpr, TOK: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, FIRST_ROW: gl.constexpr):
+    """The deltas (sum_d dO * O) of 64 rows of a tile from FIRST_ROW, without its walk."""
+    (_, _, first_position, first_query, end_query, _, query_base) = tile
+    layout: gl.constexpr = _io_layout(HEAD_DIM, gl.num_warps())
+    valid, token, head, dims = _tile_rows(index_head, first_position, first_query, end_query,
+                                          query_base, GQ, TOK, 64, HEAD_DIM, layout, FIRST_ROW)
+    dout = gl.load(DOUT + token[:, None] * stride_do_t + head[:, None] * stride_do_h
+                   + dims[None, :], mask=valid[:, None], other=0.0)
+    out = gl.load(OUT + token[:, None] * stride_o_t + head[:, None] * stride_o_h
+                  + dims[None, :], mask=valid[:, None], other=0.0)
+    delta = gl.sum(out.to(gl.float32) * dout.to(gl.float32), axis=1)
+    gl.store(DELTA + token * (HI * GQ) + head, delta, mask=valid)
+
+
+@gluon.jit
 def _sparse_attn_dq_hopper_kernel(
     Q, DOUT, OUT, LSE, DELTA, DQ, k_desc, v_desc, SCHEDULE, UNION, UNION_MEMBERS, UNION_COUNT,
     CU_SEQLENS, query_start, query_end, stride_q_t, stride_q_h, stride_do_t, stride_do_h,
@@ -169,7 +186,8 @@ def _sparse_attn_dq_hopper_kernel(
     (``_ring_loads``, one warp each for K and V) and two warpgroups of 64 rows each
     (``_dq_query_rows``). With WRITE_DELTA the deltas (sum_d dO * O) are computed here from OUT
     and written to DELTA for the dK/dV kernel, instead of read from it. WALK_LIMIT > 0: a tile
-    whose union holds more blocks is left to the key-outer dQ."""
+    whose union holds more blocks is left to the key-outer dQ (with WRITE_DELTA, its deltas
+    are still written here: the key-outer dQ and dK/dV read them)."""
     entry = gl.program_id(0)
     index_head = gl.program_id(1)
     sequence = gl.load(SCHEDULE + 2 * entry)
@@ -177,11 +195,16 @@ def _sparse_attn_dq_hopper_kernel(
         return
     blocks, members_of, walk_length = _walk_of(UNION, UNION_MEMBERS, UNION_COUNT, entry,
                                                index_head, HI, UNION_SLOTS)
-    if WALK_LIMIT > 0:
-        if walk_length > WALK_LIMIT:
-            return
     tile = _tile_of(CU_SEQLENS, sequence, gl.load(SCHEDULE + 2 * entry + 1), query_start,
                     query_end, TOK)
+    if WALK_LIMIT > 0:
+        if walk_length > WALK_LIMIT:
+            if WRITE_DELTA:  # the key-outer dQ, which takes this tile's rows, reads them
+                for half in gl.static_range(2):
+                    _tile_deltas(DOUT, OUT, DELTA, tile, index_head, stride_do_t,
+                                 stride_do_h, stride_o_t, stride_o_h, HI, GQ, TOK, HEAD_DIM,
+                                 half * 64)
+            return
     seq_start = tile[0]
     kv_col = (index_head // KV_GROUP) * HEAD_DIM
     rows_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, HEAD_DIM],
@@ -215,7 +238,7 @@ def attention_dq(q, k, v, dout, lse, delta, p, scale_log2: float, out=None,
     dimension be contiguous. Given ``out`` (last dimension contiguous), the kernel computes the
     deltas (``attention.backward.attention_delta``'s) itself and writes them into ``delta`` ([T, H]
     fp32), which it then does not read. ``walk_limit`` > 0: the rows of tiles whose union
-    holds more blocks are left unwritten (key-outer's)."""
+    holds more blocks are left unwritten (key-outer's), but for their deltas."""
     dq = torch.empty_like(q)
     work = p.query_work
     shared = p.shared
