@@ -154,7 +154,7 @@ def main() -> None:
                         help="at each limit > 0, time the key-outer passes on these kernels")
     parser.add_argument("--partial-gib", default="2",
                         help="at each limit > 0, Tuning.key_outer_partial_bytes (GiB) to time")
-    parser.add_argument("--dq-partials", default="float32",
+    parser.add_argument("--dq-partials", default="input",
                         help="at each limit > 0, Tuning.key_outer_dq_partials to time")
     parser.add_argument("--combine-launches", default="",
                         help="RxW,...: the combine's and dQ sum's rows and warps a program to "

@@ -114,9 +114,9 @@ def main() -> None:
             print(f"step {step} {rows[-1]['seconds']:.0f}s loss {loss.item():.3f} "
                   + " ".join(f"{name} {value:.3f}" for name, value in accuracy.items()),
                   flush=True)
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(dict(args=vars(args), rows=rows), handle, indent=1)
+            if args.out:  # at every evaluation: a time limit that cuts the run keeps the rows
+                with open(args.out, "w") as handle:
+                    json.dump(dict(args=vars(args), rows=rows), handle, indent=1)
 
 
 if __name__ == "__main__":
