@@ -79,10 +79,11 @@ def main() -> None:
     device = torch.device(args.device)
     tokenizer = synthetic_tokenizer()
     first_length = args.first_length or args.length
-    if args.preset:
+    if args.preset:  # evaluated at --length and at its first phase's length on its tasks
         preset = LM_PRESETS[args.preset]
-        tasks = first_tasks = list(preset.tasks)
-        first_length = args.length
+        tasks = list(preset.tasks)
+        first = preset.curriculum[0] if preset.curriculum else (0, args.length, 0, ())
+        first_length, first_tasks = first[1], list(first[3] if len(first) > 3 else tasks)
     else:  # the first phase as a curriculum phase of its own tasks
         first_phase = ((args.first_steps, first_length, args.batch, tuple(first_tasks)),)
         preset = LMPreset(seqlen=args.length, block_size=64, top_k=2, steps=args.steps,
