@@ -106,10 +106,10 @@ class Tuning:
     main_walk_limit_per_slot: the main attention's forward and dQ take a query tile's rows
         key-outer (``attention.key_outer``) when the tile's union holds more than this many
         blocks per kept slot (x top_k); 0 (the default): every tile walks its union. At 4, with
-        the Gluon key-outer kernels and the half-tile walks, the H200's step at 128k ran 1.20x
-        faster on random selections and 1-2% slower on mid ones (coherent: 1-3% in an earlier
-        run; no hard rows, the fixed costs of the flags, list and windows:
-        benchmarks/records/half-tile-walks.json), so it stays off.
+        the Gluon key-outer kernels, the half-tile walks and bf16 dQ partials, the H200's step
+        at 128k ran 1.25x faster on random selections and 0.9-1.1% slower on coherent and mid
+        ones (1.2-2.8% at 32k), which have no hard rows and pay for key-outer launches that
+        find their windows empty (benchmarks/records/key-outer-deltas.json), so it stays off.
     key_outer_partial_bytes: the most memory the key-outer forward's or dQ's per-slot
         partials take at once (they run over windows of query rows that fit). At 128k on
         random selections 8 GiB made the step 4% faster than 2 GiB (fewer windows).
