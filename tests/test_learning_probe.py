@@ -1,0 +1,54 @@
+"""benchmarks/probe_lm_learning.py on the CPU: a preset's batches, its evaluations at the
+probe's length and at the first phase's, and the rows written at every evaluation."""
+
+import importlib.util
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _probe():
+    path = os.path.join(ROOT, "benchmarks", "probe_lm_learning.py")
+    spec = importlib.util.spec_from_file_location("probe_lm_learning", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_preset_probe_evaluates_both_lengths_at_every_evaluation(tmp_path, monkeypatch):
+    out = tmp_path / "probe.json"
+    monkeypatch.setattr(sys, "argv", ["probe", "--preset", "ruler-tiny", "--steps", "4",
+                                      "--every", "2", "--length", "320", "--out", str(out)])
+    _probe().main()
+    rows = json.loads(out.read_text())["rows"]
+    # ruler-tiny: 2 steps at 256 tokens (its first phase), then its own 320.
+    assert [(row["step"], row["length"]) for row in rows] == [(2, 256), (4, 320)]
+    for row in rows:
+        assert set(row["accuracy"]) == {"niah_single", "variable_tracking",
+                                        "niah_single@256", "variable_tracking@256"}
+        assert all(0.0 <= value <= 1.0 for value in row["accuracy"].values())
+
+
+def test_rows_are_on_disk_before_the_run_ends(tmp_path, monkeypatch):
+    """A run cut after its first evaluation (a device's time limit) keeps that row."""
+    out = tmp_path / "probe.json"
+    monkeypatch.setattr(sys, "argv", ["probe", "--preset", "ruler-tiny", "--steps", "4",
+                                      "--every", "2", "--length", "320", "--out", str(out)])
+    probe = _probe()
+    train_step, calls = probe.train_step, []
+
+    def cut_at_step_three(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("the time limit")
+        return train_step(*args, **kwargs)
+
+    monkeypatch.setattr(probe, "train_step", cut_at_step_three)
+    try:
+        probe.main()
+    except KeyboardInterrupt:
+        pass
+    assert len(calls) == 3
+    assert [row["step"] for row in json.loads(out.read_text())["rows"]] == [2]
