@@ -1,27 +1,28 @@
 """benchmarks/probe_lm_learning.py on the CPU: a preset's batches, its evaluations at the
 probe's length and at the first phase's, and the rows written at every evaluation."""
 
-import importlib.util
+import importlib
 import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "benchmarks")
 
 
-def _probe():
-    path = os.path.join(ROOT, "benchmarks", "probe_lm_learning.py")
-    spec = importlib.util.spec_from_file_location("probe_lm_learning", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def probe(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    return importlib.import_module("probe_lm_learning")
 
 
-def test_preset_probe_evaluates_both_lengths_at_every_evaluation(tmp_path, monkeypatch):
+def test_preset_probe_evaluates_both_lengths_at_every_evaluation(probe, tmp_path, monkeypatch):
     out = tmp_path / "probe.json"
     monkeypatch.setattr(sys, "argv", ["probe", "--preset", "ruler-tiny", "--steps", "4",
                                       "--every", "2", "--length", "320", "--out", str(out)])
-    _probe().main()
+    probe.main()
     rows = json.loads(out.read_text())["rows"]
     # ruler-tiny: 2 steps at 256 tokens (its first phase), then its own 320.
     assert [(row["step"], row["length"]) for row in rows] == [(2, 256), (4, 320)]
@@ -31,12 +32,11 @@ def test_preset_probe_evaluates_both_lengths_at_every_evaluation(tmp_path, monke
         assert all(0.0 <= value <= 1.0 for value in row["accuracy"].values())
 
 
-def test_rows_are_on_disk_before_the_run_ends(tmp_path, monkeypatch):
+def test_rows_are_on_disk_before_the_run_ends(probe, tmp_path, monkeypatch):
     """A run cut after its first evaluation (a device's time limit) keeps that row."""
     out = tmp_path / "probe.json"
     monkeypatch.setattr(sys, "argv", ["probe", "--preset", "ruler-tiny", "--steps", "4",
                                       "--every", "2", "--length", "320", "--out", str(out)])
-    probe = _probe()
     train_step, calls = probe.train_step, []
 
     def cut_at_step_three(*args, **kwargs):
