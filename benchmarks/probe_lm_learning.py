@@ -19,12 +19,16 @@ tasks alone for those steps (counted in ``--steps``) at that length (default ``-
 then ``--tasks``; accuracy is reported on both sets, at both lengths (``task@length`` for the
 first phase's length where it differs). ``--preset NAME``: an LM preset's model, learning rate
 and batches instead (``openmsa.train.lm.step_batches``: its curriculum's lengths, batch sizes
-and tasks), its first ``--steps`` steps; accuracy on all its tasks at ``--length``.
+and tasks), its first ``--steps`` steps; accuracy on all its tasks at ``--length`` and on its
+first phase's tasks at that phase's length. With a preset, ``--lr`` and ``--first-steps`` (the
+first phase's steps) override the preset's where given. The output holds the model and
+schedule that ran (``preset``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -65,7 +69,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4, help="query heads (head dim 64)")
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=None, help="default 1e-3, or the preset's")
     parser.add_argument("--loss", choices=("answer", "all"), default="answer")
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--device", default="cpu")
@@ -81,6 +85,12 @@ def main() -> None:
     first_length = args.first_length or args.length
     if args.preset:  # evaluated at --length and at its first phase's length on its tasks
         preset = LM_PRESETS[args.preset]
+        if args.lr is not None:
+            preset = dataclasses.replace(preset, lr=args.lr)
+        if args.first_steps and preset.curriculum:
+            phases = preset.curriculum
+            preset = dataclasses.replace(
+                preset, curriculum=((args.first_steps, *phases[0][1:]),) + phases[1:])
         tasks = list(preset.tasks)
         first = preset.curriculum[0] if preset.curriculum else (0, args.length, 0, ())
         first_length, first_tasks = first[1], list(first[3] if len(first) > 3 else tasks)
@@ -89,7 +99,8 @@ def main() -> None:
         preset = LMPreset(seqlen=args.length, block_size=64, top_k=2, steps=args.steps,
                           warmup_steps=0, batch=args.batch, layers=args.layers,
                           hidden_size=args.hidden, num_heads=args.heads,
-                          num_kv_heads=args.kv_heads, lr=args.lr, tasks=tuple(tasks),
+                          num_kv_heads=args.kv_heads, lr=1e-3 if args.lr is None else args.lr,
+                          tasks=tuple(tasks),
                           curriculum=first_phase if args.first_steps else ())
     schedule = step_batches(preset, seed=0)[:args.steps]
     model = build_model(preset, tokenizer, "dense", 0, {}).to(device)
@@ -117,7 +128,8 @@ def main() -> None:
                   flush=True)
             if args.out:  # at every evaluation: a time limit that cuts the run keeps the rows
                 with open(args.out, "w") as handle:
-                    json.dump(dict(args=vars(args), rows=rows), handle, indent=1)
+                    json.dump(dict(args=vars(args), preset=dataclasses.asdict(preset),
+                                   rows=rows), handle, indent=1)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@
 #   holds another commit's package, made here with tools/tree_copy.sh and carried to the
 #   machine; OPENMSA_COMPARE_ARGS, default "--seqlens 32k,128k --no-flex --no-fla"),
 #   learn-probe (benchmarks/probe_lm_learning.py --preset ruler-gpu: the study's dense model on
-#   its curriculum through the 1024-token phase, accuracy of all six tasks at 1024 tokens: does
-#   it learn?)
+#   its curriculum through the 1024-token phase, accuracy of all six tasks at 1024 tokens and
+#   of the first phase's at its length: does it learn? OPENMSA_PROBE_ARGS adds arguments, e.g.
+#   "--lr 1e-3 --first-steps 2000 --steps 2000")
 # OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
 # over calls of a time-limited machine.
 # Where only a few result files can be copied back, write to a scratch folder and tar it:
@@ -127,7 +128,7 @@ fi
 if wants learn-probe; then
   # The ruler-gpu preset's dense model on its own batches through the 1024-token phase.
   python3 benchmarks/probe_lm_learning.py --preset ruler-gpu --steps 2800 --length 1024 \
-    --every 200 --device cuda --out "$out/probe_ruler_gpu.json" 2>&1 \
+    --every 200 --device cuda --out "$out/probe_ruler_gpu.json" ${OPENMSA_PROBE_ARGS:-} 2>&1 \
     | tee "$out/probe_ruler_gpu.log" | tail -n 4
 fi
 if wants study; then

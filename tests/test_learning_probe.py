@@ -52,3 +52,22 @@ def test_rows_are_on_disk_before_the_run_ends(probe, tmp_path, monkeypatch):
         pass
     assert len(calls) == 3
     assert [row["step"] for row in json.loads(out.read_text())["rows"]] == [2]
+
+
+def test_preset_overrides_are_applied_and_recorded(probe, tmp_path, monkeypatch):
+    """--lr and --first-steps over the preset's; the output names the model that ran."""
+    out = tmp_path / "probe.json"
+    monkeypatch.setattr(sys, "argv", ["probe", "--preset", "ruler-tiny", "--steps", "4",
+                                      "--every", "1", "--length", "320", "--lr", "0.01",
+                                      "--first-steps", "3", "--out", str(out)])
+    rates = []
+    adamw = probe.torch.optim.AdamW
+    monkeypatch.setattr(probe.torch.optim, "AdamW",
+                        lambda params, lr: rates.append(lr) or adamw(params, lr=lr))
+    probe.main()
+    result = json.loads(out.read_text())
+    assert rates == [0.01]
+    assert [row["length"] for row in result["rows"]] == [256, 256, 256, 320]
+    assert result["preset"]["lr"] == 0.01
+    assert result["preset"]["curriculum"][0][:2] == [3, 256]
+    assert result["preset"]["layers"] == 2
