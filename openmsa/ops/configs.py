@@ -108,15 +108,15 @@ class Tuning:
         blocks per kept slot (x top_k); 0 (the default): every tile walks its union. At 4, with
         the Gluon key-outer kernels, the half-tile walks and bf16 dQ partials, the H200's step
         at 128k ran 1.25x faster on random selections and 0.9-1.1% slower on coherent and mid
-        ones (1.2-2.8% at 32k), which have no hard rows and pay for key-outer launches that
+        ones (1.4-2.8% at 32k), which have no hard rows and pay for key-outer launches that
         find their windows empty (benchmarks/records/key-outer-deltas.json), so it stays off.
     key_outer_partial_bytes: the most memory the key-outer forward's or dQ's per-slot
         partials take at once (they run over windows of query rows that fit). At 128k on
         random selections 8 GiB made the step 4% faster than 2 GiB (fewer windows).
     key_outer_dq_partials: the key-outer dQ's per-slot partials in the inputs' "input"
         precision (the default: half the memory traffic of writing and summing them, each
-        partial rounded once before the fp32 sum; the H200's step at 128k on random selections
-        5% faster, dq within bf16's error) or in "float32".
+        partial rounded once before the fp32 sum; the H200's backward at 128k on random
+        selections 7 ms faster, the step 3-5%, dq within bf16's error) or in "float32".
     """
 
     segment_pairs: int = 1024
