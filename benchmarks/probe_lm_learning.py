@@ -10,7 +10,7 @@ and [EOS]) on fixed held-out samples.
     python benchmarks/probe_lm_learning.py --tasks niah_single --length 256 --steps 1500
         [--first-tasks niah_single --first-steps 1000 --first-length 256] [--layers 2]
         [--hidden 128] [--heads 4] [--kv-heads 2] [--batch 16] [--lr 1e-3]
-        [--loss answer|all] [--device cpu] [--out FILE.json]
+        [--loss answer|all] [--device cpu] [--data-workers N] [--out FILE.json]
     python benchmarks/probe_lm_learning.py --preset ruler-gpu --steps 2800 --length 1024
         --device cuda
 
@@ -35,7 +35,7 @@ import time
 import torch
 
 from openmsa.eval.tasks import synthetic_tokenizer
-from openmsa.train.batches import BatchSpec, make_batch
+from openmsa.train.batches import BatchSpec, batch_stream, make_batch
 from openmsa.train.lm import LM_PRESETS, LMPreset, build_model, step_batches, train_step
 
 
@@ -73,6 +73,9 @@ def main() -> None:
     parser.add_argument("--loss", choices=("answer", "all"), default="answer")
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--data-workers", type=int, default=None,
+                        help="processes making the batches ahead (default: none on a CPU, "
+                             "else half the host's cores, at most 8)")
     parser.add_argument("--preset", default="", choices=("",) + tuple(LM_PRESETS),
                         help="an LM preset's model, learning rate and batches (its curriculum)")
     parser.add_argument("--out", default=None)
@@ -112,14 +115,14 @@ def main() -> None:
                 [make_batch(tokenizer, BatchSpec(task, length, 16, 10_000_000 + 16 * i), device)
                  for i in range(2)] for task, length in evaluated}
     rows, start = [], time.perf_counter()
-    for step, spec in enumerate(schedule, 1):
-        input_ids, labels = make_batch(tokenizer, spec, device)
+    batches = batch_stream(tokenizer, schedule, device, args.data_workers)
+    for step, (spec, (input_ids, labels)) in enumerate(zip(schedule, batches), 1):
         if args.loss == "all":
             labels = torch.where(input_ids == tokenizer.pad_token_id, -100, input_ids)
         loss, _ = train_step(model, optimizer, input_ids, labels, 0.0, msa=False)
         if step % args.every == 0:
-            accuracy = {name: answer_accuracy(model, batches)
-                        for name, batches in held_out.items()}
+            accuracy = {name: answer_accuracy(model, samples)
+                        for name, samples in held_out.items()}
             rows.append(dict(step=step, length=spec.length, seconds=time.perf_counter() - start,
                              loss=loss.item(),
                              accuracy=accuracy))
@@ -130,6 +133,7 @@ def main() -> None:
                 with open(args.out, "w") as handle:
                     json.dump(dict(args=vars(args), preset=dataclasses.asdict(preset),
                                    rows=rows), handle, indent=1)
+    batches.close()  # the worker processes end here
 
 
 if __name__ == "__main__":

@@ -71,3 +71,16 @@ def test_preset_overrides_are_applied_and_recorded(probe, tmp_path, monkeypatch)
     assert result["preset"]["lr"] == 0.01
     assert result["preset"]["curriculum"][0][:2] == [3, 256]
     assert result["preset"]["layers"] == 2
+
+
+def test_batches_from_workers_train_alike(probe, tmp_path, monkeypatch):
+    """--data-workers 1 (batches made ahead in a spawned process) gives the same run as 0."""
+    losses = {}
+    for workers in ("0", "1"):
+        out = tmp_path / f"probe{workers}.json"
+        monkeypatch.setattr(sys, "argv", ["probe", "--preset", "ruler-tiny", "--steps", "4",
+                                          "--every", "1", "--length", "320",
+                                          "--data-workers", workers, "--out", str(out)])
+        probe.main()
+        losses[workers] = [row["loss"] for row in json.loads(out.read_text())["rows"]]
+    assert len(losses["0"]) == 4 and losses["0"] == losses["1"]
