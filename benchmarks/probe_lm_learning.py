@@ -36,7 +36,8 @@ import torch
 
 from openmsa.eval.tasks import synthetic_tokenizer
 from openmsa.train.batches import BatchSpec, batch_stream, make_batch
-from openmsa.train.lm import LM_PRESETS, LMPreset, build_model, step_batches, train_step
+from openmsa.train.lm import (LM_PRESETS, LMPreset, build_model, curriculum_phases,
+                              step_batches, train_step)
 
 
 def answer_accuracy(model, batches) -> float:
@@ -95,8 +96,9 @@ def main() -> None:
             preset = dataclasses.replace(
                 preset, curriculum=((args.first_steps, *phases[0][1:]),) + phases[1:])
         tasks = list(preset.tasks)
-        first = preset.curriculum[0] if preset.curriculum else (0, args.length, 0, ())
-        first_length, first_tasks = first[1], list(first[3] if len(first) > 3 else tasks)
+        _, first_length, _, first_tasks = (curriculum_phases(preset)[:1]
+                                           or [(0, args.length, 0, tasks)])[0]
+        first_tasks = list(first_tasks)
     else:  # the first phase as a curriculum phase of its own tasks
         first_phase = ((args.first_steps, first_length, args.batch, tuple(first_tasks)),)
         preset = LMPreset(seqlen=args.length, block_size=64, top_k=2, steps=args.steps,

@@ -104,14 +104,21 @@ def build_model(preset: LMPreset, tokenizer, kind: str, seed: int, msa_options: 
     return model
 
 
-def step_batches(preset: LMPreset, seed: int) -> list[BatchSpec]:
-    """The batch of every training step of ``preset``: the curriculum's phases (their lengths,
-    batch sizes and tasks), then the preset's; step s (from 1) trains task (s - 1) mod the
-    number of its phase's tasks."""
+def curriculum_phases(preset: LMPreset) -> list[tuple[int, int, int, tuple[str, ...]]]:
+    """The curriculum's phases as (last step, tokens, batch, tasks), a phase without tasks of
+    its own taking the preset's."""
     phases, last = [], 0
     for steps, tokens, batch, *tasks in preset.curriculum:
         last += steps
         phases.append((last, tokens, batch, tuple(tasks[0]) if tasks else preset.tasks))
+    return phases
+
+
+def step_batches(preset: LMPreset, seed: int) -> list[BatchSpec]:
+    """The batch of every training step of ``preset``: the curriculum's phases (their lengths,
+    batch sizes and tasks), then the preset's; step s (from 1) trains task (s - 1) mod the
+    number of its phase's tasks."""
+    phases = curriculum_phases(preset)
     specs = []
     for step in range(1, preset.steps + 1):
         length, batch, tasks = next(((t, b, k) for end, t, b, k in phases if step <= end),
