@@ -74,9 +74,8 @@ def _dq_query_rows(Q, DOUT, OUT, LSE, DELTA, DQ, q_smem, do_smem, k_smem, v_smem
                    + dims[None, :], mask=io_valid[:, None], other=0.0)
     do_rows.store(dout)
     if WRITE_DELTA:
-        out = gl.load(OUT + io_token[:, None] * stride_o_t + io_head[:, None] * stride_o_h
-                      + dims[None, :], mask=io_valid[:, None], other=0.0)
-        tile_delta = gl.sum(out.to(gl.float32) * dout.to(gl.float32), axis=1)
+        tile_delta = _row_deltas(OUT, dout, io_token, io_head, dims, io_valid, stride_o_t,
+                                 stride_o_h)
     fence_async_shared()  # the products read q and dO through the async proxy
 
     heads, row_bit, row_valid, row_position = _mma_rows(first_position, first_query,
@@ -156,19 +155,25 @@ def _pending_dsk(dscores, dq, k_smem, k_empty, held):
 
 
 @gluon.jit
+def _row_deltas(OUT, dout, token, head, dims, valid, stride_o_t, stride_o_h):
+    """Per row of ``dout`` (rows ``token``, ``head``): its delta, sum_d dO * O."""
+    out = gl.load(OUT + token[:, None] * stride_o_t + head[:, None] * stride_o_h
+                  + dims[None, :], mask=valid[:, None], other=0.0)
+    return gl.sum(out.to(gl.float32) * dout.to(gl.float32), axis=1)
+
+
+@gluon.jit
 def _tile_deltas(DOUT, OUT, DELTA, tile, index_head, stride_do_t, stride_do_h, stride_o_t,
                  stride_o_h, HI: gl.constexpr, GQ: gl.constexpr, TOK: gl.constexpr,
                  HEAD_DIM: gl.constexpr, FIRST_ROW: gl.constexpr):
-    """The deltas (sum_d dO * O) of 64 rows of a tile from FIRST_ROW, without its walk."""
+    """The deltas of 64 rows of a tile from FIRST_ROW, without its walk."""
     (_, _, first_position, first_query, end_query, _, query_base) = tile
     layout: gl.constexpr = _io_layout(HEAD_DIM, gl.num_warps())
     valid, token, head, dims = _tile_rows(index_head, first_position, first_query, end_query,
                                           query_base, GQ, TOK, 64, HEAD_DIM, layout, FIRST_ROW)
     dout = gl.load(DOUT + token[:, None] * stride_do_t + head[:, None] * stride_do_h
                    + dims[None, :], mask=valid[:, None], other=0.0)
-    out = gl.load(OUT + token[:, None] * stride_o_t + head[:, None] * stride_o_h
-                  + dims[None, :], mask=valid[:, None], other=0.0)
-    delta = gl.sum(out.to(gl.float32) * dout.to(gl.float32), axis=1)
+    delta = _row_deltas(OUT, dout, token, head, dims, valid, stride_o_t, stride_o_h)
     gl.store(DELTA + token * (HI * GQ) + head, delta, mask=valid)
 
 
