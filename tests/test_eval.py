@@ -166,7 +166,7 @@ def test_curriculum_phases_train_their_own_tasks():
     each phase's tasks."""
     from dataclasses import replace
 
-    from openmsa.train.lm import LM_PRESETS, LMPreset, step_batches
+    from openmsa.train.lm import LM_PRESETS, LMPreset, curriculum_phases, step_batches
 
     preset = LMPreset(seqlen=512, block_size=64, top_k=2, steps=12, warmup_steps=0, batch=2,
                       tasks=("niah_single", "variable_tracking", "common_words"),
@@ -183,8 +183,8 @@ def test_curriculum_phases_train_their_own_tasks():
     assert {s.task for s in step_batches(scaled, seed=0)[:8]} == {"niah_multikey",
                                                                   "niah_single"}
     for name, lm_preset in LM_PRESETS.items():
-        for phase in lm_preset.curriculum:
-            assert set(phase[3] if len(phase) > 3 else lm_preset.tasks) <= set(TASKS), name
+        for _, _, _, tasks in curriculum_phases(lm_preset):
+            assert set(tasks) <= set(TASKS), name
 
 
 def test_lm_batches_from_worker_processes_equal_the_batches_made_in_the_loop():
