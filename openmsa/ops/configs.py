@@ -78,6 +78,9 @@ DQ_REGISTERS = (232, 40)
 KEY_STEP_REGISTERS = (232, 40)
 KEY_OUTER_HOPPER_REGISTERS = (232, 40)  # key-outer forward and dQ (Gluon): consumer, gather
 KEY_OUTER_HOPPER_STAGES = 4  # their steps of gathered rows in shared memory
+# Their persistent grid: programs per SM (the forward's 128 KiB and dQ's 192 KiB of shared
+# memory leave room for one).
+KEY_OUTER_HOPPER_PROGRAMS_PER_SM = 1
 
 
 KEY_OUTER_DQ_PARTIALS = ("float32", "input")

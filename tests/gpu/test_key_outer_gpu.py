@@ -64,7 +64,7 @@ def test_bf16_key_outer_within_twice_the_reference_error(case, kernels, dq_parti
     slot_bytes = []
     windows = key_outer._windows
     monkeypatch.setattr(key_outer, "_windows",
-                        lambda p, size, hard: slot_bytes.append(size) or windows(p, size, hard))
+                        lambda p, size, *rest: slot_bytes.append(size) or windows(p, size, *rest))
     tuning = dataclasses.replace(TUNING, key_outer_dq_partials=dq_partials)
     comparison = compare_with_reference(tuned_msa_attention(tuning), case, torch.bfloat16,
                                         "cuda")
@@ -96,10 +96,16 @@ def test_key_outer_is_bitwise_deterministic():
         assert torch.equal(value, runs[1][name]), name
 
 
+@pytest.mark.parametrize("programs", [None, 1, 3], ids=["a_program_per_sm", "one_program",
+                                                        "three_programs"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_gluon_key_outer_matches_the_triton_kernels(case, monkeypatch):
+def test_gluon_key_outer_matches_the_triton_kernels(case, programs, monkeypatch):
     """The Gluon key-outer forward and dQ against the Triton ones on the same hard rows: the
-    same products in another order (relative RMS within bf16 rounding)."""
+    same products in another order (relative RMS within bf16 rounding). ``programs``: the
+    persistent grid's size (None: a program per SM), fewer programs taking more segments each
+    (the barriers' phases carried from segment to segment)."""
+    if programs is not None:
+        monkeypatch.setattr(sm90_key_outer, "multiprocessors", lambda device: programs)
     from openmsa.ops.layout import batch_cu_seqlens
     from openmsa.ops.problem import SparseAttentionProblem
     from openmsa.ops.select import select_blocks_fwd

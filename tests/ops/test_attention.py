@@ -14,6 +14,7 @@ from openmsa.ops import select as select_module
 from openmsa.ops.configs import DEFAULT_TUNING, INDEX_TILE_TOKENS, Tuning
 from openmsa.ops.layout import ids_to_token_major, packed_offsets, packed_tokens
 from openmsa.ops.problem import SparseAttentionProblem
+from openmsa.ops.worklists import build_block_work
 from openmsa.testing import (INPUT_NAMES, QUANTITY_NAMES, MSACase, random_inputs, rel_rms_error,
                              run_query_ranges, run_with_grads, same_block_sets,
                              tuned_msa_attention)
@@ -402,9 +403,9 @@ def _window_bytes(monkeypatch) -> list:
     sizes = []
     original = key_outer_module._windows
 
-    def recorded(p, bytes_per_slot, hard):
+    def recorded(p, bytes_per_slot, *rest):
         sizes.append(bytes_per_slot)
-        return original(p, bytes_per_slot, hard)
+        return original(p, bytes_per_slot, *rest)
 
     monkeypatch.setattr(key_outer_module, "_windows", recorded)
     return sizes
@@ -469,3 +470,41 @@ def test_walk_limit_follows_the_tuning():
     slots = SparseAttentionProblem(q, k, ids, cu, 64, 0.1).query_work.union.shape[-1]
     assert limit(0.0) == 0 and limit(1.0) == 3 and limit(0.5) == 1
     assert limit(slots / 3) == 0 and limit(1.0, all_causal=True) == 0
+
+
+@pytest.mark.parametrize("window_rows", [1, 7, 64, 1000])
+def test_window_bounds_cut_each_segment_at_the_windows_rows(window_rows):
+    """``window_bounds``: per segment of a key-block list (its padding segments too) and per
+    window, the first pair whose query row is at least the window's first row, as a search
+    over the segment's rows in torch finds it; windows past the last row end at the segment's
+    end."""
+    gen = torch.Generator().manual_seed(3)
+    total, heads, top_k, block = 300, 2, 3, 16
+    ids = torch.randint(0, total // block, (total, heads, top_k), generator=gen)
+    positions = torch.arange(total)[:, None, None]
+    ids = torch.where(ids * block <= positions, ids, -1).to(torch.int32)
+    cu = torch.tensor([0, total], dtype=torch.int32)
+    pairs = 8  # small segments: blocks hold several
+    work = build_block_work(ids, cu, block, pairs, 0, total, "rows")
+    segments = work.segments.shape[0]
+    windows = -(-total // window_rows)
+    arguments = (work.segments, work.segment_order, work.pair_token, work.bucket_start,
+                 work.bucket_count)
+    bounds = key_outer_module.window_bounds(arguments, segments, total, window_rows, windows,
+                                            pairs)
+    assert bounds.shape == (segments, windows + 1)
+    rows = torch.clamp(torch.arange(windows + 1) * window_rows, max=total)
+    padding = 0
+    for segment in range(segments):
+        bucket, first = (int(x) for x in work.segments[segment])
+        if bucket < 0:
+            padding += 1
+            assert bool((bounds[segment] == bounds[segment, 0]).all()), segment
+            continue
+        end = int(work.bucket_start[bucket] + work.bucket_count[bucket])
+        last = min(first + pairs, end)
+        tokens = work.pair_token[first:last].long()
+        assert bool((tokens[1:] >= tokens[:-1]).all())  # the order the search relies on
+        expected = first + torch.searchsorted(tokens, rows, right=False)
+        assert torch.equal(bounds[segment].long(), expected), segment
+    assert segments - padding > 10

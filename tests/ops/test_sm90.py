@@ -21,9 +21,10 @@ ROOT = Path(__file__).parents[2]  # tools/ lives beside the package
 SHARED_MEMORY_LIMIT = 227 * 1024  # per block on the H100/H200
 # The KL's step end (student, d index_q and their addresses next to the d index_k accumulator)
 # spills up to 20 bytes at D = 128 (0 at D = 64); its bound stays at the 64 it once needed.
-# The key-outer forward spills 4 bytes at D = 128 with 16 heads a pair (0 elsewhere).
+# The persistent key-outer forward spills up to 64 bytes at D = 128 (4 or 16 heads a pair):
+# scalars of its segment loop (pairs, block, step counts), read from the L1 cache.
 SPILL_BYTES = {"forward": 0, "dq": 0, "dq-walk-limit": 0, "dkdv": 0, "kl": 64,
-               "key-outer-forward": 8, "key-outer-dq": 0, "key-outer-dq-16bit": 0}
+               "key-outer-forward": 64, "key-outer-dq": 0, "key-outer-dq-16bit": 0}
 # Compiled in a process of its own: with TRITON_INTERPRET=1 (the README's test command) Triton
 # swaps its language functions for interpreted ones, which the Gluon compiler then refuses.
 COMPILE = """

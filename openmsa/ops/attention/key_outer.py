@@ -75,33 +75,63 @@ def hard_rows(p: SparseAttentionProblem, limit: int) -> torch.Tensor:
 
 
 @triton.jit
-def _first_at_least(PAIR_TOKEN, first, last, value, STEPS: tl.constexpr):
-    """The first pair in [first, last) whose query row is >= value (rows ascend there)."""
-    low = first
-    high = last
-    for _ in tl.static_range(STEPS):
+def _window_bounds_kernel(BOUNDS, SEGMENTS, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT,
+                          num_segments, num_rows, window_rows, num_bounds,
+                          SEGMENT_PAIRS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                          SEGS: tl.constexpr, BOUNDS_PAD: tl.constexpr):
+    """BOUNDS[segment, w]: the first of the segment's pairs whose query row is at least
+    ``min(w x window_rows, num_rows)`` (pairs ascend by row within a segment), so window w's
+    pairs of the segment are [BOUNDS[segment, w], BOUNDS[segment, w + 1]); a padding segment
+    has none."""
+    segment = tl.program_id(0).to(tl.int64) * SEGS + tl.arange(0, SEGS)
+    in_list = segment < num_segments
+    bucket = tl.load(SEGMENTS + 2 * segment, mask=in_list, other=-1)
+    first = tl.load(SEGMENTS + 2 * segment + 1, mask=in_list, other=0)
+    valid_bucket = tl.maximum(bucket, 0)
+    bucket_end = tl.load(BUCKET_START + valid_bucket) + tl.load(BUCKET_COUNT + valid_bucket)
+    last = tl.where(bucket < 0, first, tl.minimum(first + SEGMENT_PAIRS, bucket_end))
+    bound = tl.program_id(1) * BOUNDS_PAD + tl.arange(0, BOUNDS_PAD)
+    row = tl.minimum(bound.to(tl.int64) * window_rows, num_rows)
+    low = tl.broadcast_to(first[:, None], (SEGS, BOUNDS_PAD))
+    high = tl.broadcast_to(last[:, None], (SEGS, BOUNDS_PAD))
+    for _ in tl.static_range(SEARCH_STEPS):
         middle = (low + high) // 2
         active = low < high
-        below = tl.load(PAIR_TOKEN + middle, mask=active, other=0) < value
+        below = tl.load(PAIR_TOKEN + middle, mask=active, other=0) < row[None, :]
         low = tl.where(active & below, middle + 1, low)
         high = tl.where(active & ~below, middle, high)
-    return low
+    tl.store(BOUNDS + segment[:, None] * num_bounds + bound[None, :], low,
+             mask=in_list[:, None] & (bound < num_bounds)[None, :])
+
+
+def window_bounds(arguments, segments: int, num_rows: int, window_rows: int, windows: int,
+                  segment_pairs: int) -> torch.Tensor:
+    """int32 [segments, windows + 1]: each window's pairs of each segment of the hard pairs'
+    list (``_window_bounds_kernel``), found once a pass for all windows instead of by each
+    key-outer program."""
+    segment_list, _, pair_token, bucket_start, bucket_count = arguments[:5]
+    bounds = torch.empty(segments, windows + 1, dtype=torch.int32, device=pair_token.device)
+    segs, pad = 32, min(64, triton.next_power_of_2(windows + 1))
+    _window_bounds_kernel[(triton.cdiv(segments, segs), triton.cdiv(windows + 1, pad))](
+        bounds, segment_list, pair_token, bucket_start, bucket_count, segments, num_rows,
+        window_rows, windows + 1, SEGMENT_PAIRS=segment_pairs,
+        SEARCH_STEPS=segment_pairs.bit_length() + 1, SEGS=segs, BOUNDS_PAD=pad)
+    return bounds
 
 
 @triton.jit
-def _window_segment(SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT,
-                    BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start, window_start,
-                    window_end, HI: tl.constexpr, SEGMENT_PAIRS: tl.constexpr,
-                    STEPS: tl.constexpr):
-    """This program's segment (``tiles._segment``) cut to the pairs [low, high) whose rows lie
-    in the window [window_start, window_end) (none for a padding segment), its index head, local
-    block, sequence start and length, and the query row of the sequence's position 0."""
+def _window_segment(SEGMENTS, SEGMENT_ORDER, BOUNDS, window, BUCKET_START, BUCKET_COUNT,
+                    BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start, num_bounds,
+                    HI: tl.constexpr, SEGMENT_PAIRS: tl.constexpr):
+    """This program's segment (``tiles._segment``) cut to the window's pairs [low, high)
+    (``window_bounds``; none for a padding segment), its index head, local block, sequence
+    start and length, and the query row of the sequence's position 0."""
     segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
         CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
-    last = tl.where(segment < 0, first, last)
-    low = _first_at_least(PAIR_TOKEN, first, last, window_start, STEPS)
-    high = _first_at_least(PAIR_TOKEN, low, last, window_end, STEPS)
+    bounds = BOUNDS + tl.maximum(segment, 0) * num_bounds + window
+    low = tl.load(bounds)
+    high = tl.where(segment < 0, low, tl.load(bounds + 1))
     return low, high, index_head, block, seq_start, seq_len, query_base
 
 
@@ -139,15 +169,14 @@ def _pair_rows_and_slots(PAIR_TOKEN, IDS, first_pair, end, block, index_head, st
 
 @triton.jit
 def _fwd_key_outer_kernel(
-    Q, K, V, IDS, WINDOW_HARD, window, OUT_PART, LSE_PART,
+    Q, K, V, IDS, WINDOW_HARD, window, BOUNDS, num_bounds, OUT_PART, LSE_PART,
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
-    BLOCK_LOCAL, CU_SEQLENS, query_start, window_start, window_end,
+    BLOCK_LOCAL, CU_SEQLENS, query_start, window_start,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_ids_t, stride_ids_h, scale_log2,
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
     TOK: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TOP_K: tl.constexpr,
-    TOP_K_PAD: tl.constexpr, SEGMENT_PAIRS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    TOP_K_PAD: tl.constexpr, SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One segment of a key block's pairs, the window's hard rows: per row, the softmax over
     the block's visible keys, its output (normalized) and log-sum-exp (base 2) into the row's
@@ -155,9 +184,8 @@ def _fwd_key_outer_kernel(
     if tl.load(WINDOW_HARD + window) == 0:  # no hard row in the window
         return
     low, high, index_head, block, seq_start, seq_len, query_base = _window_segment(
-        SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
-        BLOCK_LOCAL, CU_SEQLENS, query_start, window_start, window_end, HI, SEGMENT_PAIRS,
-        SEARCH_STEPS)
+        SEGMENTS, SEGMENT_ORDER, BOUNDS, window, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+        BLOCK_LOCAL, CU_SEQLENS, query_start, num_bounds, HI, SEGMENT_PAIRS)
     if low >= high:
         return
     key_pos, key_valid, k, v = _block_kv(K, V, seq_start, seq_len, block,
@@ -248,15 +276,14 @@ def _combine_kernel(IDS, HARD, WINDOW_HARD, window, OUT_PART, LSE_PART, OUT, LSE
 
 @triton.jit
 def _dq_key_outer_kernel(
-    Q, K, V, DOUT, LSE, DELTA, IDS, WINDOW_HARD, window, DQ_PART,
+    Q, K, V, DOUT, LSE, DELTA, IDS, WINDOW_HARD, window, BOUNDS, num_bounds, DQ_PART,
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
-    BLOCK_LOCAL, CU_SEQLENS, query_start, window_start, window_end,
+    BLOCK_LOCAL, CU_SEQLENS, query_start, window_start,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_do_t, stride_do_h, stride_ids_t, stride_ids_h, scale_log2,
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
     TOK: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TOP_K: tl.constexpr,
-    TOP_K_PAD: tl.constexpr, SEGMENT_PAIRS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    TOP_K_PAD: tl.constexpr, SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One segment of a key block's pairs, the window's hard rows: each row's dQ over the
     block (unscaled, fp32; stored in DQ_PART's precision) into its slot of DQ_PART [window rows,
@@ -264,9 +291,8 @@ def _dq_key_outer_kernel(
     if tl.load(WINDOW_HARD + window) == 0:  # no hard row in the window
         return
     low, high, index_head, block, seq_start, seq_len, query_base = _window_segment(
-        SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
-        BLOCK_LOCAL, CU_SEQLENS, query_start, window_start, window_end, HI, SEGMENT_PAIRS,
-        SEARCH_STEPS)
+        SEGMENTS, SEGMENT_ORDER, BOUNDS, window, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+        BLOCK_LOCAL, CU_SEQLENS, query_start, num_bounds, HI, SEGMENT_PAIRS)
     if low >= high:
         return
     key_pos, key_valid, k, v = _block_kv(K, V, seq_start, seq_len, block,
@@ -322,16 +348,19 @@ def _dq_sum_kernel(IDS, HARD, WINDOW_HARD, window, DQ_PART, DQ, window_start, wi
              + dims[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=valid[:, None])
 
 
-def _windows(p: SparseAttentionProblem, bytes_per_slot: int, hard: torch.Tensor):
-    """Query-row windows [start, end) whose slots fit ``Tuning.key_outer_partial_bytes``, and
-    each window's count of hard (row, index head)s (int32 on the device: a window without any
-    costs its launches only, nothing waits for the GPU)."""
+def _windows(p: SparseAttentionProblem, bytes_per_slot: int, hard: torch.Tensor, arguments,
+             segments: int):
+    """Query-row windows [start, end) whose slots fit ``Tuning.key_outer_partial_bytes``, each
+    window's count of hard (row, index head)s (int32 on the device: a window without any
+    costs its launches only, nothing waits for the GPU) and each window's pairs of each
+    segment of the hard pairs' list (``window_bounds``)."""
     per_row = p.num_index_heads * p.top_k * p.gq * bytes_per_slot
     rows = max(1, p.tuning.key_outer_partial_bytes // per_row)
     windows = [(start, min(start + rows, p.total)) for start in range(0, p.total, rows)]
     padded = torch.nn.functional.pad(hard, (0, 0, 0, len(windows) * rows - p.total))
     counts = padded.view(len(windows), -1).sum(1, dtype=torch.int32)
-    return rows, windows, counts
+    bounds = window_bounds(arguments, segments, p.total, rows, len(windows), p.segment_pairs())
+    return rows, windows, counts, bounds
 
 
 def _hard_work(p: SparseAttentionProblem, limit: int):
@@ -351,7 +380,7 @@ def _hard_work(p: SparseAttentionProblem, limit: int):
                      KV_GROUP=shared["KV_GROUP"], TOK=p.query_tokens, BLOCK=p.block_size,
                      HEAD_DIM=p.head_dim, TOP_K=p.top_k,
                      TOP_K_PAD=triton.next_power_of_2(p.top_k), SEGMENT_PAIRS=pairs,
-                     SEARCH_STEPS=pairs.bit_length() + 1, PRECISION=shared["PRECISION"])
+                     PRECISION=shared["PRECISION"])
     ids = p.block_ids if p.block_ids.stride(-1) == 1 else p.block_ids.contiguous()
     return hard, ids, arguments, work.segments.shape[0], constants
 
@@ -375,7 +404,8 @@ def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse,
     hold more than ``limit`` blocks (the walk left them), window by window: the partials from
     the Gluon kernel on a Hopper GPU where it takes the inputs, else from the Triton one."""
     hard, ids, arguments, segments, constants = _hard_work(p, limit)
-    rows, windows, window_hard = _windows(p, q.element_size() * p.head_dim + 4, hard)
+    rows, windows, window_hard, bounds = _windows(p, q.element_size() * p.head_dim + 4, hard,
+                                                  arguments, segments)
     slots = rows * p.num_index_heads * p.top_k * p.gq
     out_part = torch.empty(slots, p.head_dim, dtype=q.dtype, device=q.device)
     lse_part = torch.empty(slots, dtype=torch.float32, device=q.device)
@@ -384,14 +414,14 @@ def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse,
     descriptors = sm90_key_outer.block_descriptors(k, v, p.block_size) if hopper else None
     for window, (start, end) in enumerate(windows):
         if hopper:
-            sm90_key_outer.launch_key_outer(q, descriptors, ids, window_hard, window, out_part,
-                                            lse_part, arguments, start, end, segments,
+            sm90_key_outer.launch_key_outer(q, descriptors, ids, window_hard, window, bounds,
+                                            out_part, lse_part, arguments, start, segments,
                                             constants, p.scale * LOG2_E)
         else:
             launch(_fwd_key_outer_kernel, (segments,),
-                   q, k, v, ids, window_hard, window, out_part, lse_part, *arguments, start,
-                   end, *strides(q, k, v, ids), p.scale * LOG2_E, **constants,
-                   **KEY_OUTER_CONFIG)
+                   q, k, v, ids, window_hard, window, bounds, bounds.shape[1], out_part,
+                   lse_part, *arguments, start, *strides(q, k, v, ids), p.scale * LOG2_E,
+                   **constants, **KEY_OUTER_CONFIG)
         _combine_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
             ids, hard, window_hard, window, out_part, lse_part, out, lse, start, end,
             *strides(ids, out), HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"],
@@ -407,7 +437,8 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
     the inputs, else from the Triton one."""
     hard, ids, arguments, segments, constants = _hard_work(p, limit)
     part_dtype = torch.float32 if p.tuning.key_outer_dq_partials == "float32" else q.dtype
-    rows, windows, window_hard = _windows(p, part_dtype.itemsize * p.head_dim, hard)
+    rows, windows, window_hard, bounds = _windows(p, part_dtype.itemsize * p.head_dim, hard,
+                                                  arguments, segments)
     dq_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
                           dtype=part_dtype, device=q.device)
     tokens = _combine_tokens(p, KEY_OUTER_SUM_ROWS)
@@ -415,14 +446,15 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
     descriptors = sm90_key_outer.block_descriptors(k, v, p.block_size) if hopper else None
     for window, (start, end) in enumerate(windows):
         if hopper:
-            sm90_key_outer.launch_key_outer(q, descriptors, ids, window_hard, window, dq_part,
-                                            None, arguments, start, end, segments, constants,
-                                            p.scale * LOG2_E, dout=dout, lse=lse, delta=delta)
+            sm90_key_outer.launch_key_outer(q, descriptors, ids, window_hard, window, bounds,
+                                            dq_part, None, arguments, start, segments,
+                                            constants, p.scale * LOG2_E, dout=dout, lse=lse,
+                                            delta=delta)
         else:
             launch(_dq_key_outer_kernel, (segments,),
-                   q, k, v, dout, lse, delta, ids, window_hard, window, dq_part, *arguments,
-                   start, end, *strides(q, k, v, dout, ids), p.scale * LOG2_E, **constants,
-                   **KEY_OUTER_CONFIG)
+                   q, k, v, dout, lse, delta, ids, window_hard, window, bounds,
+                   bounds.shape[1], dq_part, *arguments, start, *strides(q, k, v, dout, ids),
+                   p.scale * LOG2_E, **constants, **KEY_OUTER_CONFIG)
         _dq_sum_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
             ids, hard, window_hard, window, dq_part, dq, start, end, *strides(ids, dq), p.scale,
             HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"], TOP_K=p.top_k,
