@@ -4,7 +4,7 @@
     python benchmarks/bench_key_outer.py --out DIR [--seqlens 8192,32768,131072]
         [--limits 0,1.5,2,3,4] [--key-outer-kernels gluon,triton] [--partial-gib 2,8]
         [--dq-partials float32,input] [--kernels] [--launches 8x2,4x2,8x3]
-        [--combine-launches 64x4,128x8]
+        [--combine-launches 64x4,128x8] [--hopper-stages 3,4,6]
 
 A limit L sends the query tiles whose union holds more than L x top_k blocks key-outer; 0 walks
 every tile (the kernels before). H64/Hkv4/Hi4/Hik1, D = Di = 128, top 16 of 128, bf16, B = 1.
@@ -19,7 +19,9 @@ partials in fp32 or bf16); ``--kernels`` adds each row's kernel times (torch pro
 forward and one backward.
 ``--launches WxS,...``: also times
 the key-outer kernels' launch (warps x stages, ``configs.KEY_OUTER_CONFIG``) at the last limit,
-forward and backward alone. Prints a table last.
+forward and backward alone; ``--hopper-stages S,...`` the Gluon key-outer kernels' kernel
+times with rings of S steps (``configs.KEY_OUTER_HOPPER_STAGES``; a ring past the shared
+memory is recorded as an error). Prints a table last.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import triton
 from openmsa.bench.run import dense_baseline
 from openmsa.bench.selection import SELECTION_KINDS, index_inputs, selection_statistics
 from openmsa.bench.timing import kernel_times, median_ms
-from openmsa.ops.attention import attention_backward, key_outer, sparse_attention_fwd
+from openmsa.ops.attention import (attention_backward, key_outer, sm90_key_outer,
+                                   sparse_attention_fwd)
 from openmsa.ops.configs import Tuning
 from openmsa.ops.layout import batch_cu_seqlens
 from openmsa.ops.problem import SparseAttentionProblem
@@ -47,7 +50,8 @@ HEADS, KV_HEADS, INDEX_HEADS, DIM, TOP_K, BLOCK = 64, 4, 4, 128, 16, 128
 
 def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
             key_outer_kernels=("gluon", "triton"), partial_gib=(2.0,),
-            profile: bool = False, combine_launches=(), dq_partials=("float32",)) -> list[dict]:
+            profile: bool = False, combine_launches=(), dq_partials=("float32",),
+            hopper_stages=()) -> list[dict]:
     generator = torch.Generator(device="cuda").manual_seed(seqlen)
     q, k, v = (torch.randn(seqlen, h, DIM, device="cuda", generator=generator).bfloat16()
                for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -124,6 +128,26 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
              key_outer.KEY_OUTER_COMBINE_WARPS) = shipped
         rows.append(row)
         print(json.dumps(row), flush=True)
+    for stages in hopper_stages:
+        shipped = sm90_key_outer.KEY_OUTER_HOPPER_STAGES
+        sm90_key_outer.KEY_OUTER_HOPPER_STAGES = stages
+        row = dict(seqlen=seqlen, selection=kind, limit_per_slot=limits[-1],
+                   hopper_stages=stages)
+        try:
+            for name, run in (("fwd", lambda: sparse_attention_fwd(q, k, v, None, None,
+                                                                    problem)),
+                              ("bwd", lambda: attention_backward(q, k, v, out, dout, lse,
+                                                                 problem))):
+                try:
+                    row[f"{name}_key_outer_ms"] = kernel_times(run).get(
+                        "_key_outer_hopper_kernel", 0.0)
+                except Exception as error:  # more stages than the shared memory holds
+                    row[f"{name}_key_outer_ms"] = None
+                    row[f"{name}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+        finally:
+            sm90_key_outer.KEY_OUTER_HOPPER_STAGES = shipped
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     for launch in launches:
         warps, stages = map(int, launch.split("x"))
         shipped = dict(key_outer.KEY_OUTER_CONFIG)
@@ -158,6 +182,9 @@ def main() -> None:
     parser.add_argument("--combine-launches", default="",
                         help="RxW,...: the combine's and dQ sum's rows and warps a program to "
                         "time (kernel times) at the last limit")
+    parser.add_argument("--hopper-stages", default="",
+                        help="S,...: the Gluon key-outer kernels' ring stages to time (kernel "
+                        "times, forward and dQ) at the last limit")
     parser.add_argument("--kernels", action="store_true",
                         help="also record each row's forward and backward kernel times")
     args = parser.parse_args()
@@ -172,7 +199,8 @@ def main() -> None:
                             args.key_outer_kernels.split(","),
                             [float(x) for x in args.partial_gib.split(",")], args.kernels,
                             [x for x in args.combine_launches.split(",") if x],
-                            args.dq_partials.split(","))
+                            args.dq_partials.split(","),
+                            [int(x) for x in args.hopper_stages.split(",") if x])
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, date=time.strftime("%Y-%m-%d"), args=vars(args),
                   config=f"H{HEADS}/Hkv{KV_HEADS}/Hi{INDEX_HEADS}/Hik1 D=Di={DIM} top {TOP_K} "
@@ -184,6 +212,10 @@ def main() -> None:
           f"{'GiB':>4} {'dQ part':>7} {'hard':>5} "
           f"{'fwd ms':>8} {'bwd ms':>8} {'step ms':>8} {'x dense':>7} {'out/dq vs walk':>16}")
     for r in rows:
+        if "hopper_stages" in r:
+            print(f"{r['seqlen']:>7} {r['selection']:>9} Gluon key-outer, {r['hopper_stages']} "
+                  f"stages: forward {r['fwd_key_outer_ms']} ms, dQ {r['bwd_key_outer_ms']} ms")
+            continue
         if "combine_launch" in r:
             print(f"{r['seqlen']:>7} {r['selection']:>9} combine {r['combine_launch']}: "
                   f"combine {r['combine_ms']:.2f} ms, dq sum {r['dq_sum_ms']:.2f} ms")

@@ -44,6 +44,9 @@ KEY_OUTER_CONFIG = dict(num_warps=8, num_stages=2)
 KEY_OUTER_COMBINE_ROWS = 16
 KEY_OUTER_SUM_ROWS = 64
 KEY_OUTER_COMBINE_WARPS = 4
+# Their programs per SM, each taking a window's tiles in turn: enough to keep the memory busy,
+# few enough that a window without hard rows costs one short wave.
+KEY_OUTER_COMBINE_PROGRAMS_PER_SM = 16
 KEY_OUTER_HOPPER = True  # the key-outer forward and dQ on Gluon kernels where supported
 QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
 REDUCE_KEYS = 32  # keys per program of the segment reductions: enough programs at small sizes
