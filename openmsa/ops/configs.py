@@ -44,11 +44,6 @@ KEY_OUTER_CONFIG = dict(num_warps=8, num_stages=2)
 KEY_OUTER_COMBINE_ROWS = 16
 KEY_OUTER_SUM_ROWS = 64
 KEY_OUTER_COMBINE_WARPS = 4
-# Their programs per SM, each taking a window's tiles in turn: many waves of the 3-4 programs an
-# SM holds (their registers), so the last wave's tail stays short, yet a window without hard
-# rows starts a quarter of the programs a tile each would (H200, 128k, H64/Hi4, 2 GiB windows:
-# 16 an SM, a single wave's worth, took the combine from 10.0 to 14.8 ms).
-KEY_OUTER_COMBINE_PROGRAMS_PER_SM = 64
 KEY_OUTER_HOPPER = True  # the key-outer forward and dQ on Gluon kernels where supported
 QUERY_ROWS = 128  # MMA rows of a query tile (forward, dQ, KL query side)
 REDUCE_KEYS = 32  # keys per program of the segment reductions: enough programs at small sizes

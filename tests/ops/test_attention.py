@@ -375,32 +375,19 @@ def _count_hard_rows(monkeypatch):
     return counts
 
 
-@pytest.mark.parametrize("case,dtype,tuning,one_combine_program", [
-    (KEY_OUTER_CASE, torch.float32, KEY_OUTER_TUNING, False),
-    (KEY_OUTER_CASE, torch.float16, KEY_OUTER_TUNING, False),
-    (KEY_OUTER_CASE, torch.float32, KEY_OUTER_TUNING, True),
-    (CASES[1], torch.float32, Tuning(main_walk_limit_per_slot=0.5), False),
-], ids=["gq16_fp32", "gq16_fp16", "gq16_fp32_one_combine_program", "packed_with_sink_fp32"])
-def test_key_outer_forward_and_dq_match_reference(case, dtype, tuning, one_combine_program,
-                                                  monkeypatch):
+@pytest.mark.parametrize("case,dtype,tuning", [
+    (KEY_OUTER_CASE, torch.float32, KEY_OUTER_TUNING),
+    (KEY_OUTER_CASE, torch.float16, KEY_OUTER_TUNING),
+    (CASES[1], torch.float32, Tuning(main_walk_limit_per_slot=0.5)),
+], ids=["gq16_fp32", "gq16_fp16", "packed_with_sink_fp32"])
+def test_key_outer_forward_and_dq_match_reference(case, dtype, tuning, monkeypatch):
     """Tiles whose union holds more than ``main_walk_limit_per_slot * top_k`` blocks take the
     forward and dQ key-outer (per-slot partials merged by log-sum-exp, summed in slot order),
     here over several windows of rows, the other tiles walking: the reference's quantities,
-    every element written (new buffers poisoned) and bitwise the same twice.
-    ``one_combine_program``: the combine and the dQ sum on one program an index head taking a
-    window's tiles of 4 rows in turn."""
-    if one_combine_program:
-        monkeypatch.setattr(key_outer_module, "KEY_OUTER_COMBINE_PROGRAMS_PER_SM", 1)
-        monkeypatch.setattr(key_outer_module, "_combine_tokens", lambda p, rows: 4)
-        grids = []
-        tile_grid = key_outer_module._tile_grid
-        monkeypatch.setattr(key_outer_module, "_tile_grid",
-                            lambda *args: grids.append(tile_grid(*args)) or grids[-1])
+    every element written (new buffers poisoned) and bitwise the same twice."""
     counts = _count_hard_rows(monkeypatch)
     got, expected, _ = kernel_and_reference(case, dtype, seed=4, tuning=tuning)
     assert len(counts) == 2 and all(0 < hard < total for hard, total in counts), counts
-    if one_combine_program:  # one program an index head, many tiles each
-        assert grids and all(grid == (1, 1) and tiles > 1 for grid, tiles in grids), grids
     for name in QUANTITY_NAMES:
         error = rel_rms_error(got[name], expected[name])
         assert error < TOLERANCE[dtype], (name, error)

@@ -23,11 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..configs import (KEY_OUTER_COMBINE_PROGRAMS_PER_SM, KEY_OUTER_COMBINE_ROWS,
-                       KEY_OUTER_COMBINE_WARPS, KEY_OUTER_CONFIG, KEY_OUTER_HOPPER,
-                       KEY_OUTER_SUM_ROWS)
+from ..configs import (KEY_OUTER_COMBINE_ROWS, KEY_OUTER_COMBINE_WARPS, KEY_OUTER_CONFIG,
+                       KEY_OUTER_HOPPER, KEY_OUTER_SUM_ROWS)
 from ..launch import launch, strides
-from ..problem import LOG2_E, SparseAttentionProblem, multiprocessors
+from ..problem import LOG2_E, SparseAttentionProblem
 from ..tiles import _block_keys, _load_rows, _query_tile, _segment
 from ..worklists import build_block_work
 from . import sm90_key_outer
@@ -222,15 +221,15 @@ def _fwd_key_outer_kernel(
 
 
 @triton.jit
-def _slot_rows(IDS, HARD, tile, window_start, window_end, stride_ids_t, stride_ids_h,
+def _slot_rows(IDS, HARD, window_start, window_end, stride_ids_t, stride_ids_h,
                HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
                TOKENS: tl.constexpr):
-    """The rows of a combine or dQ-sum tile: TOKENS query rows x GQ heads of index head
-    program_id(1) (row-major: i = t * GQ_PAD + g), their validity (hard rows of the window),
-    query row, head g, the first of their slots' offsets and their ids' address."""
+    """A combine program's rows: TOKENS query rows x GQ heads of index head program_id(1)
+    (row-major: i = t * GQ_PAD + g), their validity (hard rows of the window), query row, head
+    g, the first of their slots' offsets and their ids' address."""
     index_head = tl.program_id(1).to(tl.int64)
     lanes = tl.arange(0, TOKENS * GQ_PAD)
-    token = (window_start + tile * TOKENS + lanes // GQ_PAD).to(tl.int64)
+    token = window_start + tl.program_id(0).to(tl.int64) * TOKENS + lanes // GQ_PAD
     head = lanes % GQ_PAD
     valid = (token < window_end) & (head < GQ)
     valid &= tl.load(HARD + token * HI + index_head, mask=valid, other=0) != 0
@@ -241,44 +240,38 @@ def _slot_rows(IDS, HARD, tile, window_start, window_end, stride_ids_t, stride_i
 
 @triton.jit
 def _combine_kernel(IDS, HARD, WINDOW_HARD, window, OUT_PART, LSE_PART, OUT, LSE,
-                    window_start, window_end, num_tiles, stride_ids_t, stride_ids_h, stride_o_t,
-                    stride_o_h, HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
+                    window_start, window_end, stride_ids_t, stride_ids_h, stride_o_t, stride_o_h,
+                    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
                     TOP_K: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr):
-    """The hard rows' out and lse2 from their kept slots' partials, merged by log-sum-exp; the
-    programs take the window's tiles of TOKENS rows in turn (a window without hard rows costs
-    one short wave)."""
+    """The hard rows' out and lse2 from their kept slots' partials, merged by log-sum-exp."""
     if tl.load(WINDOW_HARD + window) == 0:
         return
-    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        valid, token, head, index_head, first_slot, ids = _slot_rows(
-            IDS, HARD, tile, window_start, window_end, stride_ids_t, stride_ids_h, HI, GQ,
-            GQ_PAD, TOKENS)
-        dims = tl.arange(0, HEAD_DIM)
-        lse_max = tl.full((TOKENS * GQ_PAD,), float("-inf"), tl.float32)
-        for s in tl.static_range(TOP_K):
-            kept = valid & (tl.load(ids + s, mask=valid, other=-1) >= 0)
-            lse_s = tl.load(LSE_PART + (first_slot * TOP_K + s) * GQ + head, mask=kept,
-                            other=float("-inf"))
-            lse_max = tl.maximum(lse_max, lse_s)
-        safe_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        total = tl.zeros((TOKENS * GQ_PAD,), tl.float32)
-        acc = tl.zeros((TOKENS * GQ_PAD, HEAD_DIM), tl.float32)
-        for s in tl.static_range(TOP_K):
-            kept = valid & (tl.load(ids + s, mask=valid, other=-1) >= 0)
-            offsets = (first_slot * TOP_K + s) * GQ + head
-            weight = tl.exp2(tl.load(LSE_PART + offsets, mask=kept, other=float("-inf"))
-                             - safe_max)
-            part = tl.load(OUT_PART + offsets[:, None] * HEAD_DIM + dims[None, :],
-                           mask=kept[:, None], other=0.0)
-            total += weight
-            acc += weight[:, None] * part.to(tl.float32)
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        out_head = index_head * GQ + head
-        tl.store(OUT + token[:, None] * stride_o_t + out_head[:, None] * stride_o_h
-                 + dims[None, :], out.to(OUT.dtype.element_ty), mask=valid[:, None])
-        lse = tl.where(total > 0, safe_max + tl.log2(tl.where(total > 0, total, 1.0)),
-                       float("-inf"))
-        tl.store(LSE + token * (HI * GQ) + out_head, lse, mask=valid)
+    valid, token, head, index_head, first_slot, ids = _slot_rows(
+        IDS, HARD, window_start, window_end, stride_ids_t, stride_ids_h, HI, GQ, GQ_PAD, TOKENS)
+    dims = tl.arange(0, HEAD_DIM)
+    lse_max = tl.full((TOKENS * GQ_PAD,), float("-inf"), tl.float32)
+    for s in tl.static_range(TOP_K):
+        kept = valid & (tl.load(ids + s, mask=valid, other=-1) >= 0)
+        lse_s = tl.load(LSE_PART + (first_slot * TOP_K + s) * GQ + head, mask=kept,
+                        other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse_s)
+    safe_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.zeros((TOKENS * GQ_PAD,), tl.float32)
+    acc = tl.zeros((TOKENS * GQ_PAD, HEAD_DIM), tl.float32)
+    for s in tl.static_range(TOP_K):
+        kept = valid & (tl.load(ids + s, mask=valid, other=-1) >= 0)
+        offsets = (first_slot * TOP_K + s) * GQ + head
+        weight = tl.exp2(tl.load(LSE_PART + offsets, mask=kept, other=float("-inf")) - safe_max)
+        part = tl.load(OUT_PART + offsets[:, None] * HEAD_DIM + dims[None, :],
+                       mask=kept[:, None], other=0.0)
+        total += weight
+        acc += weight[:, None] * part.to(tl.float32)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    out_head = index_head * GQ + head
+    tl.store(OUT + token[:, None] * stride_o_t + out_head[:, None] * stride_o_h + dims[None, :],
+             out.to(OUT.dtype.element_ty), mask=valid[:, None])
+    lse = tl.where(total > 0, safe_max + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
+    tl.store(LSE + token * (HI * GQ) + out_head, lse, mask=valid)
 
 
 @triton.jit
@@ -335,27 +328,24 @@ def _dq_key_outer_kernel(
 
 @triton.jit
 def _dq_sum_kernel(IDS, HARD, WINDOW_HARD, window, DQ_PART, DQ, window_start, window_end,
-                   num_tiles, stride_ids_t, stride_ids_h, stride_dq_t, stride_dq_h, scale,
-                   HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
-                   TOP_K: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr):
-    """The hard rows' dq: ``scale`` x the sum of their kept slots' partials, in slot order; the
-    programs take the window's tiles in turn, as the combine's."""
+                   stride_ids_t, stride_ids_h, stride_dq_t, stride_dq_h, scale, HI: tl.constexpr,
+                   GQ: tl.constexpr, GQ_PAD: tl.constexpr, TOP_K: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr):
+    """The hard rows' dq: ``scale`` x the sum of their kept slots' partials, in slot order."""
     if tl.load(WINDOW_HARD + window) == 0:
         return
-    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        valid, token, head, index_head, first_slot, ids = _slot_rows(
-            IDS, HARD, tile, window_start, window_end, stride_ids_t, stride_ids_h, HI, GQ,
-            GQ_PAD, TOKENS)
-        dims = tl.arange(0, HEAD_DIM)
-        acc = tl.zeros((TOKENS * GQ_PAD, HEAD_DIM), tl.float32)
-        for s in tl.static_range(TOP_K):
-            kept = valid & (tl.load(ids + s, mask=valid, other=-1) >= 0)
-            offsets = (first_slot * TOP_K + s) * GQ + head
-            acc += tl.load(DQ_PART + offsets[:, None] * HEAD_DIM + dims[None, :],
-                           mask=kept[:, None], other=0.0).to(tl.float32)
-        out_head = index_head * GQ + head
-        tl.store(DQ + token[:, None] * stride_dq_t + out_head[:, None] * stride_dq_h
-                 + dims[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=valid[:, None])
+    valid, token, head, index_head, first_slot, ids = _slot_rows(
+        IDS, HARD, window_start, window_end, stride_ids_t, stride_ids_h, HI, GQ, GQ_PAD, TOKENS)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros((TOKENS * GQ_PAD, HEAD_DIM), tl.float32)
+    for s in tl.static_range(TOP_K):
+        kept = valid & (tl.load(ids + s, mask=valid, other=-1) >= 0)
+        offsets = (first_slot * TOP_K + s) * GQ + head
+        acc += tl.load(DQ_PART + offsets[:, None] * HEAD_DIM + dims[None, :],
+                       mask=kept[:, None], other=0.0).to(tl.float32)
+    out_head = index_head * GQ + head
+    tl.store(DQ + token[:, None] * stride_dq_t + out_head[:, None] * stride_dq_h
+             + dims[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=valid[:, None])
 
 
 def _windows(p: SparseAttentionProblem, bytes_per_slot: int, hard: torch.Tensor, arguments,
@@ -396,20 +386,10 @@ def _hard_work(p: SparseAttentionProblem, limit: int):
 
 
 def _combine_tokens(p: SparseAttentionProblem, rows_per_program: int) -> int:
-    """Query rows per tile of the combine or the dQ sum, for ``rows_per_program`` rows
-    (x GQ_PAD heads) on the GPU; the interpreter's cost is per tile, so wide ones there."""
+    """Query rows per program of the combine or the dQ sum, for ``rows_per_program`` rows
+    (x GQ_PAD heads) on the GPU; the interpreter's cost is per program, so wide ones there."""
     rows = rows_per_program if p.block_ids.is_cuda else 1024
     return max(1, rows // p.shared["GQ_PAD"])
-
-
-def _tile_grid(p: SparseAttentionProblem, rows: int, tokens: int):
-    """The combine's or dQ sum's grid over a window of ``rows`` query rows in tiles of
-    ``tokens``: (programs, index heads), at most KEY_OUTER_COMBINE_PROGRAMS_PER_SM programs an
-    SM in all, and the window's tile count, which the programs take in turn."""
-    tiles = triton.cdiv(rows, tokens)
-    per_head = max(1, KEY_OUTER_COMBINE_PROGRAMS_PER_SM * multiprocessors(p.block_ids.device)
-                   // p.num_index_heads)
-    return (min(tiles, per_head), p.num_index_heads), tiles
 
 
 def _use_hopper(use_hopper: bool | None, supported: bool) -> bool:
@@ -442,9 +422,8 @@ def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse,
                    q, k, v, ids, window_hard, window, bounds, bounds.shape[1], out_part,
                    lse_part, *arguments, start, *strides(q, k, v, ids), p.scale * LOG2_E,
                    **constants, **KEY_OUTER_CONFIG)
-        grid, tiles = _tile_grid(p, end - start, tokens)
-        _combine_kernel[grid](
-            ids, hard, window_hard, window, out_part, lse_part, out, lse, start, end, tiles,
+        _combine_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
+            ids, hard, window_hard, window, out_part, lse_part, out, lse, start, end,
             *strides(ids, out), HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"],
             TOP_K=p.top_k, HEAD_DIM=p.head_dim, TOKENS=tokens,
             num_warps=KEY_OUTER_COMBINE_WARPS)
@@ -476,10 +455,8 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
                    q, k, v, dout, lse, delta, ids, window_hard, window, bounds,
                    bounds.shape[1], dq_part, *arguments, start, *strides(q, k, v, dout, ids),
                    p.scale * LOG2_E, **constants, **KEY_OUTER_CONFIG)
-        grid, tiles = _tile_grid(p, end - start, tokens)
-        _dq_sum_kernel[grid](
-            ids, hard, window_hard, window, dq_part, dq, start, end, tiles, *strides(ids, dq),
-            p.scale,
+        _dq_sum_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
+            ids, hard, window_hard, window, dq_part, dq, start, end, *strides(ids, dq), p.scale,
             HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"], TOP_K=p.top_k,
             HEAD_DIM=p.head_dim, TOKENS=tokens, num_warps=KEY_OUTER_COMBINE_WARPS)
     return dq
