@@ -62,7 +62,7 @@ LM_PRESETS = {
     # at growing lengths: docs/EVAL.md, "Will the models learn the tasks?"); 8 of 128 blocks
     # kept, sparse from step 3001.
     "ruler-gpu": LMPreset(seqlen=16384, block_size=128, top_k=8, steps=4000, warmup_steps=3000,
-                          batch=4, hidden_size=512, num_heads=8, num_kv_heads=2, lr=5e-4,
+                          batch=4, hidden_size=512, num_heads=8, num_kv_heads=2, lr=2.5e-4,
                           curriculum=((1000, 256, 64, ("niah_single",)),
                                       (1000, 256, 64, ("niah_single", "niah_multikey",
                                                        "niah_multivalue", "niah_multiquery")),
