@@ -112,7 +112,10 @@ class Tuning:
         the Gluon key-outer kernels, the half-tile walks and bf16 dQ partials, the H200's step
         at 128k ran 1.25x faster on random selections and 0.9-1.1% slower on coherent and mid
         ones (1.4-2.8% at 32k), which have no hard rows and pay for key-outer launches that
-        find their windows empty (benchmarks/records/key-outer-deltas.json), so it stays off.
+        find their windows empty (benchmarks/records/key-outer-deltas.json). The key-outer
+        kernels' persistent grid made those launches one short wave each; the combine's and dQ
+        sum's launches and the hard-row list still cost coherent selections 0.7-2.3% of a step
+        (benchmarks/records/key-outer-persistent.json), so it stays off.
     key_outer_partial_bytes: the most memory the key-outer forward's or dQ's per-slot
         partials take at once (they run over windows of query rows that fit). At 128k on
         random selections 8 GiB made the step 4% faster than 2 GiB (fewer windows).
