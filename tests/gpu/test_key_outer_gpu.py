@@ -44,6 +44,20 @@ def _count_gluon_launches(monkeypatch) -> list:
     return launches
 
 
+def _record_gluon_grids(monkeypatch) -> list:
+    """The grids of the Gluon key-outer kernel's launches made from now on."""
+    grids = []
+    kernel = sm90_key_outer._key_outer_hopper_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            grids.append(tuple(grid))
+            return kernel[grid]
+
+    monkeypatch.setattr(sm90_key_outer, "_key_outer_hopper_kernel", Recorded())
+    return grids
+
+
 @pytest.mark.parametrize("kernels,dq_partials", [("gluon", "float32"), ("triton", "float32"),
                                                 ("gluon", "input"), ("triton", "input")])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -106,6 +120,7 @@ def test_gluon_key_outer_matches_the_triton_kernels(case, programs, monkeypatch)
     (the barriers' phases carried from segment to segment)."""
     if programs is not None:
         monkeypatch.setattr(sm90_key_outer, "multiprocessors", lambda device: programs)
+    grids = _record_gluon_grids(monkeypatch)
     from openmsa.ops.layout import batch_cu_seqlens
     from openmsa.ops.problem import SparseAttentionProblem
     from openmsa.ops.select import select_blocks_fwd
@@ -133,6 +148,10 @@ def test_gluon_key_outer_matches_the_triton_kernels(case, programs, monkeypatch)
         dq = attention_backward(q, k, v, out, dout, lse, problem)[0]
         results[kernels] = (out.float(), lse, dq.float())
         assert bool(launches) == (kernels == "gluon"), launches
+    # The Gluon launches ran on the persistent grid asked for (no more programs than that).
+    assert grids and all(len(grid) == 1 for grid in grids), grids
+    if programs is not None:
+        assert all(grid[0] <= programs for grid in grids) and (programs,) in grids, grids
     for name, gluon_value, triton_value in zip(("out", "lse", "dq"), results["gluon"],
                                                results["triton"]):
         error = rel_rms_error(gluon_value, triton_value)
