@@ -50,7 +50,7 @@ HEADS, KV_HEADS, INDEX_HEADS, DIM, TOP_K, BLOCK = 64, 4, 4, 128, 16, 128
 
 def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
             key_outer_kernels=("gluon", "triton"), partial_gib=(2.0,),
-            profile: bool = False, combine_launches=(), dq_partials=("float32",),
+            profile: bool = False, combine_launches=(), dq_partials=("input",),
             hopper_stages=()) -> list[dict]:
     generator = torch.Generator(device="cuda").manual_seed(seqlen)
     q, k, v = (torch.randn(seqlen, h, DIM, device="cuda", generator=generator).bfloat16()
@@ -128,24 +128,13 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
              key_outer.KEY_OUTER_COMBINE_WARPS) = shipped
         rows.append(row)
         print(json.dumps(row), flush=True)
+    passes = (("fwd", lambda: sparse_attention_fwd(q, k, v, None, None, problem)),
+              ("bwd", lambda: attention_backward(q, k, v, out, dout, lse, problem)))
     for stages in hopper_stages:
-        shipped = sm90_key_outer.KEY_OUTER_HOPPER_STAGES
-        sm90_key_outer.KEY_OUTER_HOPPER_STAGES = stages
         row = dict(seqlen=seqlen, selection=kind, limit_per_slot=limits[-1],
                    hopper_stages=stages)
-        try:
-            for name, run in (("fwd", lambda: sparse_attention_fwd(q, k, v, None, None,
-                                                                    problem)),
-                              ("bwd", lambda: attention_backward(q, k, v, out, dout, lse,
-                                                                 problem))):
-                try:
-                    row[f"{name}_key_outer_ms"] = kernel_times(run).get(
-                        "_key_outer_hopper_kernel", 0.0)
-                except Exception as error:  # more stages than the shared memory holds
-                    row[f"{name}_key_outer_ms"] = None
-                    row[f"{name}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
-        finally:
-            sm90_key_outer.KEY_OUTER_HOPPER_STAGES = shipped
+        for name, run in passes:
+            row.update(_hopper_key_outer_ms(name, run, stages))
         rows.append(row)
         print(json.dumps(row), flush=True)
     for launch in launches:
@@ -163,6 +152,20 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _hopper_key_outer_ms(name: str, run, stages: int) -> dict:
+    """The Gluon key-outer kernel's time in one ``run`` (a pass, ``name``) with rings of
+    ``stages`` steps, or the error of a ring past the shared memory."""
+    shipped = sm90_key_outer.KEY_OUTER_HOPPER_STAGES
+    sm90_key_outer.KEY_OUTER_HOPPER_STAGES = stages
+    try:
+        return {f"{name}_key_outer_ms": kernel_times(run).get("_key_outer_hopper_kernel", 0.0)}
+    except Exception as error:  # more stages than the shared memory holds
+        return {f"{name}_key_outer_ms": None,
+                f"{name}_error": f"{type(error).__name__}: {str(error)[:200]}"}
+    finally:
+        sm90_key_outer.KEY_OUTER_HOPPER_STAGES = shipped
 
 
 def main() -> None:

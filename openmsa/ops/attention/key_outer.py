@@ -104,12 +104,13 @@ def _window_bounds_kernel(BOUNDS, SEGMENTS, PAIR_TOKEN, BUCKET_START, BUCKET_COU
              mask=in_list[:, None] & (bound < num_bounds)[None, :])
 
 
-def window_bounds(arguments, segments: int, num_rows: int, window_rows: int, windows: int,
+def window_bounds(arguments, num_rows: int, window_rows: int, windows: int,
                   segment_pairs: int) -> torch.Tensor:
     """int32 [segments, windows + 1]: each window's pairs of each segment of the hard pairs'
-    list (``_window_bounds_kernel``), found once a pass for all windows instead of by each
-    key-outer program."""
+    list (``_hard_work``'s ``arguments``; ``_window_bounds_kernel``), found once a pass for all
+    windows instead of by each key-outer program."""
     segment_list, _, pair_token, bucket_start, bucket_count = arguments[:5]
+    segments = segment_list.shape[0]
     bounds = torch.empty(segments, windows + 1, dtype=torch.int32, device=pair_token.device)
     segs, pad = 32, min(64, triton.next_power_of_2(windows + 1))
     _window_bounds_kernel[(triton.cdiv(segments, segs), triton.cdiv(windows + 1, pad))](
@@ -349,7 +350,7 @@ def _dq_sum_kernel(IDS, HARD, WINDOW_HARD, window, DQ_PART, DQ, window_start, wi
 
 
 def _windows(p: SparseAttentionProblem, bytes_per_slot: int, hard: torch.Tensor, arguments,
-             segments: int):
+             segment_pairs: int):
     """Query-row windows [start, end) whose slots fit ``Tuning.key_outer_partial_bytes``, each
     window's count of hard (row, index head)s (int32 on the device: a window without any
     costs its launches only, nothing waits for the GPU) and each window's pairs of each
@@ -359,7 +360,7 @@ def _windows(p: SparseAttentionProblem, bytes_per_slot: int, hard: torch.Tensor,
     windows = [(start, min(start + rows, p.total)) for start in range(0, p.total, rows)]
     padded = torch.nn.functional.pad(hard, (0, 0, 0, len(windows) * rows - p.total))
     counts = padded.view(len(windows), -1).sum(1, dtype=torch.int32)
-    bounds = window_bounds(arguments, segments, p.total, rows, len(windows), p.segment_pairs())
+    bounds = window_bounds(arguments, p.total, rows, len(windows), segment_pairs)
     return rows, windows, counts, bounds
 
 
@@ -405,7 +406,7 @@ def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse,
     the Gluon kernel on a Hopper GPU where it takes the inputs, else from the Triton one."""
     hard, ids, arguments, segments, constants = _hard_work(p, limit)
     rows, windows, window_hard, bounds = _windows(p, q.element_size() * p.head_dim + 4, hard,
-                                                  arguments, segments)
+                                                  arguments, constants["SEGMENT_PAIRS"])
     slots = rows * p.num_index_heads * p.top_k * p.gq
     out_part = torch.empty(slots, p.head_dim, dtype=q.dtype, device=q.device)
     lse_part = torch.empty(slots, dtype=torch.float32, device=q.device)
@@ -438,7 +439,7 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
     hard, ids, arguments, segments, constants = _hard_work(p, limit)
     part_dtype = torch.float32 if p.tuning.key_outer_dq_partials == "float32" else q.dtype
     rows, windows, window_hard, bounds = _windows(p, part_dtype.itemsize * p.head_dim, hard,
-                                                  arguments, segments)
+                                                  arguments, constants["SEGMENT_PAIRS"])
     dq_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
                           dtype=part_dtype, device=q.device)
     tokens = _combine_tokens(p, KEY_OUTER_SUM_ROWS)
