@@ -25,7 +25,7 @@
 #   learn-probe (benchmarks/probe_lm_learning.py --preset ruler-gpu: the study's dense model on
 #   its curriculum through the 1024-token phase, accuracy of all six tasks at 1024 tokens and
 #   of the first phase's at its length: does it learn? OPENMSA_PROBE_ARGS adds arguments, e.g.
-#   "--lr 1e-3 --first-steps 2000 --steps 2000")
+#   "--lr 5e-4 --first-steps 4000 --steps 4000")
 # OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
 # over calls of a time-limited machine.
 # Where only a few result files can be copied back, write to a scratch folder and tar it:
