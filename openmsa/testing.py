@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
+import gc
+import os
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from .ops.configs import Tuning
 from .ops.custom_ops import tuned_msa_forward
@@ -188,3 +194,27 @@ def tuned_msa_attention(tuning: Tuning):
                            arguments["return_indices"])
 
     return run
+
+
+@contextmanager
+def gloo_test_process(rank: int, world: int, init_file: str, failures):
+    """A spawned test process inside a gloo group of ``world``; an error raised inside goes to
+    the ``failures`` queue (the parent fails the test on it).
+
+    The process leaves as gloo lets it leave cleanly: autograd graphs that hold the group are
+    collected and every rank meets at a barrier before the group is destroyed, and the process
+    exits without the interpreter's teardown, where gloo's threads now and then aborted it
+    (SIGABRT, "terminate called without an active exception")."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(minutes=5))
+    try:
+        yield
+    except Exception as error:
+        failures.put(f"rank {rank}: {type(error).__name__}: {error}"[:3000])
+    finally:
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

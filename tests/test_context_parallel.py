@@ -13,7 +13,7 @@ from openmsa.context_parallel import (context_parallel_msa_attention,
                                       context_parallel_sparse_attention, shard_sequence,
                                       zigzag_shard, zigzag_shard_sequences)
 from openmsa.layers import MSAAttention
-from openmsa.testing import INPUT_NAMES, same_block_sets
+from openmsa.testing import INPUT_NAMES, gloo_test_process, same_block_sets
 
 SEQLEN, OPTIONS = 256, dict(top_k=2, block_size=64, backend="reference")
 PACKED = (40, 1, 150, 65)  # 256 tokens in four sequences, split across ranks mid-sequence
@@ -45,14 +45,8 @@ def _layer_inputs(packed):
 def _run(rank, worker, world, init_file, failures, args):
     """One process: ``worker(rank, world, *args)`` inside a gloo group; errors go to the
     parent."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_test_process(rank, world, init_file, failures):
         worker(rank, world, *args)
-    except Exception as error:  # reported to the parent, which fails the test
-        failures.put(f"rank {rank}: {type(error).__name__}: {error}"[:2000])
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn(worker, world, *args):
@@ -64,6 +58,18 @@ def _spawn(worker, world, *args):
         while not failures.empty():
             messages.append(failures.get())
         assert not messages, "\n".join(messages)
+
+
+def _failing_worker(rank, world):
+    dist.all_reduce(torch.ones(1))
+    if rank == 1:
+        raise RuntimeError("rank one fails")
+
+
+def test_an_error_on_one_rank_fails_the_test():
+    """The workers leave through ``os._exit(0)``: their errors must still reach the parent."""
+    with pytest.raises(AssertionError, match="rank 1: RuntimeError: rank one fails"):
+        _spawn(_failing_worker, 2)
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from openmsa import MSAWarmupSchedule, set_msa_warmup  # noqa: E402
 from openmsa.integrations import megatron as openmsa_megatron  # noqa: E402
+from openmsa.testing import gloo_test_process  # noqa: E402
 
 SEQLEN, VOCAB = 200, 100
 
@@ -328,7 +329,6 @@ def _cp_rank_rotary_on_cpu(pos_emb, seq_dim, cp_group):
 def _parallel_worker(rank, world, init_file, failures, body, reference_file):
     """One gloo process of a parallel run: the CPU shims of the fixture (and the context-
     parallel rotary one), then ``body(rank, world, reference)``; errors go to the parent."""
-    import torch.distributed as dist
     from megatron.core.models.common.embeddings import rotary_pos_embedding
 
     torch.cuda.current_device = lambda: "cpu"
@@ -336,15 +336,11 @@ def _parallel_worker(rank, world, init_file, failures, body, reference_file):
     megatron_random.get_cuda_rng_tracker = lambda *a, **k: tracker
     dot_product_attention.tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: tracker
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cp_rank_rotary_on_cpu
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        body(rank, world, torch.load(reference_file))
-    except Exception as error:  # reported to the parent, which fails the test
-        failures.put(f"rank {rank}: {type(error).__name__}: {error}"[:3000])
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+    with gloo_test_process(rank, world, init_file, failures):
+        try:
+            body(rank, world, torch.load(reference_file))
+        finally:
+            parallel_state.destroy_model_parallel()
 
 
 def _run_parallel(body, tmp_path, reference, world=2):
