@@ -1,7 +1,10 @@
 """openmsa eval: the tasks, the scoring, the recalls and the command (CPU, reference)."""
 
+import dataclasses
+import importlib.util
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +34,7 @@ def test_samples_fit_their_length_and_hold_their_answers(tokenizer, task, length
     common words are the ten most frequent."""
     sample = make_sample(task, tokenizer, length, seed=3)
     ids = tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+    assert sample.prompt_ids == tuple(ids)  # the pieces' ids joined: the prompt's encoding
     assert 0.9 * length <= len(ids) <= length
     assert tokenizer.unk_token_id not in ids
     needles = [sample.prompt[a:b] for a, b in sample.needle_spans]
@@ -53,6 +57,32 @@ def test_samples_fit_their_length_and_hold_their_answers(tokenizer, task, length
         assert len(sample.answers) == expected
     assert make_sample(task, tokenizer, length, seed=3) == sample
     assert make_sample(task, tokenizer, length, seed=4).prompt != sample.prompt
+
+
+def _whole_text_tokenizer():
+    """benchmarks/bench_batches.py's tokenizer of the whole-text route."""
+    path = Path(__file__).parent.parent / "benchmarks" / "bench_batches.py"
+    spec = importlib.util.spec_from_file_location("bench_batches", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.whole_text_tokenizer()
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_samples_and_batches_are_the_same_made_from_pieces_or_whole_texts(tokenizer, task):
+    """The encoded-pieces route (word-level tokenizers) against whole-text tokenization."""
+    from openmsa.eval.tasks import splits_at_whitespace
+    from openmsa.train.batches import BatchSpec, make_batch
+
+    whole = _whole_text_tokenizer()
+    assert splits_at_whitespace(tokenizer) and not splits_at_whitespace(whole)
+    for length in (256, 3000):
+        pieces, text = (make_sample(task, t, length, seed=11) for t in (tokenizer, whole))
+        assert text.prompt_ids is None and pieces.prompt_ids is not None
+        assert dataclasses.replace(pieces, prompt_ids=None) == text
+    spec = BatchSpec(task, 700, 3, seed=2)
+    for a, b in zip(make_batch(tokenizer, spec), make_batch(whole, spec)):
+        assert torch.equal(a, b)
 
 
 def test_bad_task_and_length_are_refused(tokenizer):

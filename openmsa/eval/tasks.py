@@ -16,12 +16,20 @@ strings the model must generate. Six tasks, after RULER's categories:
 ``synthetic_tokenizer()`` is a word-level tokenizer whose vocabulary holds exactly the words
 these tasks use (digits one token each): small models trained by openmsa read the same tasks
 as text, so one evaluation serves them and any Hugging Face model.
+
+Prompts are built from pieces joined by spaces. A word-level tokenizer behind a whitespace split
+(``synthetic_tokenizer``) encodes such a text as its pieces' encodings joined, so for it the
+pieces are encoded once per process and the sample carries the prompt's ids
+(``Sample.prompt_ids``): a 16k-token training batch is then made without tokenizing its
+prompts (docs/EVAL.md, "Making the batches"). Other tokenizers count and encode whole texts.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
+import weakref
 from dataclasses import dataclass, field
 
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
@@ -47,41 +55,89 @@ _WORDS = "Below is a numbered list of words. Memorize the ones that appear most 
 @dataclass(frozen=True)
 class Sample:
     """A prompt, the answers its continuation must contain, the needles' character spans in
-    the prompt (empty for aggregation) and a generation budget."""
+    the prompt (empty for aggregation) and a generation budget; the prompt's token ids
+    (without [BOS]) when the tokenizer encodes pieces apart (the module docstring), else
+    None."""
     task: str
     prompt: str
     answers: tuple[str, ...]
     needle_spans: tuple[tuple[int, int], ...] = field(default=())
     max_new_tokens: int = 32
+    prompt_ids: tuple[int, ...] | None = field(default=None, repr=False)
 
 
 def _value(rng: random.Random) -> str:
     return str(rng.randrange(1_000_000, 10_000_000))
 
 
-def _count(tokenizer, text: str) -> int:
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+# tokenizer -> {piece: ids} for tokenizers that encode space-joined pieces apart, else None.
+_PIECE_IDS = weakref.WeakKeyDictionary()
+
+
+def splits_at_whitespace(tokenizer) -> bool:
+    """Whether ``tokenizer`` encodes ``" ".join(pieces)`` as its pieces' encodings joined: a
+    fast tokenizer with a word-level model behind a whitespace split and at most a lower-case
+    normalizer, so no token can span a space."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    spec = json.loads(backend.to_str())
+    split = spec.get("pre_tokenizer") or {}
+    if split.get("type") == "Sequence":
+        split = (split.get("pretokenizers") or [{}])[0]
+    normalizer = spec.get("normalizer")
+    return ((spec.get("model") or {}).get("type") == "WordLevel"
+            and split.get("type") in ("WhitespaceSplit", "Whitespace")
+            and (normalizer is None or normalizer.get("type") == "Lowercase"))
+
+
+def _piece_cache(tokenizer) -> dict | None:
+    if tokenizer not in _PIECE_IDS:
+        _PIECE_IDS[tokenizer] = {} if splits_at_whitespace(tokenizer) else None
+    return _PIECE_IDS[tokenizer]
+
+
+def _encode_pieces(tokenizer, pieces: list[str]) -> list[int] | None:
+    """The ids of ``" ".join(pieces)`` from the pieces' cached ids (new pieces encoded in one
+    batch), or None for a tokenizer that does not split at whitespace."""
+    cache = _piece_cache(tokenizer)
+    if cache is None:
+        return None
+    new = list(dict.fromkeys(piece for piece in pieces if piece not in cache))
+    if new:
+        cache.update(zip(new, tokenizer(new, add_special_tokens=False)["input_ids"]))
+    return [token for piece in pieces for token in cache[piece]]
+
+
+def _count(tokenizer, pieces: list[str]) -> int:
+    """Tokens of ``" ".join(pieces)``."""
+    ids = _encode_pieces(tokenizer, pieces)
+    if ids is None:
+        ids = tokenizer(" ".join(pieces), add_special_tokens=False)["input_ids"]
+    return len(ids)
 
 
 def _haystack(tokenizer, header: str, needles: list[str], question: str, length: int,
-              rng: random.Random) -> tuple[str, tuple[tuple[int, int], ...]]:
+              rng: random.Random):
     """The header, filler sentences up to about ``length`` tokens with ``needles`` at random
-    depths among them, then the question; and the needles' character spans. Pieces are
-    counted apart, which a tokenizer merging across them can exceed: the filler shrinks
-    until the whole prompt fits."""
-    budget = length - _count(tokenizer, " ".join([header, *needles, question]))
+    depths among them, then the question; the needles' character spans; the prompt's ids
+    (``_encode_pieces``). Pieces are counted apart, which a tokenizer merging across them can
+    exceed: the filler shrinks until the whole prompt fits."""
+    budget = length - _count(tokenizer, [header, *needles, question])
     state = rng.getstate()
     while True:
         rng.setstate(state)
-        prompt, spans = _fill(tokenizer, header, needles, question, budget, rng)
-        over = _count(tokenizer, prompt) - length
+        pieces, spans = _fill(tokenizer, header, needles, question, budget, rng)
+        over = _count(tokenizer, pieces) - length
         if over <= 0:
-            return prompt, spans
+            return " ".join(pieces), spans, _encode_pieces(tokenizer, pieces)
         budget -= over
 
 
 def _fill(tokenizer, header, needles, question, budget, rng):
-    per_sentence = [_count(tokenizer, sentence) for sentence in FILLER]
+    """The prompt's pieces (header, filler with the needles among it, question) and the
+    needles' character spans in their space-joined text."""
+    per_sentence = [_count(tokenizer, [sentence]) for sentence in FILLER]
     fillers = []
     while budget > 0:
         index = len(fillers) % len(FILLER)
@@ -97,12 +153,12 @@ def _fill(tokenizer, header, needles, question, budget, rng):
             pieces.append(order.pop(0))
         if sentence is not None:
             pieces.append(sentence)
-    spans, text = [], ""
+    spans, end = [], -1
     for piece in pieces:
-        text = f"{text} {piece}" if text else piece
+        end += 1 + len(piece)  # a space before every piece but the first
         if piece in needles:
-            spans.append((len(text) - len(piece), len(text)))
-    return f"{text} {question}", tuple(spans)
+            spans.append((end - len(piece), end))
+    return pieces + [question], tuple(spans)
 
 
 def _niah(task: str, tokenizer, length: int, rng: random.Random) -> Sample:
@@ -127,9 +183,14 @@ def _niah(task: str, tokenizer, length: int, rng: random.Random) -> Sample:
         question = (f"What are all the special magic numbers for {joined} mentioned in the "
                     f"provided text? The special magic numbers for {joined} mentioned in the "
                     f"provided text are:")
-    prompt, spans = _haystack(tokenizer, _HEADER, needles, question, length, rng)
+    prompt, spans, ids = _haystack(tokenizer, _HEADER, needles, question, length, rng)
     answers = tuple(facts[i][1] for i in asked)
-    return Sample(task, prompt, answers, spans, max_new_tokens=12 * len(answers) + 4)
+    return Sample(task, prompt, answers, spans, max_new_tokens=12 * len(answers) + 4,
+                  prompt_ids=_ids(ids))
+
+
+def _ids(ids: list[int] | None) -> tuple[int, ...] | None:
+    return None if ids is None else tuple(ids)
 
 
 def _variable_tracking(tokenizer, length: int, rng: random.Random) -> Sample:
@@ -140,9 +201,9 @@ def _variable_tracking(tokenizer, length: int, rng: random.Random) -> Sample:
     question = (f"Find all variables that are assigned the value {number} in the text above. "
                 f"Answer: the variables assigned the value {number} are:")
     # The chain must be read in order: the needles keep their order among the filler.
-    prompt, spans = _haystack(tokenizer, _VARIABLES, needles, question, length, rng)
+    prompt, spans, ids = _haystack(tokenizer, _VARIABLES, needles, question, length, rng)
     return Sample("variable_tracking", prompt, tuple(name.lower() for name in names), spans,
-                  max_new_tokens=4 * len(names) + 4)
+                  max_new_tokens=4 * len(names) + 4, prompt_ids=_ids(ids))
 
 
 def _common_words(tokenizer, length: int, rng: random.Random) -> Sample:
@@ -152,23 +213,25 @@ def _common_words(tokenizer, length: int, rng: random.Random) -> Sample:
                 "10 words that appear most often in the list are:")
     order = rng.random()
 
-    def prompt(entries: int) -> str:
+    def pieces(entries: int) -> list[str]:
         # Each common word appears about 3x as often as each rare one (at least twice, while a
         # rare word appears at most once in short lists), so the ten are well defined.
         each = max(2, round(3 * entries / (30 + len(rare))))
         words = [word for word in common for _ in range(each)]
         words += [rare[i % len(rare)] for i in range(max(0, entries - len(words)))]
         random.Random(order).shuffle(words)
-        listing = " ".join(f"{i + 1}. {word}" for i, word in enumerate(words))
-        return f"{_WORDS} {listing} {question}"
+        listing = [piece for i, word in enumerate(words) for piece in (f"{i + 1}.", word)]
+        return [_WORDS, *listing, question]
 
     entries = 40
     for _ in range(3):  # scale the list to the length, then trim it under
-        entries = max(40, int(entries * length / _count(tokenizer, prompt(entries))))
-    while entries > 40 and _count(tokenizer, prompt(entries)) > length:
+        entries = max(40, int(entries * length / _count(tokenizer, pieces(entries))))
+    while entries > 40 and _count(tokenizer, pieces(entries)) > length:
         entries = int(entries * 0.99)
-    return Sample("common_words", prompt(entries), tuple(common),
-                  max_new_tokens=3 * len(common) + 4)
+    prompt = pieces(entries)
+    return Sample("common_words", " ".join(prompt), tuple(common),
+                  max_new_tokens=3 * len(common) + 4,
+                  prompt_ids=_ids(_encode_pieces(tokenizer, prompt)))
 
 
 def make_sample(task: str, tokenizer, length: int, seed: int) -> Sample:

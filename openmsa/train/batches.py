@@ -36,8 +36,10 @@ def make_batch(tokenizer, spec: BatchSpec, device="cpu"):
     rows, labels = [], []
     for index in range(spec.size):
         sample = make_sample(spec.task, tokenizer, spec.length, spec.seed + index)
-        prompt = [tokenizer.bos_token_id] + tokenizer(sample.prompt, add_special_tokens=False)[
-            "input_ids"]
+        ids = sample.prompt_ids
+        if ids is None:
+            ids = tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+        prompt = [tokenizer.bos_token_id, *ids]
         answer = tokenizer(" " + ", ".join(sample.answers) + ".", add_special_tokens=False)[
             "input_ids"] + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
