@@ -85,6 +85,20 @@ def test_samples_and_batches_are_the_same_made_from_pieces_or_whole_texts(tokeni
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("task", TASKS)
+def test_the_piece_cache_keeps_only_recurring_pieces(task):
+    """A sample's own needles and question are not kept: more samples add no pieces."""
+    from openmsa.eval import tasks
+
+    tokenizer = synthetic_tokenizer()
+    for seed in range(3):
+        make_sample(task, tokenizer, 1000, seed)
+    kept = len(tasks._PIECE_IDS[tokenizer])
+    for seed in range(3, 9):
+        make_sample(task, tokenizer, 1000, seed)
+    assert len(tasks._PIECE_IDS[tokenizer]) == kept
+
+
 def test_bad_task_and_length_are_refused(tokenizer):
     with pytest.raises(ValueError, match="^task: expected one of"):
         make_sample("niah", tokenizer, 1000, 0)

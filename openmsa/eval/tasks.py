@@ -97,21 +97,24 @@ def _piece_cache(tokenizer) -> dict | None:
     return _PIECE_IDS[tokenizer]
 
 
-def _encode_pieces(tokenizer, pieces: list[str]) -> list[int] | None:
+def _encode_pieces(tokenizer, pieces: list[str], once=()) -> list[int] | None:
     """The ids of ``" ".join(pieces)`` from the pieces' cached ids (new pieces encoded in one
-    batch), or None for a tokenizer that does not split at whitespace."""
+    batch), or None for a tokenizer that does not split at whitespace. Pieces in ``once``
+    (a sample's own needles and question) are not kept: the cache holds only pieces that
+    recur, so it stays small over a whole training run."""
     cache = _piece_cache(tokenizer)
     if cache is None:
         return None
     new = list(dict.fromkeys(piece for piece in pieces if piece not in cache))
-    if new:
-        cache.update(zip(new, tokenizer(new, add_special_tokens=False)["input_ids"]))
-    return [token for piece in pieces for token in cache[piece]]
+    encoded = dict(zip(new, tokenizer(new, add_special_tokens=False)["input_ids"])) if new else {}
+    cache.update((piece, ids) for piece, ids in encoded.items() if piece not in once)
+    return [token for piece in pieces
+            for token in (encoded[piece] if piece in encoded else cache[piece])]
 
 
-def _count(tokenizer, pieces: list[str]) -> int:
-    """Tokens of ``" ".join(pieces)``."""
-    ids = _encode_pieces(tokenizer, pieces)
+def _count(tokenizer, pieces: list[str], once=()) -> int:
+    """Tokens of ``" ".join(pieces)`` (``once``: as for ``_encode_pieces``)."""
+    ids = _encode_pieces(tokenizer, pieces, once)
     if ids is None:
         ids = tokenizer(" ".join(pieces), add_special_tokens=False)["input_ids"]
     return len(ids)
@@ -123,14 +126,16 @@ def _haystack(tokenizer, header: str, needles: list[str], question: str, length:
     depths among them, then the question; the needles' character spans; the prompt's ids
     (``_encode_pieces``). Pieces are counted apart, which a tokenizer merging across them can
     exceed: the filler shrinks until the whole prompt fits."""
-    budget = length - _count(tokenizer, [header, *needles, question])
+    once = {*needles, question}
+    budget = length - _count(tokenizer, [header, *needles, question], once)
     state = rng.getstate()
     while True:
         rng.setstate(state)
         pieces, spans = _fill(tokenizer, header, needles, question, budget, rng)
-        over = _count(tokenizer, pieces) - length
+        ids = _encode_pieces(tokenizer, pieces, once)
+        over = (len(ids) if ids is not None else _count(tokenizer, pieces)) - length
         if over <= 0:
-            return " ".join(pieces), spans, _encode_pieces(tokenizer, pieces)
+            return " ".join(pieces), spans, ids
         budget -= over
 
 
