@@ -97,24 +97,31 @@ def _piece_cache(tokenizer) -> dict | None:
     return _PIECE_IDS[tokenizer]
 
 
-def _encode_pieces(tokenizer, pieces: list[str], once=()) -> list[int] | None:
-    """The ids of ``" ".join(pieces)`` from the pieces' cached ids (new pieces encoded in one
-    batch), or None for a tokenizer that does not split at whitespace. Pieces in ``once``
-    (a sample's own needles and question) are not kept: the cache holds only pieces that
-    recur, so it stays small over a whole training run."""
+def _encode_pieces(tokenizer, pieces: list[str], own: dict | None = None) -> list[int] | None:
+    """The ids of ``" ".join(pieces)`` from the pieces' ids: ``own`` (``_own_pieces``), else
+    cached (new pieces encoded in one batch and kept), or None for a tokenizer that does not
+    split at whitespace."""
     cache = _piece_cache(tokenizer)
     if cache is None:
         return None
-    new = list(dict.fromkeys(piece for piece in pieces if piece not in cache))
-    encoded = dict(zip(new, tokenizer(new, add_special_tokens=False)["input_ids"])) if new else {}
-    cache.update((piece, ids) for piece, ids in encoded.items() if piece not in once)
-    return [token for piece in pieces
-            for token in (encoded[piece] if piece in encoded else cache[piece])]
+    own = own or {}
+    new = list(dict.fromkeys(piece for piece in pieces if piece not in cache and piece not in own))
+    if new:
+        cache.update(zip(new, tokenizer(new, add_special_tokens=False)["input_ids"]))
+    return [token for piece in pieces for token in (own[piece] if piece in own else cache[piece])]
 
 
-def _count(tokenizer, pieces: list[str], once=()) -> int:
-    """Tokens of ``" ".join(pieces)`` (``once``: as for ``_encode_pieces``)."""
-    ids = _encode_pieces(tokenizer, pieces, once)
+def _own_pieces(tokenizer, pieces: list[str]) -> dict:
+    """A sample's own pieces (its needles and question) encoded in one batch, for its prompt
+    alone: the cache keeps only pieces that recur, so it stays small over a training run."""
+    if _piece_cache(tokenizer) is None:
+        return {}
+    return dict(zip(pieces, tokenizer(pieces, add_special_tokens=False)["input_ids"]))
+
+
+def _count(tokenizer, pieces: list[str], own: dict | None = None) -> int:
+    """Tokens of ``" ".join(pieces)`` (``own``: as for ``_encode_pieces``)."""
+    ids = _encode_pieces(tokenizer, pieces, own)
     if ids is None:
         ids = tokenizer(" ".join(pieces), add_special_tokens=False)["input_ids"]
     return len(ids)
@@ -126,13 +133,13 @@ def _haystack(tokenizer, header: str, needles: list[str], question: str, length:
     depths among them, then the question; the needles' character spans; the prompt's ids
     (``_encode_pieces``). Pieces are counted apart, which a tokenizer merging across them can
     exceed: the filler shrinks until the whole prompt fits."""
-    once = {*needles, question}
-    budget = length - _count(tokenizer, [header, *needles, question], once)
+    own = _own_pieces(tokenizer, [*needles, question])
+    budget = length - _count(tokenizer, [header, *needles, question], own)
     state = rng.getstate()
     while True:
         rng.setstate(state)
         pieces, spans = _fill(tokenizer, header, needles, question, budget, rng)
-        ids = _encode_pieces(tokenizer, pieces, once)
+        ids = _encode_pieces(tokenizer, pieces, own)
         over = (len(ids) if ids is not None else _count(tokenizer, pieces)) - length
         if over <= 0:
             return " ".join(pieces), spans, ids

@@ -33,15 +33,17 @@ class BatchSpec:
 def make_batch(tokenizer, spec: BatchSpec, device="cpu"):
     """input_ids and labels ``[size, L]``: prompt, answer, [EOS], right-padded; labels only on
     the answer and [EOS] (-100 elsewhere)."""
+    samples = [make_sample(spec.task, tokenizer, spec.length, spec.seed + index)
+               for index in range(spec.size)]
+    answers = tokenizer([" " + ", ".join(sample.answers) + "." for sample in samples],
+                        add_special_tokens=False)["input_ids"]
     rows, labels = [], []
-    for index in range(spec.size):
-        sample = make_sample(spec.task, tokenizer, spec.length, spec.seed + index)
+    for sample, answer in zip(samples, answers):
         ids = sample.prompt_ids
         if ids is None:
             ids = tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
         prompt = [tokenizer.bos_token_id, *ids]
-        answer = tokenizer(" " + ", ".join(sample.answers) + ".", add_special_tokens=False)[
-            "input_ids"] + [tokenizer.eos_token_id]
+        answer = answer + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
         labels.append([-100] * len(prompt) + answer)
     width = max(map(len, rows))
