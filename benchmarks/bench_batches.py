@@ -57,9 +57,12 @@ def main() -> None:
     phases = [(tokens, batch, tasks) for _, tokens, batch, tasks in curriculum_phases(preset)]
     phases.append((preset.seqlen, preset.batch, preset.tasks))
     routes = {"pieces": synthetic_tokenizer(), "whole": whole_text_tokenizer()}
-    rows = []
-    for tokens, batch, tasks in dict.fromkeys(phases):  # a phase repeated is timed once
+    rows, timed = [], set()
+    for tokens, batch, tasks in phases:
         for task in tasks:
+            if (tokens, batch, task) in timed:  # phases may share lengths and tasks
+                continue
+            timed.add((tokens, batch, task))
             row = dict(tokens=tokens, batch=batch, task=task)
             for route, tokenizer in routes.items():
                 row[f"{route}_ms"] = median_ms(tokenizer, task, tokens, batch, args.batches)
