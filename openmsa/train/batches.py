@@ -1,9 +1,11 @@
 """The LM presets' training batches (``openmsa train --preset ruler-*``): RULER-style prompts
 with their answers, generated ahead of the step loop in worker processes.
 
-A 16k-token batch of 4 takes the host 0.3-0.75 s to generate (tokenizing the prompts dominates),
-five to ten times the GPU's training step of the ``ruler-gpu`` model
-(benchmarks/records/lm-step.json); generated in the loop, the batches would set the pace.
+A 16k-token batch of 4 takes the host about 20 ms (50 for common_words) on one core: the prompts
+come with their ids, built from encoded pieces (``openmsa.eval.tasks``); tokenized whole they
+took 170-280 ms, up to nine times the ``ruler-gpu`` model's GPU step
+(benchmarks/records/batch-generation-cpu.json, lm-step.json). The workers keep even slower
+tokenizers off the step loop.
 """
 
 from __future__ import annotations
