@@ -2,7 +2,7 @@
 (sm_90a) on any machine, GPU or not, and prints each launch configuration's shared memory,
 registers and register spills.
 
-    python benchmarks/inspect_kernels.py [--stages 1 2] [--keep DIR]
+    python benchmarks/inspect_kernels.py [--stages 1 2] [--keep DIR] [--kernels LABEL ...]
 
 A configuration that needs more than 227 KiB of shared memory cannot launch on the H200; one that
 spills registers inside the block loop is usually slow. This is how the stage counts in
@@ -65,6 +65,9 @@ def signature(fn, constants):
 
 
 def inspect(fn, constants, num_warps, num_stages, keep=None):
+    # Constexprs left out take their defaults, as at a launch that does not pass them.
+    constants = {**{param.name: param.default for param in fn.params
+                    if param.is_constexpr and param.has_default}, **constants}
     types, aligned = signature(fn, constants)
     source = ASTSource(fn=fn, signature=types, constexprs=constants, attrs=aligned)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -91,6 +94,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--keep", help="keep the PTX files in this folder")
+    parser.add_argument("--kernels", nargs="+", metavar="LABEL",
+                        help="only these rows (labels as printed, e.g. forward 'Hopper kl')")
     args = parser.parse_args()
     shared = dict(HI=4, GQ=16, GQ_PAD=16, KV_GROUP=1, INDEX_GROUP=4, BLOCK=128, HEAD_DIM=128,
                   INDEX_DIM=128, PRECISION="tf32")
@@ -121,9 +126,17 @@ def main() -> None:
     kernels.append(("KL key side (ordered)", _kl_kernel,
                     dict(kl, PAIRS=64, SEGMENT_PAIRS=SEGMENT_PAIRS, QUERY_SIDE=False,
                          WITH_VALUE=False)))
+    hopper = [f"Hopper {kernel}" for kernel in ("forward", "dq", "dkdv", "kl")]
+    labels = [label for label, _, _ in kernels] + hopper
+    unknown = sorted(set(args.kernels or ()) - set(labels))
+    if unknown:
+        parser.error(f"--kernels: expected labels from {labels}, received {unknown}")
+    wanted = set(args.kernels or labels)
     print(f"{'kernel':<26} {'warps':>5} {'stages':>6} {'shared KiB':>10} {'registers':>9} "
           f"{'spill B':>7}  fits  wgmma")
     for label, fn, constants in kernels:
+        if label not in wanted:
+            continue
         for num_stages in args.stages:
             found = inspect(fn, constants, 8, num_stages, args.keep)
             fits = "yes" if found["shared"] <= SHARED_MEMORY_LIMIT else "NO"
@@ -133,6 +146,8 @@ def main() -> None:
     # The Hopper (Gluon) kernels: their pipelining is written out, so stages do not apply. The
     # warp-specialized dK/dV's registers are its launch limit, redistributed among its warps.
     for kernel in ("forward", "dq", "dkdv", "kl"):
+        if f"Hopper {kernel}" not in wanted:
+            continue
         found = ptxas_report(compile_for_sm90(128, 128, "bf16", kernel=kernel),
                              f"hopper_{kernel}", args.keep)
         fits = "yes" if found["shared"] <= SHARED_MEMORY_LIMIT else "NO"

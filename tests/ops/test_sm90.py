@@ -117,3 +117,17 @@ def test_decode_kernels_compile_for_sm90_without_spills(shape):
     assert json.loads(lines[-3]) == [0] * 5
     # With PDL each kernel waits for the one before it ahead of its first read, once.
     assert json.loads(lines[-2]) == [1 if shape[3] else 0] * 5
+
+
+def test_inspect_kernels_compiles_the_triton_kernels_with_their_default_constants():
+    """benchmarks/inspect_kernels.py builds each kernel's signature itself: a constexpr with a
+    default (the forward's walk limits) once went in as a pointer and stopped the script."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    printed = subprocess.run([sys.executable, "benchmarks/inspect_kernels.py", "--stages", "1",
+                              "--kernels", "forward", "dQ"],
+                             capture_output=True, text=True, cwd=ROOT,
+                             env=dict(env, PYTHONPATH=str(ROOT)))
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    rows = [line.split() for line in printed.stdout.splitlines()[1:]]
+    assert [row[0] for row in rows] == ["forward", "dQ"], printed.stdout
+    assert all(row[-2] == "yes" and int(row[-3]) == 0 for row in rows), printed.stdout
