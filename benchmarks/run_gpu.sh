@@ -17,7 +17,10 @@
 #   and install it there with `pip install --no-index --no-deps --target`), study
 #   (benchmarks/quality_study.py: OPENMSA_STUDY_STAGES, default train,adapt,eval,report, of the
 #   long-context quality study into OPENMSA_STUDY_DIR, default runs/study, which a warm
-#   machine keeps between calls; OPENMSA_STUDY_ARGS adds arguments, e.g. --variants fp8,share2),
+#   machine keeps between calls; OPENMSA_STUDY_ARGS adds arguments, e.g. --variants fp8,share2;
+#   with OPENMSA_STUDY_BACKGROUND=1 it runs in a session of its own, which outlives the call),
+#   study-wait (waits up to OPENMSA_STUDY_WAIT seconds, default 540, for that background study;
+#   once it has ended, packs everything of it but the weights into OUTDIR/study.tgz),
 #   compare (`openmsa bench` from each folder of OPENMSA_COMPARE_TREES, then from this tree, one
 #   after the other in one call: before and after a change, each with its own dense; a folder
 #   holds another commit's package, made here with tools/tree_copy.sh and carried to the
@@ -27,7 +30,7 @@
 #   of the first phase's at its length: does it learn? OPENMSA_PROBE_ARGS adds arguments, e.g.
 #   "--lr 5e-4 --first-steps 4000 --steps 4000")
 # OPENMSA_GPU_TESTS names the test files to run (default: all of tests/gpu), to split the suite
-# over calls of a time-limited machine.
+# over calls of a time-limited machine; "none" runs no test and no check (a study's calls).
 # Where only a few result files can be copied back, write to a scratch folder and tar it:
 #   bash benchmarks/run_gpu.sh /tmp/run cli; tar czf "$OUT/run.tgz" -C /tmp/run .
 # Runs from the repository root with the machine's own torch and triton (nothing is installed).
@@ -35,7 +38,7 @@ set -u
 out=${1:?usage: run_gpu.sh OUTDIR [all|PART,PART...]}
 parts=",${2:-all},"
 wants() {
-  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer|short|megatron|study|learn-probe|compare)$ ]] \
+  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer|short|megatron|study|study-wait|learn-probe|compare)$ ]] \
     && return 0
   [[ "$parts" == *",$1,"* ]] || { [[ "$parts" == *",cli,"* ]] && [[ "$1" =~ ^(train|bench)$ ]]; }
 }
@@ -48,8 +51,11 @@ export OPENMSA_GPU_RECORD="$out/gpu_tests.jsonl"
   # A copied working tree may carry a stale .git: the caller can name the commit instead.
   echo "commit ${OPENMSA_COMMIT:-$(git log -1 --format=%H 2>/dev/null)}"
 } 2>&1 | tee "$out/env.txt"
-python3 -m pytest -q -rA ${OPENMSA_GPU_TESTS:-tests/gpu} 2>&1 | tee "$out/pytest_gpu.log" | grep -E "passed|failed|error" | tail -30
-python3 -m openmsa.cli check 2>&1 | tee "$out/check.txt"
+if [ "${OPENMSA_GPU_TESTS:-}" != none ]; then
+  python3 -m pytest -q -rA ${OPENMSA_GPU_TESTS:-tests/gpu} 2>&1 | tee "$out/pytest_gpu.log" \
+    | grep -E "passed|failed|error" | tail -30
+  python3 -m openmsa.cli check 2>&1 | tee "$out/check.txt"
+fi
 if wants select; then
   python3 benchmarks/bench_select.py --out "$out" 2>&1 | tee "$out/bench_select.log" | tail -8
 fi
@@ -131,10 +137,35 @@ if wants learn-probe; then
     --every 200 --device cuda --out "$out/probe_ruler_gpu.json" ${OPENMSA_PROBE_ARGS:-} 2>&1 \
     | tee "$out/probe_ruler_gpu.log" | tail -n 4
 fi
+study_dir=${OPENMSA_STUDY_DIR:-runs/study}
 if wants study; then
-  python3 benchmarks/quality_study.py --out "${OPENMSA_STUDY_DIR:-runs/study}" \
-    --stages "${OPENMSA_STUDY_STAGES:-train,adapt,eval,report}" ${OPENMSA_STUDY_ARGS:-} 2>&1 \
-    | tee "$out/quality_study.log" | tail -12
+  study=(python3 benchmarks/quality_study.py --out "$study_dir"
+         --stages "${OPENMSA_STUDY_STAGES:-train,adapt,eval,report}" ${OPENMSA_STUDY_ARGS:-})
+  if [ -n "${OPENMSA_STUDY_BACKGROUND:-}" ]; then
+    # A session of its own: the machine ends this call's processes when it returns, not this.
+    mkdir -p "$study_dir"
+    setsid nohup "${study[@]}" > "$study_dir/study.log" 2>&1 < /dev/null &
+    echo $! > "$study_dir/study.pid"
+    echo "study running in the background (pid $!); wait for it with the part study-wait"
+  else
+    "${study[@]}" 2>&1 | tee "$out/quality_study.log" | tail -12
+  fi
+fi
+if wants study-wait; then
+  pid=$(cat "$study_dir/study.pid")
+  waited=0
+  while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "${OPENMSA_STUDY_WAIT:-540}" ]; do
+    sleep 10
+    waited=$((waited + 10))
+  done
+  tail -n 12 "$study_dir/study.log"
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "study still running after ${waited} s: call the part study-wait again"
+  else
+    # The weights are too large to come back from the machine; the evaluations are not.
+    tar czf "$out/study.tgz" --exclude='*.safetensors' -C "$study_dir" .
+    echo "study ended; everything but the weights is in study.tgz"
+  fi
 fi
 if wants bench; then
   python3 -m openmsa.cli bench --seqlens 4k,16k,32k,64k,128k --out "$out/bench_h64" 2>&1 \
