@@ -136,20 +136,29 @@ def _needle_tokens(tokenizer, sample: Sample, offsets) -> list[range]:
     return spans
 
 
-@torch.no_grad()
-def evaluate_sample(model, tokenizer, sample: Sample, mode: str, device) -> dict:
-    """Generates ``sample``'s answer in ``mode`` ("dense" or "msa"); returns its score, the
-    continuation and (msa) the recalls."""
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, received {mode!r}")
-    # Needles are located by character offsets, which only fast tokenizers give.
+def encode_prompt(tokenizer, sample: Sample) -> tuple[list[int], list[range]]:
+    """The prompt's ids ([BOS] first where the tokenizer has one) and each needle's token
+    positions among them (none without a fast tokenizer: needles are located by character
+    offsets, which only fast tokenizers give)."""
     encoded = tokenizer(sample.prompt, add_special_tokens=False,
                         return_offsets_mapping=tokenizer.is_fast)
-    ids = encoded["input_ids"]
-    offset = 0
+    ids, offset = encoded["input_ids"], 0
     if tokenizer.bos_token_id is not None:
-        ids = [tokenizer.bos_token_id] + ids
-        offset = 1
+        ids, offset = [tokenizer.bos_token_id] + ids, 1
+    needles = [] if not tokenizer.is_fast else [
+        range(r.start + offset, r.stop + offset)
+        for r in _needle_tokens(tokenizer, sample, encoded["offset_mapping"])]
+    return ids, needles
+
+
+@torch.no_grad()
+def evaluate_sample(model, tokenizer, sample: Sample, mode: str, device, prompt=None) -> dict:
+    """Generates ``sample``'s answer in ``mode`` ("dense" or "msa"); returns its score, the
+    continuation and (msa) the recalls. ``prompt``: ``encode_prompt``'s result, when the
+    caller has it (one sample evaluated in both modes)."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, received {mode!r}")
+    ids, needles = prompt or encode_prompt(tokenizer, sample)
     input_ids = torch.tensor([ids], device=device)
     set_msa_warmup(model, mode == "dense")
     records = record_selection(model)
@@ -163,9 +172,6 @@ def evaluate_sample(model, tokenizer, sample: Sample, mode: str, device) -> dict
               "score": answer_recall(continuation, sample.answers), "answers": sample.answers,
               "continuation": continuation, "seconds": seconds}
     if mode == "msa":
-        needles = [] if not tokenizer.is_fast else [
-            range(r.start + offset, r.stop + offset)
-            for r in _needle_tokens(tokenizer, sample, encoded["offset_mapping"])]
         result.update(selection_recalls(records, needles))
     for record in records:
         record.clear()
@@ -184,8 +190,9 @@ def evaluate(model, tokenizer, settings: EvalSettings, device, progress=None) ->
     results = []
     for task, length, index in jobs:
         sample = make_sample(task, tokenizer, length, settings.seed * 100_003 + index)
+        prompt = encode_prompt(tokenizer, sample)  # once for both modes
         for mode in settings.modes:
-            result = dict(evaluate_sample(model, tokenizer, sample, mode, device),
+            result = dict(evaluate_sample(model, tokenizer, sample, mode, device, prompt),
                           length=length, sample=index)
             results.append(result)
             if progress:
