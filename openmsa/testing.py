@@ -207,13 +207,20 @@ def gloo_test_process(rank: int, world: int, init_file: str, failures):
     (SIGABRT, "terminate called without an active exception")."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(minutes=5))
+    failed = False
     try:
         yield
     except Exception as error:
+        failed = True
         failures.put(f"rank {rank}: {type(error).__name__}: {error}"[:3000])
     finally:
         gc.collect()
-        dist.barrier()
+        # A failed rank leaves at once, so that peers waiting on it fail rather than hang.
+        if not failed:
+            try:
+                dist.barrier()
+            except Exception as error:  # a peer failed and left
+                failures.put(f"rank {rank}: the closing barrier: {error}"[:3000])
         dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -60,16 +60,21 @@ def _spawn(worker, world, *args):
         assert not messages, "\n".join(messages)
 
 
-def _failing_worker(rank, world):
-    dist.all_reduce(torch.ones(1))
+def _failing_worker(rank, world, before_a_collective):
+    if not before_a_collective:
+        dist.all_reduce(torch.ones(1))
     if rank == 1:
         raise RuntimeError("rank one fails")
+    if before_a_collective:
+        dist.all_reduce(torch.ones(1))  # rank 1 never comes: rank 0 must fail, not hang
 
 
-def test_an_error_on_one_rank_fails_the_test():
-    """The workers leave through ``os._exit(0)``: their errors must still reach the parent."""
+@pytest.mark.parametrize("before_a_collective", [False, True])
+def test_an_error_on_one_rank_fails_the_test(before_a_collective):
+    """The workers leave through ``os._exit(0)``: their errors must still reach the parent,
+    and a rank waiting for a failed one must not hang."""
     with pytest.raises(AssertionError, match="rank 1: RuntimeError: rank one fails"):
-        _spawn(_failing_worker, 2)
+        _spawn(_failing_worker, 2, before_a_collective)
 
 
 # --------------------------------------------------------------------------------------------
