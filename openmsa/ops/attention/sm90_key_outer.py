@@ -156,30 +156,30 @@ def _gather_steps(Q, DOUT, LSE, DELTA, q_smem, do_smem, lse_smem, delta_smem, to
 
 
 @gluon.jit
-def _fwd_steps(IDS, OUT_PART, LSE_PART, k_smem, v_smem, q_smem, token_smem, kv_ready,
-               kv_empty, full, empty, segments, window, num_bounds, window_start,
-               stride_ids_t, stride_ids_h, scale_log2, HI: gl.constexpr, GQ: gl.constexpr,
-               TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-               TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr, SEGMENT_PAIRS: gl.constexpr,
-               STAGES: gl.constexpr, HALF: gl.constexpr):
-    """One consumer warpgroup of the forward: steps HALF, HALF + 2, ... of each segment. Per
-    step, the rows' softmax over the block's visible keys, their output normalized over the
-    block and their log-sum-exp (base 2) into each row's slot of OUT_PART [window rows, HI,
-    TOP_K, GQ, D] and LSE_PART [..., GQ]."""
+def _consumer_steps(IDS, PART, LSE_PART, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                    token_smem, kv_ready, kv_empty, full, empty, segments, window, num_bounds,
+                    window_start, stride_ids_t, stride_ids_h, scale_log2, HI: gl.constexpr,
+                    GQ: gl.constexpr, TOK: gl.constexpr, BLOCK: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr,
+                    SEGMENT_PAIRS: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
+                    WITH_GRAD: gl.constexpr):
+    """One consumer warpgroup: steps HALF, HALF + 2, ... of each segment with pairs in the
+    window, once the block's K and V are in (``kv_ready``), handing them back (``kv_empty``)
+    after its steps. A step issues ``S = Q K^T`` and goes on as the forward's
+    (``_fwd_step``) or, WITH_GRAD, dQ's (``_dq_step``)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = 64
     s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)  # scores [ROWS, BLOCK]
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # [ROWS, D]
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
-    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    io_rows: gl.constexpr = gl.SliceLayout(1, io_layout)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # outputs and dQ [ROWS, D]
     pairs_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
     (_, _, PAIR_TOKEN, _, _, _, _, _, _, _, num_segments) = segments
     keys = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
+    if WITH_GRAD:  # dQ stores from the products' layout, the forward through an I/O layout
+        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    else:
+        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, _io_layout(HEAD_DIM, NUM_WARPS)))
     no_scores = gl.zeros((ROWS, BLOCK), gl.float32, layout=s_layout)
-    no_out = gl.zeros((ROWS, HEAD_DIM), gl.float32, layout=o_layout)
+    no_acc = gl.zeros((ROWS, HEAD_DIM), gl.float32, layout=o_layout)
     base = 0
     count = 0
     for position in range(gl.program_id(0), num_segments, gl.num_programs(0)):
@@ -196,50 +196,79 @@ def _fwd_steps(IDS, OUT_PART, LSE_PART, k_smem, v_smem, q_smem, token_smem, kv_r
                 mbarrier.wait(full.index(slot), (step // STAGES) & 1)
                 scores = warpgroup_mma(q_smem.index(slot), k_smem.permute((1, 0)), no_scores,
                                        use_acc=False, is_async=True)
-                token = token_smem.index(slot).load(rows_layout)
-                token_io = token_smem.index(slot).load(io_rows)
-                # The rows' slots while Q K^T runs.
-                first_pair = low + j * TOK
-                valid_io, head_io = _step_rows(first_pair, high, GQ, TOK, ROWS, io_rows)
-                slot_io = _row_slots(IDS, token_io, valid_io, block, index_head, stride_ids_t,
-                                     stride_ids_h, TOP_K, TOP_K_PAD, NUM_WARPS, io_rows)
-                offset_io = ((((token_io - window_start).to(gl.int64) * HI + index_head)
-                              * TOP_K + slot_io) * GQ + head_io)
-                scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
-                mbarrier.arrive(empty.index(slot), count=1)  # q and tokens read
-                valid, head = _step_rows(first_pair, high, GQ, TOK, ROWS, rows_layout)
-                scores = scores * scale_log2
-                if j < diagonal_steps:  # pairs ascend by row: only the first can see past it
-                    scores = gl.where((block * BLOCK + keys)[None, :]
-                                      <= (token - query_base)[:, None], scores, float("-inf"))
-                row_max = gl.max(scores, axis=1)
-                safe_max = gl.where(row_max == float("-inf"), 0.0, row_max)
-                probs = gl.exp2(scores - safe_max[:, None])
-                row_sum = gl.sum(probs, axis=1)
-                p = gl.convert_layout(probs.to(q_smem.dtype), p_layout)
-                out = warpgroup_mma(p, v_smem, no_out, use_acc=False, is_async=True)
-                offset = gl.convert_layout(offset_io, rows_layout)
-                gl.store(LSE_PART + offset, safe_max + gl.log2(gl.where(valid, row_sum, 1.0)),
-                         mask=valid)
-                out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))
-                row_sum = gl.where(row_sum > 0, row_sum, 1.0)
-                out = out / gl.convert_layout(row_sum, gl.SliceLayout(1, o_layout))[:, None]
-                out = gl.convert_layout(out.to(OUT_PART.dtype.element_ty), io_layout)
-                gl.store(OUT_PART + offset_io[:, None] * HEAD_DIM + dims[None, :], out,
-                         mask=valid_io[:, None])
+                if WITH_GRAD:
+                    _dq_step(scores, IDS, PART, k_smem, v_smem, do_smem, lse_smem, delta_smem,
+                             token_smem, empty, slot, low, j, high, index_head, block,
+                             query_base, diagonal_steps, keys, dims, no_scores, no_acc,
+                             window_start, stride_ids_t, stride_ids_h, scale_log2, HI, GQ, TOK,
+                             BLOCK, HEAD_DIM, TOP_K, TOP_K_PAD)
+                else:
+                    _fwd_step(scores, IDS, PART, LSE_PART, v_smem, q_smem, token_smem, empty,
+                              slot, low, j, high, index_head, block, query_base, diagonal_steps,
+                              keys, dims, no_acc, window_start, stride_ids_t, stride_ids_h,
+                              scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, TOP_K, TOP_K_PAD)
             mbarrier.arrive(kv_empty, count=1)  # done with this block's K and V
             base += steps
             count += 1
 
 
 @gluon.jit
-def _dq_steps(IDS, DQ_PART, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, token_smem,
-              kv_ready, kv_empty, full, empty, segments, window, num_bounds, window_start,
-              stride_ids_t, stride_ids_h, scale_log2, HI: gl.constexpr, GQ: gl.constexpr,
-              TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-              TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr, SEGMENT_PAIRS: gl.constexpr,
-              STAGES: gl.constexpr, HALF: gl.constexpr):
-    """One consumer warpgroup of dQ: steps HALF, HALF + 2, ... of each segment. Per step,
+def _fwd_step(scores, IDS, OUT_PART, LSE_PART, v_smem, q_smem, token_smem, empty, slot, low,
+              j, high, index_head, block, query_base, diagonal_steps, keys, dims, no_out,
+              window_start, stride_ids_t, stride_ids_h, scale_log2, HI: gl.constexpr,
+              GQ: gl.constexpr, TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+              TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr):
+    """Step ``j`` of the segment's pairs from ``low`` in the forward, once ``S = Q K^T`` is
+    issued: the rows' softmax over the block's visible
+    keys, their output normalized over the block and their log-sum-exp (base 2) into each
+    row's slot of OUT_PART [window rows, HI, TOP_K, GQ, D] and LSE_PART [..., GQ]."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = 64
+    s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # [ROWS, D]
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    io_rows: gl.constexpr = gl.SliceLayout(1, io_layout)
+    token = token_smem.index(slot).load(rows_layout)
+    token_io = token_smem.index(slot).load(io_rows)
+    # The rows' slots while Q K^T runs.
+    first_pair = low + j * TOK
+    valid_io, head_io = _step_rows(first_pair, high, GQ, TOK, ROWS, io_rows)
+    slot_io = _row_slots(IDS, token_io, valid_io, block, index_head, stride_ids_t, stride_ids_h,
+                         TOP_K, TOP_K_PAD, NUM_WARPS, io_rows)
+    offset_io = ((((token_io - window_start).to(gl.int64) * HI + index_head) * TOP_K + slot_io)
+                 * GQ + head_io)
+    scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
+    mbarrier.arrive(empty.index(slot), count=1)  # q and tokens read
+    valid, head = _step_rows(first_pair, high, GQ, TOK, ROWS, rows_layout)
+    scores = scores * scale_log2
+    if j < diagonal_steps:  # pairs ascend by row: only the first can see past it
+        scores = gl.where((block * BLOCK + keys)[None, :] <= (token - query_base)[:, None],
+                          scores, float("-inf"))
+    row_max = gl.max(scores, axis=1)
+    safe_max = gl.where(row_max == float("-inf"), 0.0, row_max)
+    probs = gl.exp2(scores - safe_max[:, None])
+    row_sum = gl.sum(probs, axis=1)
+    p = gl.convert_layout(probs.to(q_smem.dtype), p_layout)
+    out = warpgroup_mma(p, v_smem, no_out, use_acc=False, is_async=True)
+    offset = gl.convert_layout(offset_io, rows_layout)
+    gl.store(LSE_PART + offset, safe_max + gl.log2(gl.where(valid, row_sum, 1.0)), mask=valid)
+    out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))
+    row_sum = gl.where(row_sum > 0, row_sum, 1.0)
+    out = out / gl.convert_layout(row_sum, gl.SliceLayout(1, o_layout))[:, None]
+    out = gl.convert_layout(out.to(OUT_PART.dtype.element_ty), io_layout)
+    gl.store(OUT_PART + offset_io[:, None] * HEAD_DIM + dims[None, :], out,
+             mask=valid_io[:, None])
+
+
+@gluon.jit
+def _dq_step(scores, IDS, DQ_PART, k_smem, v_smem, do_smem, lse_smem, delta_smem, token_smem,
+             empty, slot, low, j, high, index_head, block, query_base, diagonal_steps, keys,
+             dims, no_scores, no_dq, window_start, stride_ids_t, stride_ids_h, scale_log2,
+             HI: gl.constexpr, GQ: gl.constexpr, TOK: gl.constexpr, BLOCK: gl.constexpr,
+             HEAD_DIM: gl.constexpr, TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr):
+    """Step ``j`` of the segment's pairs from ``low`` in dQ, once ``S = Q K^T`` is issued:
     ``P = exp2(S - lse2)``, ``dS = P (dO V^T - delta)`` and the rows' dQ over the block,
     ``dS K`` (unscaled, fp32, stored in DQ_PART's precision), into each row's slot of DQ_PART
     [window rows, HI, TOP_K, GQ, D]."""
@@ -250,56 +279,31 @@ def _dq_steps(IDS, DQ_PART, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_sme
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     out_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    pairs_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    (_, _, PAIR_TOKEN, _, _, _, _, _, _, _, num_segments) = segments
-    keys = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    no_scores = gl.zeros((ROWS, BLOCK), gl.float32, layout=s_layout)
-    no_dq = gl.zeros((ROWS, HEAD_DIM), gl.float32, layout=o_layout)
-    base = 0
-    count = 0
-    for position in range(gl.program_id(0), num_segments, gl.num_programs(0)):
-        low, high, index_head, block, _, query_base = _segment_work(
-            segments, position, window, num_bounds, HI, SEGMENT_PAIRS)
-        if low < high:
-            steps = (high - low + TOK - 1) // TOK
-            diagonal_steps = (_diagonal_pairs(PAIR_TOKEN, low, high, query_base, block, BLOCK,
-                                              pairs_layout) + TOK - 1) // TOK
-            mbarrier.wait(kv_ready, count & 1)
-            for j in range(HALF, steps, 2):
-                step = base + j
-                slot = step % STAGES
-                mbarrier.wait(full.index(slot), (step // STAGES) & 1)
-                scores = warpgroup_mma(q_smem.index(slot), k_smem.permute((1, 0)), no_scores,
-                                       use_acc=False, is_async=True)
-                dprobs = warpgroup_mma(do_smem.index(slot), v_smem.permute((1, 0)), no_scores,
-                                       use_acc=False, is_async=True)
-                token = token_smem.index(slot).load(rows_layout)
-                lse = lse_smem.index(slot).load(rows_layout)
-                delta = delta_smem.index(slot).load(rows_layout)
-                scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
-                probs = gl.exp2(scores * scale_log2 - lse[:, None])
-                if j < diagonal_steps:
-                    probs = gl.where((block * BLOCK + keys)[None, :]
-                                     <= (token - query_base)[:, None], probs, 0.0)
-                dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(dprobs,))
-                mbarrier.arrive(empty.index(slot), count=1)  # q, dO and the rows' values read
-                dscores = gl.convert_layout(
-                    (probs * (dprobs - delta[:, None])).to(q_smem.dtype), ds_layout)
-                dq = warpgroup_mma(dscores, k_smem, no_dq, use_acc=False, is_async=True)
-                first_pair = low + j * TOK
-                valid, head = _step_rows(first_pair, high, GQ, TOK, ROWS, out_rows)
-                token_out = gl.convert_layout(token, out_rows)
-                slot_out = _row_slots(IDS, token_out, valid, block, index_head, stride_ids_t,
-                                      stride_ids_h, TOP_K, TOP_K_PAD, NUM_WARPS, out_rows)
-                offset = ((((token_out - window_start).to(gl.int64) * HI + index_head) * TOP_K
-                           + slot_out) * GQ + head)
-                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-                gl.store(DQ_PART + offset[:, None] * HEAD_DIM + dims[None, :],
-                         dq.to(DQ_PART.dtype.element_ty), mask=valid[:, None])
-            mbarrier.arrive(kv_empty, count=1)  # done with this block's K and V
-            base += steps
-            count += 1
+    dprobs = warpgroup_mma(do_smem.index(slot), v_smem.permute((1, 0)), no_scores,
+                           use_acc=False, is_async=True)
+    token = token_smem.index(slot).load(rows_layout)
+    lse = lse_smem.index(slot).load(rows_layout)
+    delta = delta_smem.index(slot).load(rows_layout)
+    scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
+    probs = gl.exp2(scores * scale_log2 - lse[:, None])
+    if j < diagonal_steps:
+        probs = gl.where((block * BLOCK + keys)[None, :] <= (token - query_base)[:, None],
+                         probs, 0.0)
+    dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(dprobs,))
+    mbarrier.arrive(empty.index(slot), count=1)  # q, dO and the rows' values read
+    dscores = gl.convert_layout((probs * (dprobs - delta[:, None])).to(do_smem.dtype),
+                                ds_layout)
+    dq = warpgroup_mma(dscores, k_smem, no_dq, use_acc=False, is_async=True)
+    first_pair = low + j * TOK
+    valid, head = _step_rows(first_pair, high, GQ, TOK, ROWS, out_rows)
+    token_out = gl.convert_layout(token, out_rows)
+    slot_out = _row_slots(IDS, token_out, valid, block, index_head, stride_ids_t, stride_ids_h,
+                          TOP_K, TOP_K_PAD, NUM_WARPS, out_rows)
+    offset = ((((token_out - window_start).to(gl.int64) * HI + index_head) * TOP_K + slot_out)
+              * GQ + head)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+    gl.store(DQ_PART + offset[:, None] * HEAD_DIM + dims[None, :],
+             dq.to(DQ_PART.dtype.element_ty), mask=valid[:, None])
 
 
 # A pass launches once per window: its scalars would otherwise compile variants (1, multiples
@@ -319,10 +323,10 @@ def _key_outer_hopper_kernel(
     """The window's hard pairs, segment by segment on a persistent grid (programs take the
     segment order's positions program_id, program_id + programs, ...), warp-specialized: one
     warp loads each block's K and V (``_kv_loads``), one gathers the steps' rows
-    (``_gather_steps``), two warpgroups take alternate steps (the first is the launch's 4
-    warps, the second a worker partition). Without WITH_GRAD the forward (``_fwd_steps``:
-    OUT_PART, LSE_PART), with it dQ (``_dq_steps``: partials in OUT_PART, fp32 or 16-bit; DOUT,
-    LSE and DELTA read)."""
+    (``_gather_steps``), two warpgroups take alternate steps (``_consumer_steps``; the first
+    is the launch's 4 warps, the second a worker partition). Without WITH_GRAD the forward
+    (``_fwd_step``: OUT_PART, LSE_PART), with it dQ (``_dq_step``: partials in OUT_PART, fp32
+    or 16-bit; DOUT, LSE and DELTA read)."""
     ROWS: gl.constexpr = 64
     vector_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     if gl.load(WINDOW_HARD + window) == 0:  # every program of a window without hard rows
@@ -349,40 +353,24 @@ def _key_outer_hopper_kernel(
     segments = (SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BOUNDS, BUCKET_START, BUCKET_COUNT,
                 BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start, num_segments)
     # The constants go in literally: a tuple bound to a name would turn them into tensors.
-    if WITH_GRAD:
-        gl.warp_specialize([
-            (_dq_steps, (IDS, OUT_PART, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                         token_smem, kv_ready, kv_empty, full, empty, segments, window,
-                         num_bounds, window_start, stride_ids_t, stride_ids_h, scale_log2, HI,
-                         GQ, TOK, BLOCK, HEAD_DIM, TOP_K, TOP_K_PAD, SEGMENT_PAIRS, STAGES, 0)),
-            (_dq_steps, (IDS, OUT_PART, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                         token_smem, kv_ready, kv_empty, full, empty, segments, window,
-                         num_bounds, window_start, stride_ids_t, stride_ids_h, scale_log2, HI,
-                         GQ, TOK, BLOCK, HEAD_DIM, TOP_K, TOP_K_PAD, SEGMENT_PAIRS, STAGES, 1)),
-            (_gather_steps, (Q, DOUT, LSE, DELTA, q_smem, do_smem, lse_smem, delta_smem,
-                             token_smem, full, empty, segments, window, num_bounds, stride_q_t,
-                             stride_q_h, stride_do_t, stride_do_h, HI, GQ, TOK, HEAD_DIM,
-                             SEGMENT_PAIRS, STAGES, True)),
-            (_kv_loads, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, segments, window,
-                         num_bounds, HI, KV_GROUP, BLOCK, HEAD_DIM, SEGMENT_PAIRS)),
-        ], [4, 1, 1], [CONSUMER_REGS, GATHER_REGS, GATHER_REGS])
-    else:
-        gl.warp_specialize([
-            (_fwd_steps, (IDS, OUT_PART, LSE_PART, k_smem, v_smem, q_smem, token_smem,
-                          kv_ready, kv_empty, full, empty, segments, window, num_bounds,
-                          window_start, stride_ids_t, stride_ids_h, scale_log2, HI, GQ, TOK,
-                          BLOCK, HEAD_DIM, TOP_K, TOP_K_PAD, SEGMENT_PAIRS, STAGES, 0)),
-            (_fwd_steps, (IDS, OUT_PART, LSE_PART, k_smem, v_smem, q_smem, token_smem,
-                          kv_ready, kv_empty, full, empty, segments, window, num_bounds,
-                          window_start, stride_ids_t, stride_ids_h, scale_log2, HI, GQ, TOK,
-                          BLOCK, HEAD_DIM, TOP_K, TOP_K_PAD, SEGMENT_PAIRS, STAGES, 1)),
-            (_gather_steps, (Q, DOUT, LSE, DELTA, q_smem, do_smem, lse_smem, delta_smem,
-                             token_smem, full, empty, segments, window, num_bounds, stride_q_t,
-                             stride_q_h, stride_do_t, stride_do_h, HI, GQ, TOK, HEAD_DIM,
-                             SEGMENT_PAIRS, STAGES, False)),
-            (_kv_loads, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, segments, window,
-                         num_bounds, HI, KV_GROUP, BLOCK, HEAD_DIM, SEGMENT_PAIRS)),
-        ], [4, 1, 1], [CONSUMER_REGS, GATHER_REGS, GATHER_REGS])
+    gl.warp_specialize([
+        (_consumer_steps, (IDS, OUT_PART, LSE_PART, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                           delta_smem, token_smem, kv_ready, kv_empty, full, empty, segments,
+                           window, num_bounds, window_start, stride_ids_t, stride_ids_h,
+                           scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, TOP_K, TOP_K_PAD,
+                           SEGMENT_PAIRS, STAGES, 0, WITH_GRAD)),
+        (_consumer_steps, (IDS, OUT_PART, LSE_PART, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                           delta_smem, token_smem, kv_ready, kv_empty, full, empty, segments,
+                           window, num_bounds, window_start, stride_ids_t, stride_ids_h,
+                           scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, TOP_K, TOP_K_PAD,
+                           SEGMENT_PAIRS, STAGES, 1, WITH_GRAD)),
+        (_gather_steps, (Q, DOUT, LSE, DELTA, q_smem, do_smem, lse_smem, delta_smem,
+                         token_smem, full, empty, segments, window, num_bounds, stride_q_t,
+                         stride_q_h, stride_do_t, stride_do_h, HI, GQ, TOK, HEAD_DIM,
+                         SEGMENT_PAIRS, STAGES, WITH_GRAD)),
+        (_kv_loads, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, segments, window,
+                     num_bounds, HI, KV_GROUP, BLOCK, HEAD_DIM, SEGMENT_PAIRS)),
+    ], [4, 1, 1], [CONSUMER_REGS, GATHER_REGS, GATHER_REGS])
 
 
 def block_descriptors(k, v, block_size: int):
