@@ -20,7 +20,7 @@
 #   machine keeps between calls; OPENMSA_STUDY_ARGS adds arguments, e.g. --variants fp8,share2;
 #   with OPENMSA_STUDY_BACKGROUND=1 it runs in a session of its own, which outlives the call),
 #   study-wait (waits up to OPENMSA_STUDY_WAIT seconds, default 540, for that background study;
-#   once it has ended, packs everything of it but the weights into OUTDIR/study.tgz),
+#   packs everything of it but the weights into OUTDIR/study.tgz, its progress while it runs),
 #   compare (`openmsa bench` from each folder of OPENMSA_COMPARE_TREES, then from this tree, one
 #   after the other in one call: before and after a change, each with its own dense; a folder
 #   holds another commit's package, made here with tools/tree_copy.sh and carried to the
@@ -159,11 +159,16 @@ if wants study-wait; then
     waited=$((waited + 10))
   done
   tail -n 12 "$study_dir/study.log"
+  # Where each training run is: its log's last step line.
+  for log in "$study_dir"/seed*/train_*.log; do
+    [ -e "$log" ] && echo "$(basename "$log"): $(grep -a ' step ' "$log" | tail -n 1)"
+  done
+  # The weights are too large to come back from the machine; logs, histories and evaluations
+  # are not. Packed on every call, so a session that ends before the study keeps its progress.
+  tar czf "$out/study.tgz" --exclude='*.safetensors' -C "$study_dir" .
   if kill -0 "$pid" 2>/dev/null; then
-    echo "study still running after ${waited} s: call the part study-wait again"
+    echo "study still running after ${waited} s (study.tgz: its progress so far): call the part study-wait again"
   else
-    # The weights are too large to come back from the machine; the evaluations are not.
-    tar czf "$out/study.tgz" --exclude='*.safetensors' -C "$study_dir" .
     echo "study ended; everything but the weights is in study.tgz"
   fi
 fi
