@@ -73,7 +73,7 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
         consumer, gather = KEY_OUTER_HOPPER_REGISTERS
         constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1,
                          TOK=key_step_tokens(heads_per_token, STEP_ROWS), BLOCK=block_size,
-                         HEAD_DIM=head_dim, TOP_K=16, TOP_K_PAD=16, SEGMENT_PAIRS=1024,
+                         HEAD_DIM=head_dim, TOP_K=16, SEGMENT_PAIRS=1024,
                          STAGES=KEY_OUTER_HOPPER_STAGES,
                          WITH_GRAD=kernel.startswith("key-outer-dq"), CONSUMER_REGS=consumer,
                          GATHER_REGS=gather)
@@ -206,7 +206,7 @@ def compile_key_outer_for_sm90(kernel: str = "forward", num_stages: int = 2,
 
     fn = {"forward": _fwd_key_outer_kernel, "dq": _dq_key_outer_kernel}[kernel]
     constants = dict(HI=4, GQ=16, GQ_PAD=16, KV_GROUP=1, TOK=8, BLOCK=128, HEAD_DIM=128,
-                     TOP_K=16, TOP_K_PAD=16, SEGMENT_PAIRS=1024, PRECISION="tf32")
+                     TOP_K=16, SEGMENT_PAIRS=1024, PRECISION="tf32")
     floats = ("LSE_PART", "LSE", "DELTA", "DQ_PART")
     types = {}
     for name in fn.arg_names:

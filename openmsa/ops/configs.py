@@ -76,7 +76,7 @@ KL_STAGES = 4  # KL: units of q rows in shared memory (two ahead)
 FORWARD_REGISTERS = (232, 40)
 DQ_REGISTERS = (232, 40)
 KEY_STEP_REGISTERS = (232, 40)
-KEY_OUTER_HOPPER_REGISTERS = (232, 40)  # key-outer forward and dQ (Gluon): consumer, gather
+KEY_OUTER_HOPPER_REGISTERS = (232, 48)  # key-outer forward and dQ (Gluon): consumer, gather warps
 KEY_OUTER_HOPPER_STAGES = 4  # their steps of gathered rows in shared memory
 # Their persistent grid: programs per SM (the forward's 128 KiB and dQ's 192 KiB of shared
 # memory leave room for one).

@@ -253,6 +253,37 @@ def test_key_block_builders_give_equal_lists(segment_order, num_index_heads, top
     assert lists[0].num_global_blocks == lists[1].num_global_blocks
 
 
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("num_index_heads,top_k,query_range", [
+    (2, 4, RANGES[0]), (3, 5, RANGES[1])])
+def test_key_block_pairs_carry_their_slot(use_triton, num_index_heads, top_k, query_range):
+    """``with_slots``: each pair's slot is its block's position in its row's ids (what the
+    key-outer kernels index the partials by); without it, none."""
+    first, end = query_range
+    block_size = 16
+    ids, cu = random_block_ids(SEQLENS, num_index_heads, top_k, block_size, seed=7 + top_k)
+    work = build_block_work(ids[first:end], cu, block_size, 3, query_start=first, num_keys=400,
+                            use_triton=use_triton, with_slots=True)
+    assert work.pair_slot is not None and work.pair_slot.dtype == torch.int32
+    checked = 0
+    for bucket, first_pair in work.segments.tolist():
+        if bucket < 0:
+            continue
+        head = bucket % num_index_heads
+        global_block = bucket // num_index_heads
+        block = work.block_local[global_block].item()
+        bucket_end = work.bucket_start[bucket].item() + work.bucket_count[bucket].item()
+        for pair in range(first_pair, min(first_pair + 3, bucket_end)):
+            row = work.pair_token[pair].item()
+            slot = work.pair_slot[pair].item()
+            assert ids[first + row, head, slot].item() == block, (pair, row, slot)
+            checked += 1
+    assert checked == int((ids[first:end] >= 0).sum())
+    plain = build_block_work(ids[first:end], cu, block_size, 3, query_start=first,
+                             num_keys=400, use_triton=use_triton)
+    assert plain.pair_slot is None
+
+
 @pytest.mark.parametrize("seqlens", [SEQLENS, (400,), (0, 0, 5), (17,) * 20])
 @pytest.mark.parametrize("tile_tokens", [1, 8, 64])
 def test_query_tile_schedule_kernel_equals_torch(seqlens, tile_tokens):

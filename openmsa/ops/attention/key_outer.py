@@ -9,7 +9,8 @@ as dK/dV's): a program per segment of one key block's pairs gathers ``TOK`` pair
 time, every row of which kept the block, so the cost follows the kept pairs.
 
 Forward: each (row, kept block) writes its partial output (normalized over that block) and
-its log-sum-exp into the row's slot (the block's position in the row's ids), and a combine
+its log-sum-exp into the row's slot (the block's position in the row's ids, which the
+list build records for each pair), and a combine
 step merges a row's ``top_k`` slots by their log-sum-exps. dQ: each (row, kept block) writes
 its partial (fp32, or in the inputs' precision: ``Tuning.key_outer_dq_partials``), and a sum
 adds a row's slots in slot order in fp32. No atomics: both are
@@ -109,7 +110,7 @@ def window_bounds(arguments, num_rows: int, window_rows: int, windows: int,
     """int32 [segments, windows + 1]: each window's pairs of each segment of the hard pairs'
     list (``_hard_work``'s ``arguments``; ``_window_bounds_kernel``), found once a pass for all
     windows instead of by each key-outer program."""
-    segment_list, _, pair_token, bucket_start, bucket_count = arguments[:5]
+    segment_list, _, pair_token, _, bucket_start, bucket_count = arguments[:6]
     segments = segment_list.shape[0]
     bounds = torch.empty(segments, windows + 1, dtype=torch.int32, device=pair_token.device)
     segs, pad = 32, min(64, triton.next_power_of_2(windows + 1))
@@ -147,20 +148,15 @@ def _block_kv(K, V, seq_start, seq_len, block, kv_head, stride_k_t, stride_k_h, 
 
 
 @triton.jit
-def _pair_rows_and_slots(PAIR_TOKEN, IDS, first_pair, end, block, index_head, stride_ids_t,
-                         stride_ids_h, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
-                         TOK: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr):
+def _pair_rows_and_slots(PAIR_TOKEN, PAIR_SLOT, first_pair, end, GQ: tl.constexpr,
+                         GQ_PAD: tl.constexpr, TOK: tl.constexpr):
     """The TOK pairs from ``first_pair`` (before ``end``), head-major as the dK/dV kernel's rows
-    (row = g * TOK + t): each row's query row, validity, head g and the slot of ``block`` in
-    its ids."""
+    (row = g * TOK + t): each row's query row, validity, head g and its pair's slot (the
+    block's position in the row's ids)."""
     pairs = tl.arange(0, TOK)
     pair_valid = first_pair + pairs < end
     pair_row = tl.load(PAIR_TOKEN + first_pair + pairs, mask=pair_valid, other=0).to(tl.int64)
-    slots = tl.arange(0, TOP_K_PAD)
-    ids = tl.load(IDS + pair_row[:, None] * stride_ids_t + index_head * stride_ids_h
-                  + slots[None, :], mask=pair_valid[:, None] & (slots < TOP_K)[None, :],
-                  other=-1)
-    slot = tl.sum(tl.where(ids == block, slots[None, :], 0), axis=1)
+    slot = tl.load(PAIR_SLOT + first_pair + pairs, mask=pair_valid, other=0)
     row_token = tl.reshape(tl.broadcast_to(pair_row[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
     row_valid = tl.reshape(tl.broadcast_to(pair_valid[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
     row_slot = tl.reshape(tl.broadcast_to(slot[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
@@ -170,14 +166,13 @@ def _pair_rows_and_slots(PAIR_TOKEN, IDS, first_pair, end, block, index_head, st
 
 @triton.jit
 def _fwd_key_outer_kernel(
-    Q, K, V, IDS, WINDOW_HARD, window, BOUNDS, num_bounds, OUT_PART, LSE_PART,
-    SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+    Q, K, V, WINDOW_HARD, window, BOUNDS, num_bounds, OUT_PART, LSE_PART,
+    SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, PAIR_SLOT, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start, window_start,
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_ids_t, stride_ids_h, scale_log2,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, scale_log2,
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
     TOK: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TOP_K: tl.constexpr,
-    TOP_K_PAD: tl.constexpr, SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr,
+    SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One segment of a key block's pairs, the window's hard rows: per row, the softmax over
     the block's visible keys, its output (normalized) and log-sum-exp (base 2) into the row's
@@ -195,8 +190,7 @@ def _fwd_key_outer_kernel(
     dims = tl.arange(0, HEAD_DIM)
     for first_pair in range(low, high, TOK):
         row_token, row_valid, head, row_slot = _pair_rows_and_slots(
-            PAIR_TOKEN, IDS, first_pair, high, block, index_head, stride_ids_t, stride_ids_h,
-            GQ, GQ_PAD, TOK, TOP_K, TOP_K_PAD)
+            PAIR_TOKEN, PAIR_SLOT, first_pair, high, GQ, GQ_PAD, TOK)
         q = tl.load(Q + row_token[:, None] * stride_q_t
                     + (index_head * GQ + head)[:, None] * stride_q_h + dims[None, :],
                     mask=row_valid[:, None], other=0.0)
@@ -277,14 +271,14 @@ def _combine_kernel(IDS, HARD, WINDOW_HARD, window, OUT_PART, LSE_PART, OUT, LSE
 
 @triton.jit
 def _dq_key_outer_kernel(
-    Q, K, V, DOUT, LSE, DELTA, IDS, WINDOW_HARD, window, BOUNDS, num_bounds, DQ_PART,
-    SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+    Q, K, V, DOUT, LSE, DELTA, WINDOW_HARD, window, BOUNDS, num_bounds, DQ_PART,
+    SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, PAIR_SLOT, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start, window_start,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_do_t, stride_do_h, stride_ids_t, stride_ids_h, scale_log2,
+    stride_do_t, stride_do_h, scale_log2,
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
     TOK: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TOP_K: tl.constexpr,
-    TOP_K_PAD: tl.constexpr, SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr,
+    SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One segment of a key block's pairs, the window's hard rows: each row's dQ over the
     block (unscaled, fp32; stored in DQ_PART's precision) into its slot of DQ_PART [window rows,
@@ -302,8 +296,7 @@ def _dq_key_outer_kernel(
     dims = tl.arange(0, HEAD_DIM)
     for first_pair in range(low, high, TOK):
         row_token, row_valid, head, row_slot = _pair_rows_and_slots(
-            PAIR_TOKEN, IDS, first_pair, high, block, index_head, stride_ids_t, stride_ids_h,
-            GQ, GQ_PAD, TOK, TOP_K, TOP_K_PAD)
+            PAIR_TOKEN, PAIR_SLOT, first_pair, high, GQ, GQ_PAD, TOK)
         row_head = index_head * GQ + head
         q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
                     + dims[None, :], mask=row_valid[:, None], other=0.0)
@@ -372,15 +365,14 @@ def _hard_work(p: SparseAttentionProblem, limit: int):
     pairs = p.segment_pairs()
     work = build_block_work(torch.where(hard[:, :, None] != 0, p.block_ids, -1), p.cu_seqlens,
                             p.block_size, pairs, p.query_start, p.num_keys,
-                            p._top_k_segment_order(pairs))
-    arguments = (work.segments, work.segment_order, work.pair_token, work.bucket_start,
-                 work.bucket_count, work.block_sequence, work.block_local, p.cu_seqlens,
-                 p.query_start)
+                            p._top_k_segment_order(pairs), with_slots=True)
+    arguments = (work.segments, work.segment_order, work.pair_token, work.pair_slot,
+                 work.bucket_start, work.bucket_count, work.block_sequence, work.block_local,
+                 p.cu_seqlens, p.query_start)
     shared = p.shared
     constants = dict(HI=shared["HI"], GQ=shared["GQ"], GQ_PAD=shared["GQ_PAD"],
                      KV_GROUP=shared["KV_GROUP"], TOK=p.query_tokens, BLOCK=p.block_size,
-                     HEAD_DIM=p.head_dim, TOP_K=p.top_k,
-                     TOP_K_PAD=triton.next_power_of_2(p.top_k), SEGMENT_PAIRS=pairs,
+                     HEAD_DIM=p.head_dim, TOP_K=p.top_k, SEGMENT_PAIRS=pairs,
                      PRECISION=shared["PRECISION"])
     ids = p.block_ids if p.block_ids.stride(-1) == 1 else p.block_ids.contiguous()
     return hard, ids, arguments, work.segments.shape[0], constants
@@ -415,14 +407,14 @@ def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse,
     descriptors = sm90_key_outer.block_descriptors(k, v, p.block_size) if hopper else None
     for window, (start, end) in enumerate(windows):
         if hopper:
-            sm90_key_outer.launch_key_outer(q, descriptors, ids, window_hard, window, bounds,
+            sm90_key_outer.launch_key_outer(q, descriptors, window_hard, window, bounds,
                                             out_part, lse_part, arguments, start, segments,
                                             constants, p.scale * LOG2_E)
         else:
             launch(_fwd_key_outer_kernel, (segments,),
-                   q, k, v, ids, window_hard, window, bounds, bounds.shape[1], out_part,
-                   lse_part, *arguments, start, *strides(q, k, v, ids), p.scale * LOG2_E,
-                   **constants, **KEY_OUTER_CONFIG)
+                   q, k, v, window_hard, window, bounds, bounds.shape[1], out_part, lse_part,
+                   *arguments, start, *strides(q, k, v), p.scale * LOG2_E, **constants,
+                   **KEY_OUTER_CONFIG)
         _combine_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
             ids, hard, window_hard, window, out_part, lse_part, out, lse, start, end,
             *strides(ids, out), HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"],
@@ -447,15 +439,15 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
     descriptors = sm90_key_outer.block_descriptors(k, v, p.block_size) if hopper else None
     for window, (start, end) in enumerate(windows):
         if hopper:
-            sm90_key_outer.launch_key_outer(q, descriptors, ids, window_hard, window, bounds,
+            sm90_key_outer.launch_key_outer(q, descriptors, window_hard, window, bounds,
                                             dq_part, None, arguments, start, segments,
                                             constants, p.scale * LOG2_E, dout=dout, lse=lse,
                                             delta=delta)
         else:
             launch(_dq_key_outer_kernel, (segments,),
-                   q, k, v, dout, lse, delta, ids, window_hard, window, bounds,
-                   bounds.shape[1], dq_part, *arguments, start, *strides(q, k, v, dout, ids),
-                   p.scale * LOG2_E, **constants, **KEY_OUTER_CONFIG)
+                   q, k, v, dout, lse, delta, window_hard, window, bounds, bounds.shape[1],
+                   dq_part, *arguments, start, *strides(q, k, v, dout), p.scale * LOG2_E,
+                   **constants, **KEY_OUTER_CONFIG)
         _dq_sum_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
             ids, hard, window_hard, window, dq_part, dq, start, end, *strides(ids, dq), p.scale,
             HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"], TOP_K=p.top_k,

@@ -47,7 +47,7 @@ def _segment_work(segments, position, window, num_bounds, HI: gl.constexpr,
     """The segment at ``position`` of the program order, cut to the window's pairs [low, high)
     (``key_outer.window_bounds``; none for a padding segment), its index head, block, sequence
     start and the query row of the sequence's position 0."""
-    (SEGMENTS, SEGMENT_ORDER, _, BOUNDS, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+    (SEGMENTS, SEGMENT_ORDER, _, _, BOUNDS, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
      BLOCK_LOCAL, CU_SEQLENS, query_start, _) = segments
     segment = gl.load(SEGMENT_ORDER + position)
     bucket = gl.load(SEGMENTS + 2 * segment)
@@ -70,29 +70,13 @@ def _step_rows(first_pair, end, GQ: gl.constexpr, TOK: gl.constexpr, ROWS: gl.co
 
 
 @gluon.jit
-def _row_slots(IDS, token, valid, block, index_head, stride_ids_t, stride_ids_h,
-               TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr, NUM_WARPS: gl.constexpr,
-               layout: gl.constexpr):
-    """Per row (``token``, ``valid`` in any layout), the position of ``block`` in its token's
-    ids, in ``layout``."""
-    ids_layout: gl.constexpr = gl.BlockedLayout([1, TOP_K_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])
-    token = gl.convert_layout(token, gl.SliceLayout(1, ids_layout))
-    valid = gl.convert_layout(valid, gl.SliceLayout(1, ids_layout))
-    slots = gl.arange(0, TOP_K_PAD, layout=gl.SliceLayout(0, ids_layout))
-    ids = gl.load(IDS + token.to(gl.int64)[:, None] * stride_ids_t + index_head * stride_ids_h
-                  + slots[None, :], mask=valid[:, None] & (slots < TOP_K)[None, :], other=-1)
-    slot = gl.sum(gl.where(ids == block, slots[None, :], 0), axis=1)
-    return gl.convert_layout(slot, layout)
-
-
-@gluon.jit
 def _kv_loads(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, segments, window,
               num_bounds, HI: gl.constexpr, KV_GROUP: gl.constexpr, BLOCK: gl.constexpr,
               HEAD_DIM: gl.constexpr, SEGMENT_PAIRS: gl.constexpr):
     """The K and V partition (one warp): per segment of the program with pairs in the window,
     its block's K and V once both consumer warpgroups handed the previous block's back
     (``kv_empty``), completing ``kv_ready``."""
-    (_, _, _, _, _, _, _, _, _, _, num_segments) = segments
+    (_, _, _, _, _, _, _, _, _, _, _, num_segments) = segments
     count = 0
     for position in range(gl.program_id(0), num_segments, gl.num_programs(0)):
         low, high, index_head, block, seq_start, _ = _segment_work(
@@ -105,19 +89,19 @@ def _kv_loads(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, segments, wind
 
 
 @gluon.jit
-def _gather_steps(Q, DOUT, LSE, DELTA, q_smem, do_smem, lse_smem, delta_smem, token_smem, full,
-                  empty, segments, window, num_bounds, stride_q_t, stride_q_h, stride_do_t,
-                  stride_do_h, HI: gl.constexpr, GQ: gl.constexpr, TOK: gl.constexpr,
+def _gather_steps(Q, DOUT, LSE, DELTA, q_smem, do_smem, lse_smem, delta_smem, token_smem,
+                  slot_smem, full, empty, segments, window, num_bounds, stride_q_t, stride_q_h,
+                  stride_do_t, stride_do_h, HI: gl.constexpr, GQ: gl.constexpr, TOK: gl.constexpr,
                   HEAD_DIM: gl.constexpr, SEGMENT_PAIRS: gl.constexpr, STAGES: gl.constexpr,
                   WITH_GRAD: gl.constexpr):
-    """The gather partition (one warp): each step's q rows and tokens (and, WITH_GRAD, dO rows,
-    log-sum-exps and deltas) by ``cp.async`` into ring slot ``g % STAGES`` (g: the program's
+    """The gather partition (one warp): each step's q rows, tokens and slots (and, WITH_GRAD, dO
+    rows, log-sum-exps and deltas) by ``cp.async`` into ring slot ``g % STAGES`` (g: the program's
     step count over its segments) once the consumer of step ``g - STAGES`` handed it back; a
     slot is full when every copy into it has landed."""
     ROWS: gl.constexpr = 64
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
     row_layout: gl.constexpr = gl.SliceLayout(1, io_layout)
-    (_, _, PAIR_TOKEN, _, _, _, _, _, _, _, num_segments) = segments
+    (_, _, PAIR_TOKEN, PAIR_SLOT, _, _, _, _, _, _, _, num_segments) = segments
     rows = gl.arange(0, ROWS, layout=row_layout)
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
     base = 0
@@ -141,6 +125,9 @@ def _gather_steps(Q, DOUT, LSE, DELTA, q_smem, do_smem, lse_smem, delta_smem, to
                 async_copy.async_copy_global_to_shared(token_smem.index(slot),
                                                        PAIR_TOKEN + first_pair + rows % TOK,
                                                        mask=valid)
+                async_copy.async_copy_global_to_shared(slot_smem.index(slot),
+                                                       PAIR_SLOT + first_pair + rows % TOK,
+                                                       mask=valid)
                 if WITH_GRAD:
                     async_copy.async_copy_global_to_shared(
                         do_smem.index(slot),
@@ -156,13 +143,12 @@ def _gather_steps(Q, DOUT, LSE, DELTA, q_smem, do_smem, lse_smem, delta_smem, to
 
 
 @gluon.jit
-def _consumer_steps(IDS, PART, LSE_PART, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                    token_smem, kv_ready, kv_empty, full, empty, segments, window, num_bounds,
-                    window_start, stride_ids_t, stride_ids_h, scale_log2, HI: gl.constexpr,
-                    GQ: gl.constexpr, TOK: gl.constexpr, BLOCK: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr,
-                    SEGMENT_PAIRS: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
-                    WITH_GRAD: gl.constexpr):
+def _consumer_steps(PART, LSE_PART, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                    token_smem, slot_smem, kv_ready, kv_empty, full, empty, segments, window,
+                    num_bounds, window_start, scale_log2, HI: gl.constexpr, GQ: gl.constexpr,
+                    TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    TOP_K: gl.constexpr, SEGMENT_PAIRS: gl.constexpr, STAGES: gl.constexpr,
+                    HALF: gl.constexpr, WITH_GRAD: gl.constexpr):
     """One consumer warpgroup: steps HALF, HALF + 2, ... of each segment with pairs in the
     window, once the block's K and V are in (``kv_ready``), handing them back (``kv_empty``)
     after its steps. A step issues ``S = Q K^T`` and goes on as the forward's
@@ -172,7 +158,7 @@ def _consumer_steps(IDS, PART, LSE_PART, k_smem, v_smem, q_smem, do_smem, lse_sm
     s_layout: gl.constexpr = _mma_layout(BLOCK, NUM_WARPS)  # scores [ROWS, BLOCK]
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)  # outputs and dQ [ROWS, D]
     pairs_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    (_, _, PAIR_TOKEN, _, _, _, _, _, _, _, num_segments) = segments
+    (_, _, PAIR_TOKEN, _, _, _, _, _, _, _, _, num_segments) = segments
     keys = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
     if WITH_GRAD:  # dQ stores from the products' layout, the forward through an I/O layout
         dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -197,27 +183,25 @@ def _consumer_steps(IDS, PART, LSE_PART, k_smem, v_smem, q_smem, do_smem, lse_sm
                 scores = warpgroup_mma(q_smem.index(slot), k_smem.permute((1, 0)), no_scores,
                                        use_acc=False, is_async=True)
                 if WITH_GRAD:
-                    _dq_step(scores, IDS, PART, k_smem, v_smem, do_smem, lse_smem, delta_smem,
-                             token_smem, empty, slot, low, j, high, index_head, block,
+                    _dq_step(scores, PART, k_smem, v_smem, do_smem, lse_smem, delta_smem,
+                             token_smem, slot_smem, empty, slot, low, j, high, index_head, block,
                              query_base, diagonal_steps, keys, dims, no_scores, no_acc,
-                             window_start, stride_ids_t, stride_ids_h, scale_log2, HI, GQ, TOK,
-                             BLOCK, HEAD_DIM, TOP_K, TOP_K_PAD)
+                             window_start, scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, TOP_K)
                 else:
-                    _fwd_step(scores, IDS, PART, LSE_PART, v_smem, q_smem, token_smem, empty,
-                              slot, low, j, high, index_head, block, query_base, diagonal_steps,
-                              keys, dims, no_acc, window_start, stride_ids_t, stride_ids_h,
-                              scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, TOP_K, TOP_K_PAD)
+                    _fwd_step(scores, PART, LSE_PART, v_smem, q_smem, token_smem, slot_smem,
+                              empty, slot, low, j, high, index_head, block, query_base,
+                              diagonal_steps, keys, dims, no_acc, window_start, scale_log2, HI,
+                              GQ, TOK, BLOCK, HEAD_DIM, TOP_K)
             mbarrier.arrive(kv_empty, count=1)  # done with this block's K and V
             base += steps
             count += 1
 
 
 @gluon.jit
-def _fwd_step(scores, IDS, OUT_PART, LSE_PART, v_smem, q_smem, token_smem, empty, slot, low,
-              j, high, index_head, block, query_base, diagonal_steps, keys, dims, no_out,
-              window_start, stride_ids_t, stride_ids_h, scale_log2, HI: gl.constexpr,
-              GQ: gl.constexpr, TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-              TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr):
+def _fwd_step(scores, OUT_PART, LSE_PART, v_smem, q_smem, token_smem, slot_smem, empty, slot,
+              low, j, high, index_head, block, query_base, diagonal_steps, keys, dims, no_out,
+              window_start, scale_log2, HI: gl.constexpr, GQ: gl.constexpr, TOK: gl.constexpr,
+              BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, TOP_K: gl.constexpr):
     """Step ``j`` of the segment's pairs from ``low`` in the forward, once ``S = Q K^T`` is
     issued: the rows' softmax over the block's visible
     keys, their output normalized over the block and their log-sum-exp (base 2) into each
@@ -232,15 +216,14 @@ def _fwd_step(scores, IDS, OUT_PART, LSE_PART, v_smem, q_smem, token_smem, empty
     io_rows: gl.constexpr = gl.SliceLayout(1, io_layout)
     token = token_smem.index(slot).load(rows_layout)
     token_io = token_smem.index(slot).load(io_rows)
-    # The rows' slots while Q K^T runs.
+    slot_io = slot_smem.index(slot).load(io_rows)
+    # The rows' partials' offsets while Q K^T runs.
     first_pair = low + j * TOK
     valid_io, head_io = _step_rows(first_pair, high, GQ, TOK, ROWS, io_rows)
-    slot_io = _row_slots(IDS, token_io, valid_io, block, index_head, stride_ids_t, stride_ids_h,
-                         TOP_K, TOP_K_PAD, NUM_WARPS, io_rows)
     offset_io = ((((token_io - window_start).to(gl.int64) * HI + index_head) * TOP_K + slot_io)
                  * GQ + head_io)
     scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
-    mbarrier.arrive(empty.index(slot), count=1)  # q and tokens read
+    mbarrier.arrive(empty.index(slot), count=1)  # q, tokens and slots read
     valid, head = _step_rows(first_pair, high, GQ, TOK, ROWS, rows_layout)
     scores = scores * scale_log2
     if j < diagonal_steps:  # pairs ascend by row: only the first can see past it
@@ -263,11 +246,11 @@ def _fwd_step(scores, IDS, OUT_PART, LSE_PART, v_smem, q_smem, token_smem, empty
 
 
 @gluon.jit
-def _dq_step(scores, IDS, DQ_PART, k_smem, v_smem, do_smem, lse_smem, delta_smem, token_smem,
-             empty, slot, low, j, high, index_head, block, query_base, diagonal_steps, keys,
-             dims, no_scores, no_dq, window_start, stride_ids_t, stride_ids_h, scale_log2,
-             HI: gl.constexpr, GQ: gl.constexpr, TOK: gl.constexpr, BLOCK: gl.constexpr,
-             HEAD_DIM: gl.constexpr, TOP_K: gl.constexpr, TOP_K_PAD: gl.constexpr):
+def _dq_step(scores, DQ_PART, k_smem, v_smem, do_smem, lse_smem, delta_smem, token_smem,
+             slot_smem, empty, slot, low, j, high, index_head, block, query_base, diagonal_steps,
+             keys, dims, no_scores, no_dq, window_start, scale_log2, HI: gl.constexpr,
+             GQ: gl.constexpr, TOK: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+             TOP_K: gl.constexpr):
     """Step ``j`` of the segment's pairs from ``low`` in dQ, once ``S = Q K^T`` is issued:
     ``P = exp2(S - lse2)``, ``dS = P (dO V^T - delta)`` and the rows' dQ over the block,
     ``dS K`` (unscaled, fp32, stored in DQ_PART's precision), into each row's slot of DQ_PART
@@ -290,6 +273,7 @@ def _dq_step(scores, IDS, DQ_PART, k_smem, v_smem, do_smem, lse_smem, delta_smem
         probs = gl.where((block * BLOCK + keys)[None, :] <= (token - query_base)[:, None],
                          probs, 0.0)
     dprobs = warpgroup_mma_wait(num_outstanding=0, deps=(dprobs,))
+    slot_out = slot_smem.index(slot).load(out_rows)
     mbarrier.arrive(empty.index(slot), count=1)  # q, dO and the rows' values read
     dscores = gl.convert_layout((probs * (dprobs - delta[:, None])).to(do_smem.dtype),
                                 ds_layout)
@@ -297,8 +281,6 @@ def _dq_step(scores, IDS, DQ_PART, k_smem, v_smem, do_smem, lse_smem, delta_smem
     first_pair = low + j * TOK
     valid, head = _step_rows(first_pair, high, GQ, TOK, ROWS, out_rows)
     token_out = gl.convert_layout(token, out_rows)
-    slot_out = _row_slots(IDS, token_out, valid, block, index_head, stride_ids_t, stride_ids_h,
-                          TOP_K, TOP_K_PAD, NUM_WARPS, out_rows)
     offset = ((((token_out - window_start).to(gl.int64) * HI + index_head) * TOP_K + slot_out)
               * GQ + head)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
@@ -311,13 +293,13 @@ def _dq_step(scores, IDS, DQ_PART, k_smem, v_smem, do_smem, lse_smem, delta_smem
 @gluon.jit(do_not_specialize=["window", "num_bounds", "num_segments", "query_start",
                               "window_start"])
 def _key_outer_hopper_kernel(
-    Q, DOUT, LSE, DELTA, IDS, WINDOW_HARD, window, BOUNDS, num_bounds, OUT_PART, LSE_PART,
-    k_desc, v_desc, SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT,
-    BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start, num_segments, window_start,
-    stride_q_t, stride_q_h, stride_do_t, stride_do_h, stride_ids_t, stride_ids_h, scale_log2,
+    Q, DOUT, LSE, DELTA, WINDOW_HARD, window, BOUNDS, num_bounds, OUT_PART, LSE_PART,
+    k_desc, v_desc, SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, PAIR_SLOT, BUCKET_START,
+    BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start, num_segments,
+    window_start, stride_q_t, stride_q_h, stride_do_t, stride_do_h, scale_log2,
     HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
     BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, TOP_K: gl.constexpr,
-    TOP_K_PAD: gl.constexpr, SEGMENT_PAIRS: gl.constexpr, STAGES: gl.constexpr,
+    SEGMENT_PAIRS: gl.constexpr, STAGES: gl.constexpr,
     WITH_GRAD: gl.constexpr, CONSUMER_REGS: gl.constexpr, GATHER_REGS: gl.constexpr,
 ):
     """The window's hard pairs, segment by segment on a persistent grid (programs take the
@@ -338,6 +320,7 @@ def _key_outer_hopper_kernel(
                                                                    Q.dtype.element_ty)
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, ROWS, HEAD_DIM], step_smem)
     token_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS], vector_smem)
+    slot_smem = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS], vector_smem)
     if WITH_GRAD:
         do_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, ROWS, HEAD_DIM],
                                             step_smem)
@@ -350,24 +333,22 @@ def _key_outer_hopper_kernel(
     mbarrier.init(kv_empty, count=2)  # both consumer warpgroups
     fence_async_shared()
     # The hard pairs' list, its window bounds and its length, as every partition reads them.
-    segments = (SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BOUNDS, BUCKET_START, BUCKET_COUNT,
-                BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start, num_segments)
+    segments = (SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, PAIR_SLOT, BOUNDS, BUCKET_START,
+                BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start, num_segments)
     # The constants go in literally: a tuple bound to a name would turn them into tensors.
     gl.warp_specialize([
-        (_consumer_steps, (IDS, OUT_PART, LSE_PART, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                           delta_smem, token_smem, kv_ready, kv_empty, full, empty, segments,
-                           window, num_bounds, window_start, stride_ids_t, stride_ids_h,
-                           scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, TOP_K, TOP_K_PAD,
-                           SEGMENT_PAIRS, STAGES, 0, WITH_GRAD)),
-        (_consumer_steps, (IDS, OUT_PART, LSE_PART, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                           delta_smem, token_smem, kv_ready, kv_empty, full, empty, segments,
-                           window, num_bounds, window_start, stride_ids_t, stride_ids_h,
-                           scale_log2, HI, GQ, TOK, BLOCK, HEAD_DIM, TOP_K, TOP_K_PAD,
-                           SEGMENT_PAIRS, STAGES, 1, WITH_GRAD)),
+        (_consumer_steps, (OUT_PART, LSE_PART, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                           delta_smem, token_smem, slot_smem, kv_ready, kv_empty, full, empty,
+                           segments, window, num_bounds, window_start, scale_log2, HI, GQ, TOK,
+                           BLOCK, HEAD_DIM, TOP_K, SEGMENT_PAIRS, STAGES, 0, WITH_GRAD)),
+        (_consumer_steps, (OUT_PART, LSE_PART, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                           delta_smem, token_smem, slot_smem, kv_ready, kv_empty, full, empty,
+                           segments, window, num_bounds, window_start, scale_log2, HI, GQ, TOK,
+                           BLOCK, HEAD_DIM, TOP_K, SEGMENT_PAIRS, STAGES, 1, WITH_GRAD)),
         (_gather_steps, (Q, DOUT, LSE, DELTA, q_smem, do_smem, lse_smem, delta_smem,
-                         token_smem, full, empty, segments, window, num_bounds, stride_q_t,
-                         stride_q_h, stride_do_t, stride_do_h, HI, GQ, TOK, HEAD_DIM,
-                         SEGMENT_PAIRS, STAGES, WITH_GRAD)),
+                         token_smem, slot_smem, full, empty, segments, window, num_bounds,
+                         stride_q_t, stride_q_h, stride_do_t, stride_do_h, HI, GQ, TOK,
+                         HEAD_DIM, SEGMENT_PAIRS, STAGES, WITH_GRAD)),
         (_kv_loads, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, segments, window,
                      num_bounds, HI, KV_GROUP, BLOCK, HEAD_DIM, SEGMENT_PAIRS)),
     ], [4, 1, 1], [CONSUMER_REGS, GATHER_REGS, GATHER_REGS])
@@ -378,9 +359,8 @@ def block_descriptors(k, v, block_size: int):
     return _block_descriptor(k, block_size), _block_descriptor(v, block_size)
 
 
-def launch_key_outer(q, descriptors, ids, window_hard, window, bounds, part, lse_part,
-                     arguments, start, segments, constants, scale_log2, dout=None, lse=None,
-                     delta=None):
+def launch_key_outer(q, descriptors, window_hard, window, bounds, part, lse_part, arguments,
+                     start, segments, constants, scale_log2, dout=None, lse=None, delta=None):
     """One window's forward (``dout`` None: ``part`` the bf16/fp16 outputs, ``lse_part`` their
     log-sum-exps) or dQ (``part`` the partials, fp32 or 16-bit) over the hard pairs' key-block
     list (``key_outer._hard_work``'s ``arguments``, ``segments`` of them; the window's pairs of
@@ -392,13 +372,12 @@ def launch_key_outer(q, descriptors, ids, window_hard, window, bounds, part, lse
                                   else (q, lse_part, lse_part, lse_part))
     programs = max(1, min(segments, KEY_OUTER_HOPPER_PROGRAMS_PER_SM * multiprocessors(q.device)))
     _key_outer_hopper_kernel[(programs,)](
-        q, dout, lse, delta, ids, window_hard, window, bounds, bounds.shape[1], part, lse_part,
+        q, dout, lse, delta, window_hard, window, bounds, bounds.shape[1], part, lse_part,
         *descriptors, *arguments, segments, start, q.stride(0), q.stride(1), dout.stride(0),
-        dout.stride(1), ids.stride(0), ids.stride(1), scale_log2, HI=constants["HI"],
-        GQ=constants["GQ"], KV_GROUP=constants["KV_GROUP"],
-        TOK=key_step_tokens(constants["GQ"], STEP_ROWS), BLOCK=constants["BLOCK"],
-        HEAD_DIM=constants["HEAD_DIM"], TOP_K=constants["TOP_K"],
-        TOP_K_PAD=constants["TOP_K_PAD"], SEGMENT_PAIRS=constants["SEGMENT_PAIRS"],
-        STAGES=KEY_OUTER_HOPPER_STAGES, WITH_GRAD=with_grad,
-        CONSUMER_REGS=KEY_OUTER_HOPPER_REGISTERS[0], GATHER_REGS=KEY_OUTER_HOPPER_REGISTERS[1],
-        num_warps=4, maxnreg=_maxnreg(3, KEY_OUTER_HOPPER_REGISTERS))
+        dout.stride(1), scale_log2, HI=constants["HI"], GQ=constants["GQ"],
+        KV_GROUP=constants["KV_GROUP"], TOK=key_step_tokens(constants["GQ"], STEP_ROWS),
+        BLOCK=constants["BLOCK"], HEAD_DIM=constants["HEAD_DIM"], TOP_K=constants["TOP_K"],
+        SEGMENT_PAIRS=constants["SEGMENT_PAIRS"], STAGES=KEY_OUTER_HOPPER_STAGES,
+        WITH_GRAD=with_grad, CONSUMER_REGS=KEY_OUTER_HOPPER_REGISTERS[0],
+        GATHER_REGS=KEY_OUTER_HOPPER_REGISTERS[1], num_warps=4,
+        maxnreg=_maxnreg(3, KEY_OUTER_HOPPER_REGISTERS))

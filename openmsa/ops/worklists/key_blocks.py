@@ -43,6 +43,9 @@ class BlockWork:
     num_global_blocks: int  # NB, an upper bound (padding blocks have sequence -1)
     segment_pairs: int
     flat: torch.Tensor | None = None  # the storage all of the above are views of, if one
+    # int32 [P]: each pair's slot (its block's position in the row's ids), where asked for
+    # (``build_block_work(with_slots=True)``); not part of ``packed``.
+    pair_slot: torch.Tensor | None = None
 
     def packed(self) -> torch.Tensor:
         """The lists as one flat int32 tensor (a custom operator's output)."""
@@ -183,7 +186,8 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
                      segment_pairs: int, query_start: int = 0,
                      num_keys: int | None = None, segment_order: str = "pairs",
                      use_triton: bool | None = None,
-                     rank_max_segments: int = RANK_MAX_SEGMENTS) -> BlockWork:
+                     rank_max_segments: int = RANK_MAX_SEGMENTS,
+                     with_slots: bool = False) -> BlockWork:
     """block_ids: int32 ``[Tq, Hi, top_k]`` (``-1`` unused), relative to each sequence's start,
     of the packed tokens ``[query_start, query_start + Tq)``; ``num_keys``: the packing's token
     count T (default Tq); ``segment_order``: one of SEGMENT_ORDERS. ``use_triton``: build the
@@ -191,7 +195,7 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
     operations would be a step's largest fixed cost) or in torch operations (the default
     elsewhere).
     ``rank_max_segments``: up to this many segments a Triton kernel orders them, past it a
-    torch sort."""
+    torch sort. ``with_slots``: also each pair's slot (``BlockWork.pair_slot``)."""
     if segment_order not in SEGMENT_ORDERS:
         raise ValueError(f"segment_order: expected one of {SEGMENT_ORDERS}, "
                          f"received {segment_order!r}")
@@ -199,7 +203,7 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
         use_triton = block_ids.is_cuda
     if not use_triton:
         return _block_work_torch(block_ids, cu_seqlens, block_size, segment_pairs, query_start,
-                                 num_keys, segment_order)
+                                 num_keys, segment_order, with_slots)
     total, num_index_heads, top_k = block_ids.shape
     device = block_ids.device
     num_pairs, num_global_blocks, num_segments = _checked_sizes(
@@ -259,7 +263,8 @@ def build_block_work(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_si
                      block_sequence=block_sequence, block_local=block_local,
                      segments=segments.view(num_segments, 2), segment_order=order,
                      num_global_blocks=num_global_blocks, segment_pairs=segment_pairs,
-                     flat=flat)
+                     flat=flat,
+                     pair_slot=(pair_order % top_k).to(torch.int32) if with_slots else None)
 
 
 @triton.jit
@@ -427,7 +432,8 @@ def _segments_kernel(SEGMENTS_END, BUCKET_START, BUCKET_COUNT, PAIR_TOKEN, SEGME
 
 def _block_work_torch(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
                       segment_pairs: int, query_start: int = 0,
-                      num_keys: int | None = None, segment_order: str = "pairs") -> BlockWork:
+                      num_keys: int | None = None, segment_order: str = "pairs",
+                      with_slots: bool = False) -> BlockWork:
     """``build_block_work`` in torch operations."""
     total, num_index_heads, top_k = block_ids.shape
     device = block_ids.device
@@ -450,9 +456,12 @@ def _block_work_torch(block_ids: torch.Tensor, cu_seqlens: torch.Tensor, block_s
     bounds = torch.searchsorted(sorted_bucket, torch.arange(num_buckets + 1, device=device,
                                                              dtype=torch.int32))
     starts = bounds[:-1]
-    return _block_work(order // (num_index_heads * top_k), starts, bounds[1:] - starts,
+    work = _block_work(order // (num_index_heads * top_k), starts, bounds[1:] - starts,
                        block_sequence, block_local, num_segments, segment_pairs, segment_order,
                        num_index_heads, total)
+    if with_slots:
+        work.pair_slot = (order % top_k).to(torch.int32)
+    return work
 
 
 def build_causal_block_work(cu_seqlens: torch.Tensor, num_queries: int, num_index_heads: int,
