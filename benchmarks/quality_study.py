@@ -138,9 +138,9 @@ def report(args) -> dict:
         for row in json.load(open(path))["summary"]:
             rows.append(dict(row, seed=seed, checkpoint=name))
 
-    def accuracy(name, mode, task, length):
-        values = [r["accuracy"] for r in rows if (r["checkpoint"], r["mode"], r["task"],
-                                                  r["length"]) == (name, mode, task, length)]
+    def accuracy(name, mode, task, length, key="accuracy"):
+        values = [r[key] for r in rows if (r["checkpoint"], r["mode"], r["task"], r["length"])
+                  == (name, mode, task, length) and r.get(key) is not None]
         return sum(values) / len(values) if values else None
 
     lengths = sorted({r["length"] for r in rows})
@@ -149,7 +149,8 @@ def report(args) -> dict:
     curves = [("dense", "dense"), ("msa", "msa"), ("msa", "dense"), ("adapted", "msa")]
     curves += [(f"msa_{v}", "msa") for v in args.variants]
     means = [dict(checkpoint=name, mode=mode, task=task, length=length,
-                  accuracy=accuracy(name, mode, task, length))
+                  accuracy=accuracy(name, mode, task, length),
+                  token_accuracy=accuracy(name, mode, task, length, "token_accuracy"))
              for name, mode in curves for task in tasks for length in lengths]
     comparisons = []
     pairs = [("msa-trained (MSA) - dense-trained (dense)", ("msa", "msa"), ("dense", "dense")),
@@ -158,9 +159,12 @@ def report(args) -> dict:
                ("dense", "dense")) for v in args.variants]
     for label, first, second in pairs:
         for length in lengths:
-            a, b = accuracy(*first, "average", length), accuracy(*second, "average", length)
-            comparisons.append(dict(comparison=label, length=length,
-                                    points=None if a is None or b is None else 100 * (a - b)))
+            entry = dict(comparison=label, length=length)
+            for key, field in (("accuracy", "points"), ("token_accuracy", "token_points")):
+                a = accuracy(*first, "average", length, key)
+                b = accuracy(*second, "average", length, key)
+                entry[field] = None if a is None or b is None else 100 * (a - b)
+            comparisons.append(entry)
     from openmsa.train.lm import LM_PRESETS
 
     study = dict(preset=args.preset, training_length=LM_PRESETS[args.preset].seqlen,
@@ -170,12 +174,13 @@ def report(args) -> dict:
     with open(os.path.join(args.out, "study.json"), "w") as handle:
         json.dump(study, handle, indent=1)
     _plot(study, curves, tasks, os.path.join(args.out, "study.png"))
-    print(f"\n{'comparison (accuracy points, mean of seeds, average of tasks)':<62} "
-          + " ".join(f"{length:>7}" for length in lengths))
-    for label, _, _ in pairs:
-        cells = [c["points"] for c in comparisons if c["comparison"] == label]
-        print(f"{label:<62} " + " ".join("      -" if p is None else f"{p:>+7.1f}"
-                                         for p in cells))
+    for field, metric in (("points", "accuracy"), ("token_points", "answer-token accuracy")):
+        print(f"\n{f'comparison ({metric} points, mean of seeds, average of tasks)':<74} "
+              + " ".join(f"{length:>7}" for length in lengths))
+        for label, _, _ in pairs:
+            cells = [c[field] for c in comparisons if c["comparison"] == label]
+            print(f"{label:<74} " + " ".join("      -" if p is None else f"{p:>+7.1f}"
+                                             for p in cells))
     return study
 
 

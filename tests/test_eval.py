@@ -11,9 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from openmsa.eval.run import (EvalSettings, evaluate, evaluate_sample, selection_recalls,  # noqa: E402
-                              smoke_model, summarize)
-from openmsa.eval.tasks import (TASKS, answer_recall, make_sample,  # noqa: E402
+from openmsa.eval.run import (EvalSettings, answer_token_accuracy, evaluate,  # noqa: E402
+                              evaluate_sample, selection_recalls, smoke_model, summarize)
+from openmsa.eval.tasks import (TASKS, answer_recall, answer_text, make_sample,  # noqa: E402
                                 synthetic_tokenizer)
 
 
@@ -139,6 +139,7 @@ def test_msa_keeping_every_block_answers_as_dense_attention(tokenizer):
     dense = evaluate_sample(model, tokenizer, sample, "dense", "cpu")
     msa = evaluate_sample(model, tokenizer, sample, "msa", "cpu")
     assert msa["continuation"] == dense["continuation"] and msa["score"] == dense["score"]
+    assert msa["token_accuracy"] == dense["token_accuracy"]
     assert msa["block_recall"] == 1.0 and msa["mass_recall"] == pytest.approx(1.0)
     assert "block_recall" not in dense
     sparse_model, _ = smoke_model(dict(top_k=2, block_size=64, backend="reference"))
@@ -167,6 +168,47 @@ def test_evaluate_and_summarize_cover_every_task_length_and_mode(tokenizer):
     members = [r["accuracy"] for r in rows if r["task"] != "average"
                and (r["length"], r["mode"]) == (average["length"], average["mode"])]
     assert average["accuracy"] == pytest.approx(sum(members) / len(members))
+    tokens = [r["token_accuracy"] for r in rows if r["task"] != "average"
+              and (r["length"], r["mode"]) == (average["length"], average["mode"])]
+    assert average["token_accuracy"] == pytest.approx(sum(tokens) / len(tokens))
+    assert all(0.0 <= r["token_accuracy"] <= 1.0 for r in results)
+
+
+class _Predicts(torch.nn.Module):
+    """A causal LM stand-in whose greedy prediction at each position is the input's next
+    token where ``right(next token)``, else token 0; it returns the last ``logits_to_keep``
+    positions' logits, as Hugging Face models do."""
+
+    def __init__(self, vocab, right):
+        super().__init__()
+        self.vocab, self.right = vocab, right
+
+    def forward(self, input_ids, use_cache, logits_to_keep):
+        following = torch.roll(input_ids, -1, dims=1)
+        wanted = torch.where(self.right(following), following, torch.zeros_like(following))
+        logits = torch.nn.functional.one_hot(wanted, self.vocab).float()
+        return type("Output", (), {"logits": logits[:, -logits_to_keep:]})()
+
+
+def test_answer_token_accuracy_scores_the_answer_tokens_teacher_forced(tokenizer):
+    sample = make_sample("niah_multivalue", tokenizer, 300, seed=1)
+    ids = [tokenizer.bos_token_id] + tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+    answer = tokenizer(answer_text(sample.answers), add_special_tokens=False)["input_ids"]
+    answer = answer + [tokenizer.eos_token_id]
+    vocab = len(tokenizer)
+    every = _Predicts(vocab, lambda t: torch.ones_like(t, dtype=torch.bool))
+    assert answer_token_accuracy(every, tokenizer, ids, sample, "cpu") == 1.0
+    # Right only where the next token is [EOS]: one of the answer's tokens.
+    eos_only = _Predicts(vocab, lambda t: t == tokenizer.eos_token_id)
+    assert answer_token_accuracy(eos_only, tokenizer, ids, sample, "cpu") == pytest.approx(
+        1 / len(answer))
+    # Right only on digits: the values' tokens, not the commas, the full stop or [EOS].
+    digits = torch.tensor([tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)])
+    digit_only = _Predicts(vocab, lambda t: torch.isin(t, digits))
+    expected = sum(token in digits.tolist() for token in answer) / len(answer)
+    assert 0 < expected < 1
+    assert answer_token_accuracy(digit_only, tokenizer, ids, sample, "cpu") == pytest.approx(
+        expected)
 
 
 def test_eval_command_smoke_writes_json_and_plot(tmp_path, capsys):

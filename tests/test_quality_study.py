@@ -66,11 +66,16 @@ def test_jobs_skip_done_outputs_and_a_failed_one_stops_the_stage(study, tmp_path
         study.run_jobs(failing, 1, "eval")
 
 
-def _eval_json(folder, accuracies):
+def _eval_json(folder, accuracies, token_shift=None):
+    """An eval.json of ``accuracies``; with ``token_shift``, answer-token accuracies of each
+    accuracy plus it (else none, as evaluations before that score existed)."""
     os.makedirs(folder)
     rows = [dict(task=task, length=length, mode=mode, samples=2, accuracy=value,
                  block_recall=None, mass_recall=None)
             for (task, length, mode), value in accuracies.items()]
+    if token_shift is not None:
+        for row in rows:
+            row["token_accuracy"] = row["accuracy"] + token_shift[row["mode"]]
     with open(os.path.join(folder, "eval.json"), "w") as handle:
         json.dump(dict(settings={}, summary=rows, samples=[]), handle)
 
@@ -84,9 +89,18 @@ def test_report_compares_msa_training_and_the_adapted_model_over_seeds(study, tm
                        {("average", 256, "dense"): dense + shift,
                         ("average", 256, "msa"): msa + shift,
                         ("average", 512, "dense"): dense,
-                        ("average", 512, "msa"): msa - shift})
+                        ("average", 512, "msa"): msa - shift},
+                       # Seed 1 alone has answer-token accuracies: their mean is its own.
+                       None if seed == 0 else {"dense": 0.05, "msa": 0.15})
     result = study.report(_args(tmp_path))
     points = {(c["comparison"], c["length"]): c["points"] for c in result["comparisons"]}
+    tokens = {(c["comparison"], c["length"]): c["token_points"]
+              for c in result["comparisons"]}
+    # seed 1 at 256: msa (MSA) 0.8 + 0.15, dense (dense) 0.9 + 0.05; adapted 0.6 + 0.15 - 0.95;
+    # at 512: share2 (MSA) 0.3 + 0.15, dense (dense) 0.8 + 0.05
+    assert tokens[("msa-trained (MSA) - dense-trained (dense)", 256)] == pytest.approx(0)
+    assert tokens[("adapted (MSA) - adapted (dense)", 256)] == pytest.approx(-20)
+    assert tokens[("msa_share2 (MSA) - dense-trained (dense)", 512)] == pytest.approx(-40)
     assert points[("msa-trained (MSA) - dense-trained (dense)", 256)] == pytest.approx(-10)
     assert points[("msa-trained (MSA) - dense-trained (dense)", 512)] == pytest.approx(-15)
     assert points[("adapted (MSA) - adapted (dense)", 256)] == pytest.approx(-30)

@@ -84,7 +84,8 @@ def _progress():
         elapsed = time.perf_counter() - start
         eta = elapsed / done * (total - done)
         line = (f"[{done}/{total}] {elapsed:.0f}s elapsed, ETA {eta:.0f}s: {result['task']} "
-                f"{result['length']} {result['mode']} score {result['score']:.2f}")
+                f"{result['length']} {result['mode']} score {result['score']:.2f}, answer tokens "
+                f"{result['token_accuracy']:.2f}")
         if interactive:
             print(f"\r{line:<100}", end="\n" if done == total else "", flush=True)
         else:

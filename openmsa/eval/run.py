@@ -5,8 +5,12 @@ The model is a Hugging Face causal LM converted with ``convert_to_msa`` (a local
 folder, or the smoke setting's tiny random Llama). "dense" runs every converted layer in
 warmup (dense causal attention), "msa" sparse. Answers are generated greedily through the
 cache path (``generate(use_cache=True)``: the prompt's prefill, then ``msa_decode`` steps), and
-a sample scores the share of its expected answers found in the continuation. In MSA attention
-the prefill also records, per layer, the last prompt token's kept blocks:
+a sample scores the share of its expected answers found in the continuation. A second, graded
+score: the *answer-token accuracy*, teacher-forced (the prompt and the answer as the LM presets
+train it, ``tasks.answer_text`` and [EOS], in one forward; the share of the answer's tokens that
+are the greedy prediction from the tokens before them): it counts the digits of a value half
+right, where the exact answer scores nothing. In MSA attention the prefill also records, per
+layer, the last prompt token's kept blocks:
 
 - *block recall*: the share of (needle, layer, index head) whose kept blocks hold a token of
   the needle (tasks with needles);
@@ -25,7 +29,8 @@ import torch
 
 from ..integrations.transformers import convert_to_msa, record_selection
 from ..layers.msa_attention import set_msa_warmup
-from .tasks import TASKS, Sample, answer_recall, make_sample, synthetic_tokenizer
+from .tasks import (TASKS, Sample, answer_recall, answer_text, make_sample,
+                    synthetic_tokenizer)
 
 MODES = ("dense", "msa")
 
@@ -152,10 +157,26 @@ def encode_prompt(tokenizer, sample: Sample) -> tuple[list[int], list[range]]:
 
 
 @torch.no_grad()
+def answer_token_accuracy(model, tokenizer, ids: list[int], sample: Sample, device) -> float:
+    """Teacher-forced: the share of the answer's tokens (``answer_text`` and [EOS]) that are
+    the model's greedy prediction after ``ids`` (the prompt) and the answer's tokens before
+    them, in whichever attention the model's layers are set to."""
+    answer = tokenizer(answer_text(sample.answers), add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        answer = answer + [tokenizer.eos_token_id]
+    full = torch.tensor([ids + answer], device=device)
+    # Only the logits that predict the answer: a large vocabulary's logits over a long prompt
+    # would not fit.
+    logits = model(input_ids=full, use_cache=False, logits_to_keep=len(answer) + 1).logits
+    predicted = logits[0, :-1].argmax(-1)
+    return (predicted == torch.tensor(answer, device=predicted.device)).float().mean().item()
+
+
+@torch.no_grad()
 def evaluate_sample(model, tokenizer, sample: Sample, mode: str, device, prompt=None) -> dict:
-    """Generates ``sample``'s answer in ``mode`` ("dense" or "msa"); returns its score, the
-    continuation and (msa) the recalls. ``prompt``: ``encode_prompt``'s result, when the
-    caller has it (one sample evaluated in both modes)."""
+    """Generates ``sample``'s answer in ``mode`` ("dense" or "msa"); returns its score, its
+    answer-token accuracy, the continuation and (msa) the recalls. ``prompt``:
+    ``encode_prompt``'s result, when the caller has it (one sample evaluated in both modes)."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, received {mode!r}")
     ids, needles = prompt or encode_prompt(tokenizer, sample)
@@ -175,6 +196,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, mode: str, device, prompt=
         result.update(selection_recalls(records, needles))
     for record in records:
         record.clear()
+    result["token_accuracy"] = answer_token_accuracy(model, tokenizer, ids, sample, device)
     return result
 
 
@@ -201,15 +223,16 @@ def evaluate(model, tokenizer, settings: EvalSettings, device, progress=None) ->
 
 
 def summarize(results: list[dict]) -> list[dict]:
-    """Mean score (and recalls) per (task, length, mode), then per (length, mode) over tasks
-    (task "average")."""
+    """Mean score, answer-token accuracy (and recalls) per (task, length, mode), then per
+    (length, mode) over tasks (task "average")."""
     groups: dict = {}
     for result in results:
         groups.setdefault((result["task"], result["length"], result["mode"]), []).append(result)
     rows = []
     for (task, length, mode), members in groups.items():
         row = {"task": task, "length": length, "mode": mode, "samples": len(members),
-               "accuracy": sum(m["score"] for m in members) / len(members)}
+               "accuracy": sum(m["score"] for m in members) / len(members),
+               "token_accuracy": sum(m["token_accuracy"] for m in members) / len(members)}
         for key in ("block_recall", "mass_recall"):
             values = [m[key] for m in members if m.get(key) is not None]
             row[key] = sum(values) / len(values) if values else None
@@ -219,5 +242,6 @@ def summarize(results: list[dict]) -> list[dict]:
         rows.append({"task": "average", "length": length, "mode": mode,
                      "samples": sum(r["samples"] for r in members),
                      "accuracy": sum(r["accuracy"] for r in members) / len(members),
+                     "token_accuracy": sum(r["token_accuracy"] for r in members) / len(members),
                      "block_recall": None, "mass_recall": None})
     return rows

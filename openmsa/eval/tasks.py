@@ -261,6 +261,12 @@ def make_sample(task: str, tokenizer, length: int, seed: int) -> Sample:
     return _niah(task, tokenizer, length, rng)
 
 
+def answer_text(answers: tuple[str, ...]) -> str:
+    """The answers as the LM presets train a model to write them after the prompt (then
+    [EOS]): ``" a, b, c."``."""
+    return " " + ", ".join(answers) + "."
+
+
 def answer_recall(generated: str, answers: tuple[str, ...]) -> float:
     """The share of ``answers`` found as whole words of ``generated`` (case-insensitive;
     digits separated by spaces, as word-level tokenizers decode them, are joined first)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..eval.tasks import make_sample
+from ..eval.tasks import answer_text, make_sample
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def make_batch(tokenizer, spec: BatchSpec, device="cpu"):
     the answer and [EOS] (-100 elsewhere)."""
     samples = [make_sample(spec.task, tokenizer, spec.length, spec.seed + index)
                for index in range(spec.size)]
-    answers = tokenizer([" " + ", ".join(sample.answers) + "." for sample in samples],
+    answers = tokenizer([answer_text(sample.answers) for sample in samples],
                         add_special_tokens=False)["input_ids"]
     rows, labels = [], []
     for sample, answer in zip(samples, answers):

@@ -30,3 +30,5 @@ def test_ruler_tiny_trains_under_bf16_autocast_and_loads(tmp_path, share_index_e
         report = json.load(handle)
     assert report["settings"]["msa_options"]["share_index_every"] == share_index_every
     assert {row["mode"] for row in report["summary"]} >= {"dense", "msa"}
+    # The teacher-forced answer-token accuracy ran in both attentions on the GPU kernels.
+    assert all(0.0 <= sample["token_accuracy"] <= 1.0 for sample in report["samples"])
