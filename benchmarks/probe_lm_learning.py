@@ -36,7 +36,8 @@ import torch
 
 from openmsa.eval.tasks import synthetic_tokenizer
 from openmsa.train.batches import BatchSpec, batch_stream, make_batch
-from openmsa.train.lm import (LM_PRESETS, LMPreset, build_model, curriculum_phases,
+from openmsa.train.lm import (LM_PRESETS, LR_SCHEDULES, LMPreset, build_model,
+                              check_optimizer_settings, curriculum_phases, learning_rate,
                               step_batches, train_step)
 
 
@@ -71,6 +72,12 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=None, help="default 1e-3, or the preset's")
+    parser.add_argument("--grad-clip", type=float, default=None,
+                        help="clip the gradients to this global norm (default: the preset's)")
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=None,
+                        help="constant or cosine (default: the preset's)")
+    parser.add_argument("--lr-warmup", type=int, default=None,
+                        help="steps of linear learning-rate warmup (default: the preset's)")
     parser.add_argument("--loss", choices=("answer", "all"), default="answer")
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--device", default="cpu")
@@ -107,6 +114,11 @@ def main() -> None:
                           num_kv_heads=args.kv_heads, lr=1e-3 if args.lr is None else args.lr,
                           tasks=tuple(tasks),
                           curriculum=first_phase if args.first_steps else ())
+    optimizer_fields = dict(grad_clip=args.grad_clip, lr_schedule=args.lr_schedule,
+                            lr_warmup=args.lr_warmup)
+    preset = dataclasses.replace(preset, **{key: value for key, value in optimizer_fields.items()
+                                            if value is not None})
+    check_optimizer_settings(preset)
     schedule = step_batches(preset, seed=0)[:args.steps]
     model = build_model(preset, tokenizer, "dense", 0, {}).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
@@ -121,7 +133,10 @@ def main() -> None:
     for step, (spec, (input_ids, labels)) in enumerate(zip(schedule, batches), 1):
         if args.loss == "all":
             labels = torch.where(input_ids == tokenizer.pad_token_id, -100, input_ids)
-        loss, _ = train_step(model, optimizer, input_ids, labels, 0.0, msa=False)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(preset, step)
+        loss, _, _ = train_step(model, optimizer, input_ids, labels, 0.0, msa=False,
+                                grad_clip=preset.grad_clip)
         if step % args.every == 0:
             accuracy = {name: answer_accuracy(model, samples)
                         for name, samples in held_out.items()}

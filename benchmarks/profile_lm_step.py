@@ -95,7 +95,8 @@ def main() -> None:
             for task, input_ids, labels in batches:
                 synchronize(device)
                 start = time.perf_counter()
-                train_step(model, optimizer, input_ids, labels, preset.kl_weight, kind == "msa")
+                train_step(model, optimizer, input_ids, labels, preset.kl_weight, kind == "msa",
+                           preset.grad_clip)
                 synchronize(device)
                 rows.append(dict(model=kind, phase=phase, round=round_, task=task,
                                  tokens=input_ids.shape[1], batch=input_ids.shape[0],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -173,8 +174,17 @@ def _train(args) -> int:
     if args.data_workers is not None and args.data_workers < 0:
         raise SystemExit(f"openmsa train: --data-workers: expected 0 or more, received "
                          f"{args.data_workers}")
+    optimizer = {key: value for key, value in (("lr", args.lr), ("grad_clip", args.grad_clip),
+                                               ("lr_schedule", args.lr_schedule),
+                                               ("lr_warmup", args.lr_warmup))
+                 if value is not None}
+    if optimizer and (not args.preset.startswith("ruler") or args.adapt_index):
+        flags = ", ".join("--" + key.replace("_", "-") for key in optimizer)
+        raise SystemExit(f"openmsa train: {flags}: only for training a ruler-* preset's models "
+                         f"(not --preset {args.preset}" + (" with --adapt-index)"
+                                                            if args.adapt_index else ")"))
     if args.preset.startswith("ruler"):
-        from .train.lm import adapt_index_branch, run_lm
+        from .train.lm import LM_PRESETS, adapt_index_branch, check_optimizer_settings, run_lm
 
         options = dict(index_precision=args.index_precision,
                        share_index_every=args.share_index_every,
@@ -186,9 +196,15 @@ def _train(args) -> int:
                                device=args.device, seed=args.seed, msa_options=options,
                                workers=args.data_workers)
         else:
+            checked = dataclasses.replace(LM_PRESETS[args.preset], **optimizer,
+                                          steps=args.steps or LM_PRESETS[args.preset].steps)
+            try:
+                check_optimizer_settings(checked)
+            except ValueError as error:  # named as its flag
+                raise SystemExit(f"openmsa train: --{str(error).replace('_', '-', 1)}")
             run_lm(args.preset, args.out, device=args.device, seed=args.seed,
                    msa_options=options, layers=args.layers, steps=args.steps,
-                   workers=args.data_workers, models=args.models)
+                   workers=args.data_workers, models=args.models, optimizer=optimizer)
         return 0
     run(args.preset, args.out, device=args.device, seed=args.seed, steps=args.steps,
         index_precision=args.index_precision, layers=args.layers,
@@ -236,6 +252,17 @@ def main(argv=None) -> int:
     train.add_argument("--models", type=_lm_models, default=("dense", "msa"),
                        help="ruler-* presets: which models to train, dense, msa or dense,msa "
                        "(default: both, one after the other)")
+    train.add_argument("--lr", type=float, default=None,
+                       help="ruler-* presets: the learning rate instead of the preset's")
+    train.add_argument("--grad-clip", type=float, default=None, metavar="NORM",
+                       help="ruler-* presets: clip the gradients to this global norm (default: "
+                       "the preset's, none for today's presets)")
+    train.add_argument("--lr-schedule", choices=("constant", "cosine"), default=None,
+                       help="ruler-* presets: after the warmup, a constant learning rate or a "
+                       "cosine down to a tenth of it at the last step (default: the preset's)")
+    train.add_argument("--lr-warmup", type=int, default=None, metavar="STEPS",
+                       help="ruler-* presets: steps of linear learning-rate warmup (default: "
+                       "the preset's)")
     train.add_argument("--data-workers", type=int, default=None, metavar="N",
                        help="ruler-* presets: processes that generate the batches ahead of the "
                        "steps (default: none on a CPU, half the cores up to 8 on a GPU; 0: in "

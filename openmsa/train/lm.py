@@ -15,6 +15,7 @@ index projections, which ``openmsa.eval.run.load_model`` restores after converti
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, replace
@@ -47,6 +48,13 @@ class LMPreset:
     # Phases of (steps, tokens, batch) or (steps, tokens, batch, tasks) before training at
     # seqlen tokens on ``tasks``: a phase without its own tasks trains on the preset's.
     curriculum: tuple[tuple, ...] = ()
+    # The optimizer: gradients clipped to this global norm (None: not clipped); the learning
+    # rate rising linearly over the first ``lr_warmup`` steps, then constant ("constant") or
+    # falling along a cosine to ``lr_final`` x lr at the last step ("cosine").
+    grad_clip: float | None = None
+    lr_warmup: int = 0
+    lr_schedule: str = "constant"
+    lr_final: float = 0.1
 
 
 LM_PRESETS = {
@@ -128,18 +136,55 @@ def step_batches(preset: LMPreset, seed: int) -> list[BatchSpec]:
     return specs
 
 
-def train_step(model, optimizer, input_ids, labels, kl_weight: float, msa: bool):
+LR_SCHEDULES = ("constant", "cosine")
+OPTIMIZER_FIELDS = ("lr", "grad_clip", "lr_warmup", "lr_schedule", "lr_final")
+
+
+def learning_rate(preset: LMPreset, step: int) -> float:
+    """The learning rate of step ``step`` (1 to ``preset.steps``)."""
+    if step <= preset.lr_warmup:
+        return preset.lr * step / preset.lr_warmup
+    if preset.lr_schedule == "constant":
+        return preset.lr
+    progress = (step - preset.lr_warmup) / max(1, preset.steps - preset.lr_warmup)
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return preset.lr * (preset.lr_final + (1 - preset.lr_final) * cosine)
+
+
+def check_optimizer_settings(preset: LMPreset) -> None:
+    """Clear errors for optimizer settings a preset's overrides got wrong."""
+    if not preset.lr > 0:
+        raise ValueError(f"lr: expected a number > 0, received {preset.lr!r}")
+    if preset.grad_clip is not None and not preset.grad_clip > 0:
+        raise ValueError(f"grad_clip: expected a number > 0 or None, received "
+                         f"{preset.grad_clip!r}")
+    if preset.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr_schedule: expected one of {LR_SCHEDULES}, received "
+                         f"{preset.lr_schedule!r}")
+    if not 0 <= preset.lr_warmup < preset.steps:
+        raise ValueError(f"lr_warmup: expected 0 to steps - 1 = {preset.steps - 1}, received "
+                         f"{preset.lr_warmup!r}")
+    if not 0 <= preset.lr_final <= 1:
+        raise ValueError(f"lr_final: expected 0 to 1, received {preset.lr_final!r}")
+
+
+def train_step(model, optimizer, input_ids, labels, kl_weight: float, msa: bool,
+               grad_clip: float | None = None):
     """One optimizer step of an LM preset's model on a batch (bf16 autocast on a GPU): the
     next-token loss on the labelled tokens plus, for an MSA model, ``kl_weight`` x its KL
-    (in warmup too: the index branch learns from the KL while every block is visible).
-    Returns (loss, kl), detached."""
+    (in warmup too: the index branch learns from the KL while every block is visible), its
+    gradients clipped to the global norm ``grad_clip`` (None: not clipped). Returns (loss,
+    kl, the gradients' global norm before clipping), detached."""
     with torch.autocast("cuda", torch.bfloat16, enabled=input_ids.is_cuda):
         loss = model(input_ids, labels=labels, use_cache=False).loss
         kl = msa_kl(model) if msa else loss.new_zeros(())
     optimizer.zero_grad(set_to_none=True)
     (loss.float() + kl_weight * kl.float()).backward()
+    # The norm is recorded either way: its spikes show where training is unstable.
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                          grad_clip if grad_clip is not None else math.inf)
     optimizer.step()
-    return loss.detach(), kl.detach()
+    return loss.detach(), kl.detach(), norm.detach()
 
 
 def train_lm_model(kind: str, preset: LMPreset, device, seed: int, msa_options: dict,
@@ -156,11 +201,15 @@ def train_lm_model(kind: str, preset: LMPreset, device, seed: int, msa_options: 
     history, start = [], time.perf_counter()
     for step, (spec, (input_ids, labels)) in enumerate(zip(specs, batches), 1):
         warmup = schedule.apply(model, step - 1) if kind == "msa" else False
-        loss, kl = train_step(model, optimizer, input_ids, labels, preset.kl_weight,
-                              kind == "msa")
+        lr = learning_rate(preset, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss, kl, norm = train_step(model, optimizer, input_ids, labels, preset.kl_weight,
+                                    kind == "msa", preset.grad_clip)
         history.append({"model": kind, "step": step, "task": spec.task, "tokens": spec.length,
                         "phase": "warmup" if warmup else "sparse", "loss": loss.item(),
-                        "kl": kl.item(), "seconds": time.perf_counter() - start})
+                        "kl": kl.item(), "grad_norm": norm.item(), "lr": lr,
+                        "seconds": time.perf_counter() - start})
         progress(kind, step, preset.steps, history[-1])
     batches.close()  # the worker processes end here, not at garbage collection
     _save_checkpoint(model, tokenizer, os.path.join(out_dir, kind),
@@ -172,13 +221,15 @@ def train_lm_model(kind: str, preset: LMPreset, device, seed: int, msa_options: 
 def run_lm(preset_name: str, out_dir: str, device=None, seed: int = 0,
            msa_options: dict | None = None, layers: int | None = None,
            steps: int | None = None, workers: int | None = None,
-           models: tuple[str, ...] = ("dense", "msa")) -> dict:
+           models: tuple[str, ...] = ("dense", "msa"), optimizer: dict | None = None) -> dict:
     """Trains the dense and the MSA model of an LM preset (``LM_PRESETS``) and writes their
     checkpoints and ``history.json`` (``history_KIND.json`` for one model) to ``out_dir``;
     ``msa_options`` override the preset's (``convert_to_msa``'s keyword arguments); ``layers``
-    and ``steps`` the preset's (its warmup and curriculum scale with ``steps``); ``workers``:
-    processes generating the batches ahead (None: ``batches.default_workers``); ``models``:
-    which of the two to train (runs of one each can share a GPU side by side)."""
+    and ``steps`` the preset's (its warmup and curriculum scale with ``steps``, its
+    ``lr_warmup`` does not); ``workers``: processes generating the batches ahead (None:
+    ``batches.default_workers``); ``models``: which of the two to train (runs of one each can
+    share a GPU side by side); ``optimizer``: the preset's optimizer fields to override
+    (``lr``, ``grad_clip``, ``lr_warmup``, ``lr_schedule``, ``lr_final``)."""
     models = tuple(dict.fromkeys(models))  # each once, in the order given
     unknown = [kind for kind in models if kind not in ("dense", "msa")]
     if not models or unknown:
@@ -195,6 +246,12 @@ def run_lm(preset_name: str, out_dir: str, device=None, seed: int = 0,
                          warmup_steps=min(round(preset.warmup_steps * factor), steps - 1),
                          curriculum=tuple((max(1, round(n * factor)), *rest)
                                           for n, *rest in preset.curriculum))
+    unknown = sorted(set(optimizer or {}) - set(OPTIMIZER_FIELDS))
+    if unknown:
+        raise ValueError(f"optimizer: expected fields from {OPTIMIZER_FIELDS}, received "
+                         f"{unknown}")
+    preset = replace(preset, **(optimizer or {}))
+    check_optimizer_settings(preset)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     options = _preset_msa_options(preset, device, msa_options)
     os.makedirs(out_dir, exist_ok=True)
