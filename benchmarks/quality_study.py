@@ -5,6 +5,7 @@ MSA model (fp8 indexing, index sharing), all evaluated by ``openmsa eval`` at ch
     python benchmarks/quality_study.py --out ROOT [--preset ruler-gpu] [--seeds 0,1]
         [--stages train,adapt,eval,report] [--variants fp8,share2] [--parallel 4]
         [--lengths 4k,8k,16k,32k,64k] [--samples 10] [--adapt-steps 300] [--device cuda]
+        [--train-args "--grad-clip 1 --lr-schedule cosine"]
 
 Stages (each skips work whose output exists, so a stage cut short by a time limit resumes):
 - ``train``: per seed, the dense model and the MSA model (``openmsa train --models dense`` /
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -57,6 +59,7 @@ def _jobs_train(args) -> list[tuple[str, list[str], str]]:
                        *args.device_args, *_data_workers(args)]
             if args.steps:
                 command += ["--steps", str(args.steps)]
+            command += args.train_args
             name = os.path.relpath(out, root).replace(os.sep, "_").replace(".", "")
             log = os.path.join(root, f"train_{name + '_' if name else ''}{kind}.log")
             jobs.append((log, command, os.path.join(out, kind)))
@@ -227,12 +230,16 @@ def main() -> None:
     parser.add_argument("--variants", default="", help=f"from {', '.join(VARIANTS)}")
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--steps", type=int, default=None, help="training steps (preset's)")
+    parser.add_argument("--train-args", default="",
+                        help="more arguments of every training run (not the adaptation), "
+                        "e.g. \"--grad-clip 1 --lr-schedule cosine\"")
     parser.add_argument("--adapt-steps", type=int, default=300)
     parser.add_argument("--lengths", default="4k,8k,16k,32k,64k")
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.train_args = shlex.split(args.train_args)
     args.variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:

@@ -25,7 +25,7 @@ def study():
 def _args(out, **overrides):
     settings = dict(out=str(out), preset="ruler-tiny", seeds=[0, 1], variants=["share2"],
                     steps=None, adapt_steps=5, lengths="256,512", samples=2,
-                    device_args=["--device", "cpu"], parallel=4)
+                    device_args=["--device", "cpu"], parallel=4, train_args=[])
     return SimpleNamespace(**dict(settings, **overrides))
 
 
@@ -45,6 +45,10 @@ def test_jobs_train_each_model_of_each_seed_and_variant_apart(study, tmp_path):
     assert int(on_gpu[on_gpu.index("--data-workers") + 1]) == max(1, (os.cpu_count() - 2) // 2)
     adapt = study._jobs_adapt(_args(tmp_path))[1][1]
     assert adapt[adapt.index("--adapt-index") + 1] == str(tmp_path / "seed1" / "dense")
+    tuned = study._jobs_train(_args(tmp_path, train_args=["--grad-clip", "1"]))
+    assert all(command[-2:] == ["--grad-clip", "1"] for _, command, _ in tuned)
+    assert "--grad-clip" not in study._jobs_adapt(_args(tmp_path, train_args=["--grad-clip",
+                                                                                "1"]))[0][1]
     evals = study._jobs_eval(_args(tmp_path))
     assert [os.path.basename(os.path.dirname(out)) for _, _, out in evals[:4]] == [
         "eval_dense", "eval_msa", "eval_adapted", "eval_msa_share2"]
