@@ -4,7 +4,8 @@ MSA model (fp8 indexing, index sharing), all evaluated by ``openmsa eval`` at ch
 
     python benchmarks/quality_study.py --out ROOT [--preset ruler-gpu] [--seeds 0,1]
         [--stages train,adapt,eval,report] [--variants fp8,share2] [--parallel 4]
-        [--lengths 4k,8k,16k,32k,64k] [--samples 10] [--adapt-steps 300] [--device cuda]
+        [--lengths 4k,8k,16k,32k,64k] [--samples 10] [--eval-batch 1] [--adapt-steps 300]
+        [--device cuda]
         [--train-args "--grad-clip 1 --lr-schedule cosine"]
 
 Stages (each skips work whose output exists, so a stage cut short by a time limit resumes):
@@ -95,7 +96,7 @@ def _jobs_eval(args):
         out = os.path.join(args.out, f"seed{seed}", f"eval_{name}")
         command = [sys.executable, "-m", "openmsa.cli", "eval", "--model", folder, "--lengths",
                    args.lengths, "--samples", str(args.samples), "--seed", str(seed),
-                   "--out", out, *args.device_args]
+                   "--batch", str(args.eval_batch), "--out", out, *args.device_args]
         jobs.append((os.path.join(args.out, f"seed{seed}", f"eval_{name}.log"), command,
                      os.path.join(out, "eval.json")))
     return jobs
@@ -236,6 +237,9 @@ def main() -> None:
     parser.add_argument("--adapt-steps", type=int, default=300)
     parser.add_argument("--lengths", default="4k,8k,16k,32k,64k")
     parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--eval-batch", type=int, default=1,
+                        help="samples of a task and length generated together (openmsa eval "
+                        "--batch)")
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",")]

@@ -11,8 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from openmsa.eval.run import (EvalSettings, answer_token_accuracy, evaluate,  # noqa: E402
-                              evaluate_sample, selection_recalls, smoke_model, summarize)
+from openmsa.eval.run import (EvalSettings, answer_token_accuracy, encode_prompt,  # noqa: E402
+                              equal_length_prompts, evaluate, evaluate_batch, evaluate_sample,
+                              selection_recalls, smoke_model, summarize)
 from openmsa.eval.tasks import (TASKS, answer_recall, answer_text, make_sample,  # noqa: E402
                                 synthetic_tokenizer)
 
@@ -351,3 +352,54 @@ def test_adapting_a_dense_checkpoint_trains_only_its_index_branch(tmp_path):
     assert all(torch.equal(model.state_dict()[key], adapted[key]) for key in index_keys)
     with pytest.raises(SystemExit, match="--adapt-index needs a ruler"):
         main(["train", "--preset", "tiny", "--adapt-index", str(tmp_path / "dense")])
+
+
+def test_equal_length_prompts_insert_filler_after_bos_and_move_the_needles(tokenizer):
+    short, long = (encode_prompt(tokenizer, make_sample("niah_multikey", tokenizer, n, seed=n))
+                   for n in (300, 340))
+    (padded_short, padded_long), inserted = equal_length_prompts(tokenizer, [short, long])
+    count = len(long[0]) - len(short[0])
+    assert inserted == [count, 0] and count > 0 and padded_long == long
+    ids, needles = padded_short
+    assert len(ids) == len(long[0]) and ids[0] == tokenizer.bos_token_id
+    assert ids[1 + count:] == short[0][1:]
+    assert [list(r) for r in needles] == [[i + count for i in r] for r in short[1]]
+    for before, after in zip(short[1], needles):  # the same tokens at the moved positions
+        assert [short[0][i] for i in before] == [ids[i] for i in after]
+
+
+def test_a_batch_gives_each_row_what_the_row_gives_alone(tokenizer):
+    """Two prompts of different lengths, made equal, generated as one batch in MSA attention
+    (2 of the blocks kept: the rows' recalls differ): each row's continuation, answer-token
+    accuracy and recalls are the row's alone."""
+    model, tokenizer = smoke_model(dict(top_k=2, block_size=64, backend="reference"))
+    samples = [make_sample("niah_multivalue", tokenizer, n, seed=n) for n in (400, 460)]
+    prompts, inserted = equal_length_prompts(
+        tokenizer, [encode_prompt(tokenizer, sample) for sample in samples])
+    assert inserted[0] > 0
+    together = evaluate_batch(model, tokenizer, samples, "msa", "cpu", prompts)
+    alone = [evaluate_sample(model, tokenizer, sample, "msa", "cpu", prompt)
+             for sample, prompt in zip(samples, prompts)]
+    assert together[0]["block_recall"] != together[1]["block_recall"]
+    for row, single in zip(together, alone):
+        assert row["continuation"] == single["continuation"]
+        for key in ("token_accuracy", "block_recall", "mass_recall"):
+            assert row[key] == pytest.approx(single[key], abs=1e-5)
+    with pytest.raises(ValueError, match="prompts: expected equally long prompts"):
+        evaluate_batch(model, tokenizer, samples, "msa", "cpu",
+                       [encode_prompt(tokenizer, sample) for sample in samples])
+
+
+def test_evaluate_in_batches_equals_one_sample_at_a_time(tokenizer):
+    model, tokenizer = smoke_model(dict(top_k=2, block_size=64, backend="reference"))
+    settings = EvalSettings(tasks=("niah_single", "variable_tracking"), lengths=(300,),
+                            samples=3)
+    alone = evaluate(model, tokenizer, settings, "cpu")
+    together = evaluate(model, tokenizer, dataclasses.replace(settings, batch=2), "cpu")
+    assert len(together) == len(alone) == 12
+    for a, b in zip(alone, together):
+        assert (a["task"], a["sample"], a["mode"]) == (b["task"], b["sample"], b["mode"])
+        assert a["continuation"] == b["continuation"] and b["inserted_tokens"] == 0
+        assert a["token_accuracy"] == pytest.approx(b["token_accuracy"], abs=1e-5)
+    with pytest.raises(ValueError, match="batch: expected an int >= 1"):
+        evaluate(model, tokenizer, dataclasses.replace(settings, batch=0), "cpu")

@@ -25,7 +25,7 @@ def study():
 def _args(out, **overrides):
     settings = dict(out=str(out), preset="ruler-tiny", seeds=[0, 1], variants=["share2"],
                     steps=None, adapt_steps=5, lengths="256,512", samples=2,
-                    device_args=["--device", "cpu"], parallel=4, train_args=[])
+                    device_args=["--device", "cpu"], parallel=4, train_args=[], eval_batch=1)
     return SimpleNamespace(**dict(settings, **overrides))
 
 
@@ -49,6 +49,8 @@ def test_jobs_train_each_model_of_each_seed_and_variant_apart(study, tmp_path):
     assert all(command[-2:] == ["--grad-clip", "1"] for _, command, _ in tuned)
     assert "--grad-clip" not in study._jobs_adapt(_args(tmp_path, train_args=["--grad-clip",
                                                                                 "1"]))[0][1]
+    batched = study._jobs_eval(_args(tmp_path, eval_batch=5))[0][1]
+    assert batched[batched.index("--batch") + 1] == "5"
     evals = study._jobs_eval(_args(tmp_path))
     assert [os.path.basename(os.path.dirname(out)) for _, _, out in evals[:4]] == [
         "eval_dense", "eval_msa", "eval_adapted", "eval_msa_share2"]

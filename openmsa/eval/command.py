@@ -61,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name}", type=kind, help=f"{text} (default: {own}"
                             f"{DEFAULTS[key]}; smoke: {SMOKE[key]})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the samples")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="samples of a task and length generated together (default 1; "
+                        "more is faster on a GPU; a shorter prompt of a batch gets a few "
+                        "filler tokens after [BOS], recorded per sample as inserted_tokens)")
     for name, kind, text in (("num-local-blocks", int, "forced local blocks"),
                              ("local-block-dilation", int, "their spacing"),
                              ("num-sink-blocks", int, "forced first blocks"),
@@ -113,9 +117,12 @@ def run(args) -> int:
     lengths = chosen("lengths")
     settings = EvalSettings(tasks=args.tasks,
                             lengths=_lengths(lengths) if isinstance(lengths, str) else lengths,
-                            samples=chosen("samples"), seed=args.seed)
+                            samples=chosen("samples"), seed=args.seed, batch=args.batch)
     if settings.samples < 1:
         raise ValueError(f"samples: expected an int >= 1, received {settings.samples}")
+    if settings.batch < 1:
+        raise SystemExit(f"openmsa eval: --batch: expected an int >= 1, received "
+                         f"{settings.batch}")
     # The reference on a CPU: the Triton interpreter would run the kernels for minutes.
     backend = "reference" if device.type == "cpu" else "auto"
     msa_options = dict({key: chosen(key) for key in MSA_OPTIONS}, backend=backend)
@@ -127,7 +134,8 @@ def run(args) -> int:
         model, tokenizer = load_model(args.model, device, dtype, msa_options)
         name = args.model
     print(f"openmsa eval: {name} on {device} ({dtype}), tasks {', '.join(settings.tasks)}, "
-          f"lengths {', '.join(map(str, settings.lengths))}, {settings.samples} samples each, "
+          f"lengths {', '.join(map(str, settings.lengths))}, {settings.samples} samples each "
+          f"({settings.batch} at a time), "
           f"dense and MSA attention with the same weights", flush=True)
     results = evaluate(model, tokenizer, settings, device, _progress())
     rows = summarize(results)

@@ -29,7 +29,7 @@ import torch
 
 from ..integrations.transformers import convert_to_msa, record_selection
 from ..layers.msa_attention import set_msa_warmup
-from .tasks import (TASKS, Sample, answer_recall, answer_text, make_sample,
+from .tasks import (FILLER, TASKS, Sample, answer_recall, answer_text, make_sample,
                     synthetic_tokenizer)
 
 MODES = ("dense", "msa")
@@ -42,6 +42,9 @@ class EvalSettings:
     samples: int = 8
     seed: int = 0
     modes: tuple[str, ...] = MODES
+    # Samples of one task and length generated together (a shorter prompt gets a few filler
+    # tokens after [BOS]: ``equal_length_prompts``); 1: each alone, as written.
+    batch: int = 1
 
 
 def smoke_model(msa_options: dict | None = None, seed: int = 0):
@@ -101,19 +104,20 @@ def load_model(path: str, device, dtype, msa_options: dict):
     return model.to(device=device, dtype=dtype), tokenizer
 
 
-def selection_recalls(records: list[dict], needle_tokens: list[range]) -> dict:
-    """Block and mass recall of the last prompt token from the layers' ``record_selection``
-    records (batch 1); block recall is None without needles."""
+def selection_recalls(records: list[dict], needle_tokens: list[range], row: int = 0) -> dict:
+    """Block and mass recall of the last prompt token of batch row ``row`` from the layers'
+    ``record_selection`` records; block recall is None without needles."""
     hits, masses = [], []
     for record in records:
         if not record:
             continue
-        ids = record["ids"][0].long()  # [Hi, k]
+        ids = record["ids"][row].long()  # [Hi, k]
         block = record["block_size"]
         for tokens in needle_tokens:
             needle_blocks = torch.tensor(sorted({t // block for t in tokens}))
             hits.append((ids[:, :, None] == needle_blocks.to(ids.device)).any(-1).any(-1))
-        query, keys = record["query"][0].float(), record["keys"][0].float()  # [H, D], [L, Hkv, D]
+        query = record["query"][row].float()  # [H, D]
+        keys = record["keys"][row].float()  # [L, Hkv, D]
         heads, kv_heads = query.shape[0], keys.shape[1]
         index_heads = ids.shape[0]
         kv_of_head = torch.arange(heads, device=query.device) // (heads // kv_heads)
@@ -161,64 +165,129 @@ def answer_token_accuracy(model, tokenizer, ids: list[int], sample: Sample, devi
     """Teacher-forced: the share of the answer's tokens (``answer_text`` and [EOS]) that are
     the model's greedy prediction after ``ids`` (the prompt) and the answer's tokens before
     them, in whichever attention the model's layers are set to."""
+    return answer_token_accuracies(model, tokenizer, [ids], [sample], device)[0]
+
+
+def _answer_ids(tokenizer, sample: Sample) -> list[int]:
     answer = tokenizer(answer_text(sample.answers), add_special_tokens=False)["input_ids"]
-    if tokenizer.eos_token_id is not None:
-        answer = answer + [tokenizer.eos_token_id]
-    full = torch.tensor([ids + answer], device=device)
-    # Only the logits that predict the answer: a large vocabulary's logits over a long prompt
-    # would not fit.
-    logits = model(input_ids=full, use_cache=False, logits_to_keep=len(answer) + 1).logits
-    predicted = logits[0, :-1].argmax(-1)
-    return (predicted == torch.tensor(answer, device=predicted.device)).float().mean().item()
+    return answer + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
 
 
 @torch.no_grad()
-def evaluate_sample(model, tokenizer, sample: Sample, mode: str, device, prompt=None) -> dict:
-    """Generates ``sample``'s answer in ``mode`` ("dense" or "msa"); returns its score, its
-    answer-token accuracy, the continuation and (msa) the recalls. ``prompt``:
-    ``encode_prompt``'s result, when the caller has it (one sample evaluated in both modes)."""
+def answer_token_accuracies(model, tokenizer, prompts: list[list[int]], samples, device):
+    """``answer_token_accuracy`` of each (prompt ids, sample): one forward for all where the
+    prompts and the answers are equally long, else one each."""
+    answers = [_answer_ids(tokenizer, sample) for sample in samples]
+    if len({len(ids) for ids in prompts}) > 1 or len({len(a) for a in answers}) > 1:
+        return [answer_token_accuracies(model, tokenizer, [ids], [sample], device)[0]
+                for ids, sample in zip(prompts, samples)]
+    full = torch.tensor([ids + answer for ids, answer in zip(prompts, answers)], device=device)
+    # Only the logits that predict the answer: a large vocabulary's logits over a long prompt
+    # would not fit.
+    logits = model(input_ids=full, use_cache=False, logits_to_keep=len(answers[0]) + 1).logits
+    predicted = logits[:, :-1].argmax(-1)
+    expected = torch.tensor(answers, device=predicted.device)
+    return (predicted == expected).float().mean(-1).tolist()
+
+
+def equal_length_prompts(tokenizer, prompts: list[tuple]) -> tuple[list[tuple], list[int]]:
+    """``encode_prompt`` results made as long as the longest: a shorter prompt gets filler
+    tokens (a haystack sentence's, repeated) after its [BOS] (or at its start), its needles'
+    positions moving along; returns the prompts and each one's count of inserted tokens. The
+    layers take no padding mask, so a batch of prompts must be equally long."""
+    longest = max(len(ids) for ids, _ in prompts)
+    filler = tokenizer(" ".join(FILLER), add_special_tokens=False)["input_ids"]
+    at = 1 if tokenizer.bos_token_id is not None else 0
+    padded, inserted = [], []
+    for ids, needles in prompts:
+        count = longest - len(ids)
+        extra = (filler * (count // len(filler) + 1))[:count]
+        padded.append((ids[:at] + extra + ids[at:],
+                       [range(r.start + count, r.stop + count) for r in needles]))
+        inserted.append(count)
+    return padded, inserted
+
+
+@torch.no_grad()
+def evaluate_batch(model, tokenizer, samples: list[Sample], mode: str, device,
+                   prompts: list[tuple] | None = None) -> list[dict]:
+    """Generates the answers of ``samples`` in ``mode`` ("dense" or "msa") as one batch;
+    returns per sample its score, its answer-token accuracy, the continuation and (msa) the
+    recalls. ``prompts``: ``encode_prompt``'s results, when the caller has them (the same
+    samples evaluated in both modes), equally long (``equal_length_prompts``)."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, received {mode!r}")
-    ids, needles = prompt or encode_prompt(tokenizer, sample)
-    input_ids = torch.tensor([ids], device=device)
+    prompts = prompts or [encode_prompt(tokenizer, sample) for sample in samples]
+    lengths = sorted({len(ids) for ids, _ in prompts})
+    if len(lengths) > 1:
+        raise ValueError(f"prompts: expected equally long prompts for one batch (the layers "
+                         f"take no padding mask), received lengths {lengths}; see "
+                         f"equal_length_prompts")
+    input_ids = torch.tensor([ids for ids, _ in prompts], device=device)
     set_msa_warmup(model, mode == "dense")
     records = record_selection(model)
     start = time.perf_counter()
     output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                            max_new_tokens=sample.max_new_tokens, do_sample=False,
-                            use_cache=True, pad_token_id=tokenizer.pad_token_id)
+                            max_new_tokens=max(s.max_new_tokens for s in samples),
+                            do_sample=False, use_cache=True,
+                            pad_token_id=tokenizer.pad_token_id)
     seconds = time.perf_counter() - start
-    continuation = tokenizer.decode(output[0, len(ids):], skip_special_tokens=True)
-    result = {"task": sample.task, "mode": mode, "prompt_tokens": len(ids),
-              "score": answer_recall(continuation, sample.answers), "answers": sample.answers,
-              "continuation": continuation, "seconds": seconds}
-    if mode == "msa":
-        result.update(selection_recalls(records, needles))
+    results = []
+    for row, (sample, (ids, needles)) in enumerate(zip(samples, prompts)):
+        # A sample's own budget: greedy decoding gives each row what it gives the row alone.
+        new = output[row, len(ids):len(ids) + sample.max_new_tokens]
+        continuation = tokenizer.decode(new, skip_special_tokens=True)
+        result = {"task": sample.task, "mode": mode, "prompt_tokens": len(ids),
+                  "score": answer_recall(continuation, sample.answers),
+                  "answers": sample.answers, "continuation": continuation,
+                  "seconds": seconds / len(samples)}
+        if mode == "msa":
+            result.update(selection_recalls(records, needles, row))
+        results.append(result)
     for record in records:
         record.clear()
-    result["token_accuracy"] = answer_token_accuracy(model, tokenizer, ids, sample, device)
-    return result
+    accuracies = answer_token_accuracies(model, tokenizer, [ids for ids, _ in prompts],
+                                         samples, device)
+    for result, accuracy in zip(results, accuracies):
+        result["token_accuracy"] = accuracy
+    return results
+
+
+def evaluate_sample(model, tokenizer, sample: Sample, mode: str, device, prompt=None) -> dict:
+    """``evaluate_batch`` of one sample (``prompt``: its ``encode_prompt`` result, when the
+    caller has it)."""
+    return evaluate_batch(model, tokenizer, [sample], mode, device,
+                          None if prompt is None else [prompt])[0]
 
 
 def evaluate(model, tokenizer, settings: EvalSettings, device, progress=None) -> list[dict]:
-    """Every (task, length, sample, mode) of ``settings``; ``progress(done, total, record)``
-    after each."""
+    """Every (task, length, sample, mode) of ``settings``, ``settings.batch`` samples of a task
+    and length at a time (made equally long by ``equal_length_prompts``);
+    ``progress(done, total, record)`` after each."""
     for task in settings.tasks:
         if task not in TASKS:
             raise ValueError(f"tasks: expected names from {TASKS}, received {task!r}")
-    jobs = [(task, length, index) for length in settings.lengths for task in settings.tasks
-            for index in range(settings.samples)]
-    total = len(jobs) * len(settings.modes)
+    if not isinstance(settings.batch, int) or settings.batch < 1:
+        raise ValueError(f"batch: expected an int >= 1, received {settings.batch!r}")
+    groups = [(task, length, list(range(first, min(first + settings.batch, settings.samples))))
+              for length in settings.lengths for task in settings.tasks
+              for first in range(0, settings.samples, settings.batch)]
+    total = len(settings.lengths) * len(settings.tasks) * settings.samples * len(settings.modes)
     results = []
-    for task, length, index in jobs:
-        sample = make_sample(task, tokenizer, length, settings.seed * 100_003 + index)
-        prompt = encode_prompt(tokenizer, sample)  # once for both modes
-        for mode in settings.modes:
-            result = dict(evaluate_sample(model, tokenizer, sample, mode, device, prompt),
-                          length=length, sample=index)
-            results.append(result)
-            if progress:
-                progress(len(results), total, result)
+    for task, length, indices in groups:
+        samples = [make_sample(task, tokenizer, length, settings.seed * 100_003 + index)
+                   for index in indices]
+        # Encoded once for both modes.
+        prompts, inserted = equal_length_prompts(
+            tokenizer, [encode_prompt(tokenizer, sample) for sample in samples])
+        by_mode = [evaluate_batch(model, tokenizer, samples, mode, device, prompts)
+                   for mode in settings.modes]
+        for position, index in enumerate(indices):
+            for mode_results in by_mode:
+                results.append(dict(mode_results[position], length=length, sample=index,
+                                    inserted_tokens=inserted[position]))
+                if progress:
+                    progress(len(results), total, results[-1])
     return results
 
 
