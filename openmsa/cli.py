@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import subprocess
 import sys
@@ -184,7 +183,7 @@ def _train(args) -> int:
                          f"(not --preset {args.preset}" + (" with --adapt-index)"
                                                             if args.adapt_index else ")"))
     if args.preset.startswith("ruler"):
-        from .train.lm import LM_PRESETS, adapt_index_branch, check_optimizer_settings, run_lm
+        from .train.lm import LM_PRESETS, adapt_index_branch, run_lm, scaled_preset
 
         options = dict(index_precision=args.index_precision,
                        share_index_every=args.share_index_every,
@@ -196,10 +195,8 @@ def _train(args) -> int:
                                device=args.device, seed=args.seed, msa_options=options,
                                workers=args.data_workers)
         else:
-            checked = dataclasses.replace(LM_PRESETS[args.preset], **optimizer,
-                                          steps=args.steps or LM_PRESETS[args.preset].steps)
             try:
-                check_optimizer_settings(checked)
+                scaled_preset(LM_PRESETS[args.preset], args.steps, optimizer)
             except ValueError as error:  # named as its flag
                 raise SystemExit(f"openmsa train: --{str(error).replace('_', '-', 1)}")
             run_lm(args.preset, args.out, device=args.device, seed=args.seed,

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from openmsa.eval.tasks import synthetic_tokenizer  # noqa: E402
 from openmsa.train.batches import BatchSpec, make_batch  # noqa: E402
 from openmsa.train.lm import (LM_PRESETS, build_model, check_optimizer_settings,  # noqa: E402
-                              learning_rate, train_step)
+                              learning_rate, scaled_preset, train_step)
 
 TINY = LM_PRESETS["ruler-tiny"]
 
@@ -40,6 +40,18 @@ def test_learning_rate_warms_up_then_stays_or_falls_along_a_cosine():
 def test_bad_optimizer_settings_are_named(field, value, message):
     with pytest.raises(ValueError, match=message):
         check_optimizer_settings(dataclasses.replace(TINY, **{field: value}))
+
+
+def test_fewer_steps_scale_the_learning_rate_warmup_with_the_rest():
+    gpu = LM_PRESETS["ruler-gpu"]
+    assert (gpu.grad_clip, gpu.lr_warmup, gpu.lr_schedule) == (1.0, 100, "cosine")
+    short = scaled_preset(gpu, 400)
+    assert (short.steps, short.lr_warmup, short.warmup_steps) == (400, 10, 300)
+    assert sum(phase[0] for phase in short.curriculum) == 340
+    assert scaled_preset(gpu, 20).lr_warmup == 0  # 0.5 rounds to 0: no warmup, still valid
+    assert scaled_preset(gpu, 20, dict(lr_warmup=5)).lr_warmup == 5
+    with pytest.raises(ValueError, match="optimizer: expected fields from"):
+        scaled_preset(gpu, None, dict(momentum=0.9))
 
 
 def _tiny_step(grad_clip):

@@ -68,9 +68,11 @@ LM_PRESETS = {
     # GPU, Triton kernels, bf16 autocast: 4 layers, GQA 8/2 heads, 16k tokens after a curriculum
     # (single-needle retrieval alone at 256 tokens first, then the needle tasks, then all six
     # at growing lengths: docs/EVAL.md, "Will the models learn the tasks?"); 8 of 128 blocks
-    # kept, sparse from step 3001.
+    # kept, sparse from step 3001; gradients clipped, lr warmed up and decayed (the moves
+    # between lengths and task mixes set learning back less: docs/EVAL.md, "The optimizer").
     "ruler-gpu": LMPreset(seqlen=16384, block_size=128, top_k=8, steps=4000, warmup_steps=3000,
                           batch=4, hidden_size=512, num_heads=8, num_kv_heads=2, lr=2.5e-4,
+                          grad_clip=1.0, lr_warmup=100, lr_schedule="cosine",
                           curriculum=((1000, 256, 64, ("niah_single",)),
                                       (1000, 256, 64, ("niah_single", "niah_multikey",
                                                        "niah_multivalue", "niah_multiquery")),
@@ -218,6 +220,27 @@ def train_lm_model(kind: str, preset: LMPreset, device, seed: int, msa_options: 
     return history
 
 
+def scaled_preset(preset: LMPreset, steps: int | None = None,
+                  optimizer: dict | None = None) -> LMPreset:
+    """``preset`` over ``steps`` instead of its own (its warmup, learning-rate warmup and
+    curriculum scaled along), then its optimizer fields ``optimizer`` (``lr``, ``grad_clip``,
+    ``lr_warmup``, ``lr_schedule``, ``lr_final``) replaced, checked."""
+    if steps is not None:
+        factor = steps / preset.steps
+        preset = replace(preset, steps=steps,
+                         warmup_steps=min(round(preset.warmup_steps * factor), steps - 1),
+                         lr_warmup=min(round(preset.lr_warmup * factor), steps - 1),
+                         curriculum=tuple((max(1, round(n * factor)), *rest)
+                                          for n, *rest in preset.curriculum))
+    unknown = sorted(set(optimizer or {}) - set(OPTIMIZER_FIELDS))
+    if unknown:
+        raise ValueError(f"optimizer: expected fields from {OPTIMIZER_FIELDS}, received "
+                         f"{unknown}")
+    preset = replace(preset, **(optimizer or {}))
+    check_optimizer_settings(preset)
+    return preset
+
+
 def run_lm(preset_name: str, out_dir: str, device=None, seed: int = 0,
            msa_options: dict | None = None, layers: int | None = None,
            steps: int | None = None, workers: int | None = None,
@@ -225,11 +248,10 @@ def run_lm(preset_name: str, out_dir: str, device=None, seed: int = 0,
     """Trains the dense and the MSA model of an LM preset (``LM_PRESETS``) and writes their
     checkpoints and ``history.json`` (``history_KIND.json`` for one model) to ``out_dir``;
     ``msa_options`` override the preset's (``convert_to_msa``'s keyword arguments); ``layers``
-    and ``steps`` the preset's (its warmup and curriculum scale with ``steps``, its
-    ``lr_warmup`` does not); ``workers``: processes generating the batches ahead (None:
-    ``batches.default_workers``); ``models``: which of the two to train (runs of one each can
-    share a GPU side by side); ``optimizer``: the preset's optimizer fields to override
-    (``lr``, ``grad_clip``, ``lr_warmup``, ``lr_schedule``, ``lr_final``)."""
+    and ``steps`` the preset's (``scaled_preset``); ``workers``: processes generating the
+    batches ahead (None: ``batches.default_workers``); ``models``: which of the two to train
+    (runs of one each can share a GPU side by side); ``optimizer``: the preset's optimizer
+    fields to override (``scaled_preset``)."""
     models = tuple(dict.fromkeys(models))  # each once, in the order given
     unknown = [kind for kind in models if kind not in ("dense", "msa")]
     if not models or unknown:
@@ -240,18 +262,7 @@ def run_lm(preset_name: str, out_dir: str, device=None, seed: int = 0,
     preset = LM_PRESETS[preset_name]
     if layers is not None:
         preset = replace(preset, layers=layers)
-    if steps is not None:
-        factor = steps / preset.steps
-        preset = replace(preset, steps=steps,
-                         warmup_steps=min(round(preset.warmup_steps * factor), steps - 1),
-                         curriculum=tuple((max(1, round(n * factor)), *rest)
-                                          for n, *rest in preset.curriculum))
-    unknown = sorted(set(optimizer or {}) - set(OPTIMIZER_FIELDS))
-    if unknown:
-        raise ValueError(f"optimizer: expected fields from {OPTIMIZER_FIELDS}, received "
-                         f"{unknown}")
-    preset = replace(preset, **(optimizer or {}))
-    check_optimizer_settings(preset)
+    preset = scaled_preset(preset, steps, optimizer)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     options = _preset_msa_options(preset, device, msa_options)
     os.makedirs(out_dir, exist_ok=True)
