@@ -191,6 +191,13 @@ class _Predicts(torch.nn.Module):
         return type("Output", (), {"logits": logits[:, -logits_to_keep:]})()
 
 
+class _PredictsEveryPosition(_Predicts):
+    """As ``_Predicts``, for a model without ``logits_to_keep``: every position's logits."""
+
+    def forward(self, input_ids, use_cache):
+        return super().forward(input_ids, use_cache, input_ids.shape[1])
+
+
 def test_answer_token_accuracy_scores_the_answer_tokens_teacher_forced(tokenizer):
     sample = make_sample("niah_multivalue", tokenizer, 300, seed=1)
     ids = [tokenizer.bos_token_id] + tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
@@ -210,6 +217,9 @@ def test_answer_token_accuracy_scores_the_answer_tokens_teacher_forced(tokenizer
     assert 0 < expected < 1
     assert answer_token_accuracy(digit_only, tokenizer, ids, sample, "cpu") == pytest.approx(
         expected)
+    every_position = _PredictsEveryPosition(vocab, lambda t: torch.isin(t, digits))
+    assert answer_token_accuracy(every_position, tokenizer, ids, sample, "cpu") == (
+        pytest.approx(expected))
 
 
 def test_eval_command_smoke_writes_json_and_plot(tmp_path, capsys):

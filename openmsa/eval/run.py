@@ -20,6 +20,7 @@ layer, the last prompt token's kept blocks:
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
@@ -182,9 +183,13 @@ def answer_token_accuracies(model, tokenizer, prompts: list[list[int]], samples,
         return [answer_token_accuracies(model, tokenizer, [ids], [sample], device)[0]
                 for ids, sample in zip(prompts, samples)]
     full = torch.tensor([ids + answer for ids, answer in zip(prompts, answers)], device=device)
-    # Only the logits that predict the answer: a large vocabulary's logits over a long prompt
-    # would not fit.
-    logits = model(input_ids=full, use_cache=False, logits_to_keep=len(answers[0]) + 1).logits
+    keep = len(answers[0]) + 1
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        # Only the logits that predict the answer: a large vocabulary's logits over a long
+        # prompt would not fit.
+        logits = model(input_ids=full, use_cache=False, logits_to_keep=keep).logits
+    else:  # a model (or an older transformers) without the argument: every position's
+        logits = model(input_ids=full, use_cache=False).logits[:, -keep:]
     predicted = logits[:, :-1].argmax(-1)
     expected = torch.tensor(answers, device=predicted.device)
     return (predicted == expected).float().mean(-1).tolist()
