@@ -36,9 +36,9 @@ import torch
 
 from openmsa.eval.tasks import synthetic_tokenizer
 from openmsa.train.batches import BatchSpec, batch_stream, make_batch
-from openmsa.train.lm import (LM_PRESETS, LR_SCHEDULES, LMPreset, build_model,
-                              check_optimizer_settings, curriculum_phases, learning_rate,
-                              step_batches, train_step)
+from openmsa.train.lm import (LM_PRESETS, LR_SCHEDULES, LMPreset, apply_learning_rate,
+                              build_model, curriculum_phases, scaled_preset, step_batches,
+                              train_step)
 
 
 def answer_accuracy(model, batches) -> float:
@@ -114,11 +114,10 @@ def main() -> None:
                           num_kv_heads=args.kv_heads, lr=1e-3 if args.lr is None else args.lr,
                           tasks=tuple(tasks),
                           curriculum=first_phase if args.first_steps else ())
-    optimizer_fields = dict(grad_clip=args.grad_clip, lr_schedule=args.lr_schedule,
-                            lr_warmup=args.lr_warmup)
-    preset = dataclasses.replace(preset, **{key: value for key, value in optimizer_fields.items()
-                                            if value is not None})
-    check_optimizer_settings(preset)
+    overrides = dict(grad_clip=args.grad_clip, lr_schedule=args.lr_schedule,
+                     lr_warmup=args.lr_warmup)
+    preset = scaled_preset(preset, None, {key: value for key, value in overrides.items()
+                                          if value is not None})
     schedule = step_batches(preset, seed=0)[:args.steps]
     model = build_model(preset, tokenizer, "dense", 0, {}).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
@@ -133,8 +132,7 @@ def main() -> None:
     for step, (spec, (input_ids, labels)) in enumerate(zip(schedule, batches), 1):
         if args.loss == "all":
             labels = torch.where(input_ids == tokenizer.pad_token_id, -100, input_ids)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(preset, step)
+        apply_learning_rate(optimizer, preset, step)
         loss, _, _ = train_step(model, optimizer, input_ids, labels, 0.0, msa=False,
                                 grad_clip=preset.grad_clip)
         if step % args.every == 0:

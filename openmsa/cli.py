@@ -15,6 +15,7 @@ from .ops.interpreter import INTERPRETING
 from .ops.msa import msa_attention
 from .ops.quantize import INDEX_PRECISIONS
 from .testing import QUANTITY_NAMES, TOLERANCE, MSACase, compare_with_reference
+from .train.lm import LR_SCHEDULES
 
 # Small enough for a 2-core CPU in seconds; they cover GQA, index-key GQA, partial last blocks,
 # packed input, forced local/sink blocks and warmup.
@@ -253,8 +254,8 @@ def main(argv=None) -> int:
                        help="ruler-* presets: the learning rate instead of the preset's")
     train.add_argument("--grad-clip", type=float, default=None, metavar="NORM",
                        help="ruler-* presets: clip the gradients to this global norm (default: "
-                       "the preset's, none for today's presets)")
-    train.add_argument("--lr-schedule", choices=("constant", "cosine"), default=None,
+                       "the preset's)")
+    train.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=None,
                        help="ruler-* presets: after the warmup, a constant learning rate or a "
                        "cosine down to a tenth of it at the last step (default: the preset's)")
     train.add_argument("--lr-warmup", type=int, default=None, metavar="STEPS",

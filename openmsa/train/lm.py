@@ -153,6 +153,15 @@ def learning_rate(preset: LMPreset, step: int) -> float:
     return preset.lr * (preset.lr_final + (1 - preset.lr_final) * cosine)
 
 
+def apply_learning_rate(optimizer, preset: LMPreset, step: int) -> float:
+    """Sets every parameter group of ``optimizer`` to step ``step``'s learning rate; returns
+    it."""
+    lr = learning_rate(preset, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
 def check_optimizer_settings(preset: LMPreset) -> None:
     """Clear errors for optimizer settings a preset's overrides got wrong."""
     if not preset.lr > 0:
@@ -203,9 +212,7 @@ def train_lm_model(kind: str, preset: LMPreset, device, seed: int, msa_options: 
     history, start = [], time.perf_counter()
     for step, (spec, (input_ids, labels)) in enumerate(zip(specs, batches), 1):
         warmup = schedule.apply(model, step - 1) if kind == "msa" else False
-        lr = learning_rate(preset, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = apply_learning_rate(optimizer, preset, step)
         loss, kl, norm = train_step(model, optimizer, input_ids, labels, preset.kl_weight,
                                     kind == "msa", preset.grad_clip)
         history.append({"model": kind, "step": step, "task": spec.task, "tokens": spec.length,
