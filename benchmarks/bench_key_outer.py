@@ -3,8 +3,9 @@
 
     python benchmarks/bench_key_outer.py --out DIR [--seqlens 8192,32768,131072]
         [--limits 0,1.5,2,3,4] [--key-outer-kernels gluon,triton] [--partial-gib 2,8]
-        [--dq-partials float32,input] [--kernels] [--launches 8x2,4x2,8x3]
-        [--combine-launches 64x4,128x8] [--hopper-stages 3,4,6]
+        [--dq-partials float32,input] [--dq-passes own_pass,in_dkdv] [--kernels]
+        [--launches 8x2,4x2,8x3]
+        [--combine-launches 64x4,128x8] [--hopper-stages 3,4,6] [--dkdv-launches 8x1,8x2]
 
 A limit L sends the query tiles whose union holds more than L x top_k blocks key-outer; 0 walks
 every tile (the kernels before). H64/Hkv4/Hi4/Hik1, D = Di = 128, top 16 of 128, bf16, B = 1.
@@ -14,14 +15,17 @@ lists are built beforehand, the whole training step (selection, main attention, 
 backward) through ``msa_attention``'s kernels at that limit, dense SDPA's step in the same run,
 and how far out and dq lie from the walk's (relative RMS). Each limit above 0 is timed with the
 key-outer passes on each of ``--key-outer-kernels`` (the Gluon kernels, the Triton ones) and
-each of ``--partial-gib`` (the memory their partials take at once) and ``--dq-partials`` (dQ's
-partials in fp32 or bf16); ``--kernels`` adds each row's kernel times (torch profiler) of one
-forward and one backward.
+each of ``--partial-gib`` (the memory their partials take at once), ``--dq-partials`` (dQ's
+partials in fp32 or bf16) and ``--dq-passes`` (the hard rows' dQ partials from a key-outer
+pass of their own or from the dK/dV pass, ``Tuning.key_outer_dq``); ``--kernels`` adds each
+row's kernel times (torch profiler) of one forward and one backward.
 ``--launches WxS,...``: also times
 the key-outer kernels' launch (warps x stages, ``configs.KEY_OUTER_CONFIG``) at the last limit,
 forward and backward alone; ``--hopper-stages S,...`` the Gluon key-outer kernels' kernel
 times with rings of S steps (``configs.KEY_OUTER_HOPPER_STAGES``; a ring past the shared
-memory is recorded as an error). Prints a table last.
+memory is recorded as an error); ``--dkdv-launches WxS,...`` the backward with the hard rows'
+dQ in the dK/dV pass (``in_dkdv``) at the last limit, with that launch of its hard segments'
+kernel (``configs.KEY_OUTER_DKDV_CONFIG``). Prints a table last.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ HEADS, KV_HEADS, INDEX_HEADS, DIM, TOP_K, BLOCK = 64, 4, 4, 128, 16, 128
 def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
             key_outer_kernels=("gluon", "triton"), partial_gib=(2.0,),
             profile: bool = False, combine_launches=(), dq_partials=("input",),
-            hopper_stages=()) -> list[dict]:
+            hopper_stages=(), dq_passes=("own_pass",), dkdv_launches=()) -> list[dict]:
     generator = torch.Generator(device="cuda").manual_seed(seqlen)
     q, k, v = (torch.randn(seqlen, h, DIM, device="cuda", generator=generator).bfloat16()
                for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -68,15 +72,16 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
     if not dense:
         dense.update(dense_baseline(*inputs[:3], dout[None], median_ms))
     rows, walked = [], None
-    runs = [(limit, kernel, gib, partials) for limit in limits
+    runs = [(limit, kernel, gib, partials, dq_pass) for limit in limits
             for kernel in (key_outer_kernels if limit else ["-"])
             for gib in (partial_gib if limit else partial_gib[:1])
-            for partials in (dq_partials if limit else dq_partials[:1])]
-    for limit, kernel, gib, partials in runs:
+            for partials in (dq_partials if limit else dq_partials[:1])
+            for dq_pass in (dq_passes if limit else dq_passes[:1])]
+    for limit, kernel, gib, partials, dq_pass in runs:
         key_outer.KEY_OUTER_HOPPER = kernel != "triton"
         tuning = Tuning(main_walk_limit_per_slot=limit,
                         key_outer_partial_bytes=int(gib * (1 << 30)),
-                        key_outer_dq_partials=partials)
+                        key_outer_dq_partials=partials, key_outer_dq=dq_pass)
         problem = SparseAttentionProblem(q, k, ids, cu, BLOCK, scale, tuning=tuning)
         problem.block_work  # the step builds it for dK/dV anyway
         blocks = key_outer.walk_limit(problem)
@@ -93,6 +98,7 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
 
         row = dict(seqlen=seqlen, selection=kind, limit_per_slot=limit, walk_limit_blocks=blocks,
                    key_outer_kernels=kernel, partial_gib=gib, dq_partials=partials,
+                   key_outer_dq=dq_pass,
                    hard_row_share=hard, **statistics,
                    fwd_ms=median_ms(lambda: sparse_attention_fwd(q, k, v, None, None, problem)),
                    bwd_ms=median_ms(lambda: attention_backward(q, k, v, out, dout, lse,
@@ -135,6 +141,26 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
                    hopper_stages=stages)
         for name, run in passes:
             row.update(_hopper_key_outer_ms(name, run, stages))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    in_dkdv = SparseAttentionProblem(
+        q, k, ids, cu, BLOCK, scale, tuning=Tuning(main_walk_limit_per_slot=limits[-1],
+                                                   key_outer_partial_bytes=int(partial_gib[0]
+                                                                               * (1 << 30)),
+                                                   key_outer_dq="in_dkdv"))
+    for launch in dkdv_launches:
+        warps, stages = map(int, launch.split("x"))
+        shipped = dict(key_outer.KEY_OUTER_DKDV_CONFIG)
+        key_outer.KEY_OUTER_DKDV_CONFIG.update(num_warps=warps, num_stages=stages)
+        try:
+            row = dict(seqlen=seqlen, selection=kind, limit_per_slot=limits[-1],
+                       dkdv_launch=launch,
+                       bwd_ms=median_ms(lambda: attention_backward(q, k, v, out, dout, lse,
+                                                                   in_dkdv)),
+                       bwd_kernels_ms=kernel_times(
+                           lambda: attention_backward(q, k, v, out, dout, lse, in_dkdv), top=8))
+        finally:
+            key_outer.KEY_OUTER_DKDV_CONFIG.update(shipped)
         rows.append(row)
         print(json.dumps(row), flush=True)
     for launch in launches:
@@ -182,12 +208,18 @@ def main() -> None:
                         help="at each limit > 0, Tuning.key_outer_partial_bytes (GiB) to time")
     parser.add_argument("--dq-partials", default="input",
                         help="at each limit > 0, Tuning.key_outer_dq_partials to time")
+    parser.add_argument("--dq-passes", default="own_pass",
+                        help="at each limit > 0, Tuning.key_outer_dq to time (own_pass, "
+                        "in_dkdv)")
     parser.add_argument("--combine-launches", default="",
                         help="RxW,...: the combine's and dQ sum's rows and warps a program to "
                         "time (kernel times) at the last limit")
     parser.add_argument("--hopper-stages", default="",
                         help="S,...: the Gluon key-outer kernels' ring stages to time (kernel "
                         "times, forward and dQ) at the last limit")
+    parser.add_argument("--dkdv-launches", default="",
+                        help="WxS,...: the in_dkdv backward's hard-segment kernel launches to "
+                        "time at the last limit")
     parser.add_argument("--kernels", action="store_true",
                         help="also record each row's forward and backward kernel times")
     args = parser.parse_args()
@@ -203,7 +235,9 @@ def main() -> None:
                             [float(x) for x in args.partial_gib.split(",")], args.kernels,
                             [x for x in args.combine_launches.split(",") if x],
                             args.dq_partials.split(","),
-                            [int(x) for x in args.hopper_stages.split(",") if x])
+                            [int(x) for x in args.hopper_stages.split(",") if x],
+                            args.dq_passes.split(","),
+                            [x for x in args.dkdv_launches.split(",") if x])
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, date=time.strftime("%Y-%m-%d"), args=vars(args),
                   config=f"H{HEADS}/Hkv{KV_HEADS}/Hi{INDEX_HEADS}/Hik1 D=Di={DIM} top {TOP_K} "
@@ -212,7 +246,7 @@ def main() -> None:
         json.dump(result, handle, indent=2)
     print(f"\nkey-outer forward and dQ by walk limit, {result['gpu']}, {result['config']}")
     print(f"{'S':>7} {'selection':>9} {'Jacc':>5} {'union8':>6} {'limit':>5} {'kernels':>7} "
-          f"{'GiB':>4} {'dQ part':>7} {'hard':>5} "
+          f"{'GiB':>4} {'dQ part':>7} {'dQ pass':>8} {'hard':>5} "
           f"{'fwd ms':>8} {'bwd ms':>8} {'step ms':>8} {'x dense':>7} {'out/dq vs walk':>16}")
     for r in rows:
         if "hopper_stages" in r:
@@ -223,13 +257,17 @@ def main() -> None:
             print(f"{r['seqlen']:>7} {r['selection']:>9} combine {r['combine_launch']}: "
                   f"combine {r['combine_ms']:.2f} ms, dq sum {r['dq_sum_ms']:.2f} ms")
             continue
+        if "dkdv_launch" in r:
+            print(f"{r['seqlen']:>7} {r['selection']:>9} in_dkdv launch {r['dkdv_launch']}: "
+                  f"bwd {r['bwd_ms']:.2f} ms")
+            continue
         if "launch" in r:
             print(f"{r['seqlen']:>7} {r['selection']:>9} launch {r['launch']}: fwd "
                   f"{r['fwd_ms']:.2f} ms, bwd {r['bwd_ms']:.2f} ms")
             continue
         print(f"{r['seqlen']:>7} {r['selection']:>9} {r['jaccard']:>5.2f} {r['union_8']:>6.1f} "
               f"{r['limit_per_slot']:>5.1f} {r['key_outer_kernels']:>7} {r['partial_gib']:>4g} "
-              f"{r['dq_partials']:>7} "
+              f"{r['dq_partials']:>7} {r['key_outer_dq']:>8} "
               f"{r['hard_row_share']:>5.2f} {r['fwd_ms']:>8.2f} "
               f"{r['bwd_ms']:>8.2f} {r['step_ms']:>8.2f} {r.get('step_x_dense', 0):>6.2f}x "
               f"{r['out_vs_walk']:>7.1e}/{r['dq_vs_walk']:>7.1e}")

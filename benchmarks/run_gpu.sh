@@ -7,7 +7,8 @@
 #   all, without and with --share-index-kl, side by side, for each seed of OPENMSA_TRAIN_SEEDS,
 #   default 0), decode-kernels
 #   (bench_decode_kernels.py: the decode kernels' launches and the step's stages), key-outer
-#   (bench_key_outer.py: the main attention's tiles of long walks key-outer, by walk limit), bench
+#   (bench_key_outer.py: the main attention's tiles of long walks key-outer, by walk limit;
+#   OPENMSA_KEY_OUTER_ARGS adds arguments, e.g. "--limits 0,4 --dq-passes own_pass,in_dkdv"), bench
 #   (the user-facing commands `openmsa train --preset gpu` and `openmsa bench`, every selection
 #   kind; fla's NSA baseline where fla-core is importable), cli (= train,bench), short
 #   (profile_host.py and bench_segments.py at 4k-16k: host against GPU time, segment sizes),
@@ -82,7 +83,8 @@ if wants decode; then
     | tee "$out/openmsa_bench_decode_fp8.log" | tail -4
 fi
 if wants key-outer; then
-  python3 benchmarks/bench_key_outer.py --out "$out" 2>&1 | tee "$out/bench_key_outer.log" | tail -30
+  python3 benchmarks/bench_key_outer.py --out "$out" ${OPENMSA_KEY_OUTER_ARGS:-} 2>&1 \
+    | tee "$out/bench_key_outer.log" | tail -30
 fi
 if wants train; then
   python3 -m openmsa.cli train --preset gpu --out "$out/train" 2>&1 | tee "$out/openmsa_train.log" | tail -3

@@ -38,6 +38,9 @@ INDEX_LSE_SPLIT = False
 # The key-outer forward and dQ of the tiles whose walk would be long (attention.key_outer): the
 # launch of their per-segment Triton kernels, and whether the Gluon ones replace them.
 KEY_OUTER_CONFIG = dict(num_warps=8, num_stages=2)
+# The launch of the dK/dV segments that also give the hard rows' dQ (key_outer_dq "in_dkdv"):
+# as dK/dV's until timed (sm_90a: 468 bytes spilled at 2 stages, 276 at 1).
+KEY_OUTER_DKDV_CONFIG = dict(num_warps=8, num_stages=2)
 # Rows (query rows x heads) of a combine program and of a dQ-sum program, and their warps:
 # H200, 128k, random selections, H64/Hi4 (docs/BENCHMARKS.md): the combine 10.0 ms at 16 rows
 # against 15.0 at 64, the dQ sum best at 64 (16.4 ms).
@@ -81,9 +84,13 @@ KEY_OUTER_HOPPER_STAGES = 4  # their steps of gathered rows in shared memory
 # Their persistent grid: programs per SM (the forward's 128 KiB and dQ's 192 KiB of shared
 # memory leave room for one).
 KEY_OUTER_HOPPER_PROGRAMS_PER_SM = 1
+# The persistent grid of the dK/dV segments that also give the hard rows' dQ
+# (``Tuning.key_outer_dq = "in_dkdv"``; 255 registers a thread at 8 warps leave room for one).
+KEY_OUTER_DKDV_PROGRAMS_PER_SM = 1
 
 
 KEY_OUTER_DQ_PARTIALS = ("float32", "input")
+KEY_OUTER_DQ_PASSES = ("own_pass", "in_dkdv")
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,11 @@ class Tuning:
         precision (the default: half the memory traffic of writing and summing them, each
         partial rounded once before the fp32 sum; the H200's backward at 128k on random
         selections 7 ms faster, the step 3-5%, dq within bf16's error) or in "float32".
+    key_outer_dq: where the hard rows' dQ partials come from: a key-outer dQ pass of their own
+        ("own_pass", the default) or the dK/dV pass ("in_dkdv": its steps already gather the
+        rows and compute dS; one more product per step, no second gather). With "in_dkdv" the
+        dK/dV segments holding a hard row run window by window on a Triton kernel, on Hopper
+        GPUs too; not yet timed on a GPU (docs/KERNELS.md, section 4).
     """
 
     segment_pairs: int = 1024
@@ -136,11 +148,14 @@ class Tuning:
     main_walk_limit_per_slot: float = 0.0
     key_outer_partial_bytes: int = 2 << 30
     key_outer_dq_partials: str = "input"
+    key_outer_dq: str = "own_pass"
 
     def __post_init__(self):
-        if self.key_outer_dq_partials not in KEY_OUTER_DQ_PARTIALS:
-            raise ValueError(f"key_outer_dq_partials: expected one of {KEY_OUTER_DQ_PARTIALS}, "
-                             f"received {self.key_outer_dq_partials!r}")
+        for name, allowed in (("key_outer_dq_partials", KEY_OUTER_DQ_PARTIALS),
+                              ("key_outer_dq", KEY_OUTER_DQ_PASSES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: expected one of {allowed}, "
+                                 f"received {getattr(self, name)!r}")
 
     def segment_pairs_for(self, num_queries: int, num_index_heads: int, slots: int,
                           heads_per_index_head: int = 1, multiprocessors: int = 1) -> int:

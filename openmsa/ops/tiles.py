@@ -102,6 +102,14 @@ def _segment(SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE
     index head, local block, sequence start and length, and the query row of the sequence's
     position 0: pairs name query rows, packed token - query_start); segment -1 is padding."""
     segment = tl.load(SEGMENT_ORDER + tl.program_id(0)).to(tl.int64)
+    return _segment_at(SEGMENTS, segment, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+                       BLOCK_LOCAL, CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
+
+
+@triton.jit
+def _segment_at(SEGMENTS, segment, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
+                CU_SEQLENS, query_start, HI: tl.constexpr, SEGMENT_PAIRS: tl.constexpr):
+    """``_segment`` of segment number ``segment`` (int64)."""
     bucket = tl.load(SEGMENTS + 2 * segment).to(tl.int64)
     valid_bucket = tl.maximum(bucket, 0)
     first = tl.load(SEGMENTS + 2 * segment + 1).to(tl.int64)

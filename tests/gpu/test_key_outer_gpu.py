@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from openmsa.ops import attention as attention_module
 from openmsa.ops.attention import attention_backward, key_outer, sm90_key_outer
 from openmsa.ops.attention import sparse_attention_fwd
 from openmsa.ops.configs import Tuning
@@ -99,12 +100,42 @@ def test_bf16_key_outer_within_twice_the_reference_error(case, kernels, dq_parti
     assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
 
 
-def test_key_outer_is_bitwise_deterministic():
-    """deterministic=True (d index_k then without atomics): two runs bitwise equal."""
+@pytest.mark.parametrize("dq_partials", ["float32", "input"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_bf16_dq_in_dkdv_within_twice_the_reference_error(case, dq_partials, monkeypatch):
+    """``Tuning.key_outer_dq = "in_dkdv"``: the hard rows' dQ partials from the (Triton) dK/dV
+    pass, window by window, in fp32 or bf16; the Gluon key-outer forward."""
+    passes = []
+    original = attention_module.dkdv_with_hard_dq
+    monkeypatch.setattr(attention_module, "dkdv_with_hard_dq",
+                        lambda *args: passes.append(1) or original(*args))
+    launches = _count_gluon_launches(monkeypatch)
+    tuning = dataclasses.replace(TUNING, key_outer_dq="in_dkdv",
+                                 key_outer_dq_partials=dq_partials)
+    comparison = compare_with_reference(tuned_msa_attention(tuning), case, torch.bfloat16,
+                                        "cuda")
+    record = os.environ.get("OPENMSA_GPU_RECORD")
+    if record:
+        with open(record, "a") as f:
+            f.write(json.dumps({"test": "key_outer_dq_in_dkdv_bf16", "case": case.name,
+                                "dq_partials": dq_partials, "errors": comparison.errors,
+                                "reference_bf16_errors": comparison.baseline_errors}) + "\n")
+    print(case.name, {n: f"{e:.2e}/{comparison.baseline_errors[n]:.2e}"
+                      for n, e in comparison.errors.items()})
+    # The dK/dV pass gave dq's hard rows; the Gluon key-outer kernel ran the forward alone.
+    assert passes and set(launches) == {False}, (passes, launches)
+    assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
+
+
+@pytest.mark.parametrize("dq_pass", ["own_pass", "in_dkdv"])
+def test_key_outer_is_bitwise_deterministic(dq_pass):
+    """deterministic=True (d index_k then without atomics): two runs bitwise equal, with the
+    hard rows' dQ from either pass."""
     case = CASES[1]
     inputs, _ = random_inputs(case, torch.bfloat16, "cuda", seed=3)
     out_grad = torch.randn_like(inputs[0])
-    runs = [run_with_grads(tuned_msa_attention(TUNING), inputs, None, out_grad, 1.0,
+    tuning = dataclasses.replace(TUNING, key_outer_dq=dq_pass)
+    runs = [run_with_grads(tuned_msa_attention(tuning), inputs, None, out_grad, 1.0,
                            deterministic=True, **case.options)[0] for _ in range(2)]
     for name, value in runs[0].items():
         assert torch.equal(value, runs[1][name]), name

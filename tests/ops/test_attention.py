@@ -1,6 +1,7 @@
 """The Triton sparse attention (forward and backward) against the reference, under the CPU
 interpreter, on the same kept blocks."""
 
+import dataclasses
 import math
 
 import pytest
@@ -375,26 +376,109 @@ def _count_hard_rows(monkeypatch):
     return counts
 
 
+IN_DKDV = dataclasses.replace(KEY_OUTER_TUNING, key_outer_dq="in_dkdv")
+
+
 @pytest.mark.parametrize("case,dtype,tuning", [
     (KEY_OUTER_CASE, torch.float32, KEY_OUTER_TUNING),
     (KEY_OUTER_CASE, torch.float16, KEY_OUTER_TUNING),
     (CASES[1], torch.float32, Tuning(main_walk_limit_per_slot=0.5)),
-], ids=["gq16_fp32", "gq16_fp16", "packed_with_sink_fp32"])
+    (KEY_OUTER_CASE, torch.float32, IN_DKDV),
+    (KEY_OUTER_CASE, torch.float16, IN_DKDV),
+    (CASES[1], torch.float32, Tuning(main_walk_limit_per_slot=0.5, key_outer_dq="in_dkdv")),
+], ids=["gq16_fp32", "gq16_fp16", "packed_with_sink_fp32", "gq16_fp32_dq_in_dkdv",
+        "gq16_fp16_dq_in_dkdv", "packed_with_sink_fp32_dq_in_dkdv"])
 def test_key_outer_forward_and_dq_match_reference(case, dtype, tuning, monkeypatch):
     """Tiles whose union holds more than ``main_walk_limit_per_slot * top_k`` blocks take the
     forward and dQ key-outer (per-slot partials merged by log-sum-exp, summed in slot order),
-    here over several windows of rows, the other tiles walking: the reference's quantities,
-    every element written (new buffers poisoned) and bitwise the same twice."""
+    here over several windows of rows, the other tiles walking; their dQ partials from a pass
+    of their own or from the dK/dV pass (``Tuning.key_outer_dq``): the reference's
+    quantities, every element written (new buffers poisoned) and bitwise the same twice."""
+    passes = _count_dq_passes(monkeypatch)
     counts = _count_hard_rows(monkeypatch)
     got, expected, _ = kernel_and_reference(case, dtype, seed=4, tuning=tuning)
     assert len(counts) == 2 and all(0 < hard < total for hard, total in counts), counts
     for name in QUANTITY_NAMES:
         error = rel_rms_error(got[name], expected[name])
         assert error < TOLERANCE[dtype], (name, error)
+    assert passes == [tuning.key_outer_dq], passes
     _poison_new_buffers(monkeypatch)
     again, _, _ = kernel_and_reference(case, dtype, seed=4, tuning=tuning)
     for name in QUANTITY_NAMES:
         assert torch.equal(again[name], got[name]), name
+
+
+def _count_dq_passes(monkeypatch) -> list:
+    """Which pass gave the hard rows' dq, once per backward: "own_pass" (``key_outer_dq``)
+    or "in_dkdv" (``dkdv_with_hard_dq``)."""
+    passes = []
+    for name, kind in (("key_outer_dq", "own_pass"), ("dkdv_with_hard_dq", "in_dkdv")):
+        original = getattr(attention_module, name)
+
+        def counted(*args, original=original, kind=kind):
+            passes.append(kind)
+            return original(*args)
+
+        monkeypatch.setattr(attention_module, name, counted)
+    return passes
+
+
+def _segment_hard_flags(monkeypatch) -> list:
+    """Each ``dkdv_with_hard_dq`` call's per-segment flags (a hard pair in the segment)."""
+    flags = []
+    kernel = key_outer_module._segment_hard_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def run(*args, **options):
+                kernel[grid](*args, **options)
+                flags.append(args[0].clone())
+            return run
+
+    monkeypatch.setattr(key_outer_module, "_segment_hard_kernel", Recorded())
+    return flags
+
+
+def _recorded_window_bounds(monkeypatch) -> list:
+    """Every ``window_bounds`` result, in call order."""
+    bounds = []
+    original = key_outer_module.window_bounds
+
+    def recorded(*args):
+        bounds.append(original(*args))
+        return bounds[-1]
+
+    monkeypatch.setattr(key_outer_module, "window_bounds", recorded)
+    return bounds
+
+
+@pytest.mark.parametrize("programs", [1, 3], ids=["one_program", "three_programs"])
+def test_dq_in_dkdv_carries_segments_across_windows(programs, monkeypatch):
+    """``key_outer_dq="in_dkdv"`` with segments of 16 pairs over windows of 30 rows: some
+    segments hold hard pairs and run window by window on the persistent kernel (``programs``
+    of them taking turns), several of them across windows (their dK/dV partials carried
+    over), some hold none and run once on the dK/dV kernel; dq, dk and dv match the
+    reference and the own-pass run's to fp32 rounding."""
+    monkeypatch.setattr(key_outer_module, "multiprocessors", lambda device: programs)
+    flags = _segment_hard_flags(monkeypatch)
+    all_bounds = _recorded_window_bounds(monkeypatch)
+    small = dict(segment_pairs=16, short_segment_pairs=16, long_segment_pairs=16,
+                 key_outer_partial_bytes=30 * 16 * 2 * 256)
+    tuning = dataclasses.replace(IN_DKDV, **small)
+    got, expected, _ = kernel_and_reference(KEY_OUTER_CASE, torch.float32, seed=4,
+                                            tuning=tuning)
+    (flag,), bounds = flags, all_bounds[-1]  # the backward's, over the dK/dV list
+    assert bounds.shape[0] == flag.numel() and 0 < int(flag.sum()) < flag.numel(), flag
+    inner = bounds[:, 1:-1]
+    across = ((inner > bounds[:, :1]) & (inner < bounds[:, -1:])).any(1) & (flag != 0)
+    assert int(across.sum()) >= 2, bounds
+    for name in QUANTITY_NAMES:
+        error = rel_rms_error(got[name], expected[name])
+        assert error < TOLERANCE[torch.float32], (name, error)
+    own, _, _ = kernel_and_reference(KEY_OUTER_CASE, torch.float32, seed=4,
+                                     tuning=dataclasses.replace(KEY_OUTER_TUNING, **small))
+    for name in ("dq", "dk", "dv"):
+        torch.testing.assert_close(got[name], own[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _window_bytes(monkeypatch) -> list:
@@ -433,16 +517,19 @@ def test_key_outer_dq_partials_in_the_chosen_precision(dq_partials, dq_bytes, mo
 def test_key_outer_dq_partials_must_be_named():
     with pytest.raises(ValueError, match="key_outer_dq_partials"):
         Tuning(key_outer_dq_partials="bfloat16")
+    with pytest.raises(ValueError, match="key_outer_dq: expected one of"):
+        Tuning(key_outer_dq="dkdv")
 
 
-def test_key_outer_rows_of_query_ranges_add_up_to_the_full_run(monkeypatch):
+@pytest.mark.parametrize("tuning", [KEY_OUTER_TUNING, IN_DKDV], ids=["own_pass", "in_dkdv"])
+def test_key_outer_rows_of_query_ranges_add_up_to_the_full_run(tuning, monkeypatch):
     """The key-outer passes on query ranges (rows named relative to ``query_start``): out and
-    dq are the full run's rows."""
+    dq are the full run's rows, with the hard rows' dQ from either pass."""
     counts = _count_hard_rows(monkeypatch)
     inputs, cu_seqlens = random_inputs(KEY_OUTER_CASE, torch.float32, "cpu", seed=8)
     out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(9))
     options = dict(KEY_OUTER_CASE.options, return_indices=True)
-    tuned = tuned_msa_attention(KEY_OUTER_TUNING)
+    tuned = tuned_msa_attention(tuning)
     full, _ = run_with_grads(tuned, inputs, cu_seqlens, out_grad, 1.0, **options)
     ranges = ((0, 150), (150, 331))
     parts = run_query_ranges(tuned, inputs, cu_seqlens, out_grad, 1.0, ranges, **options)

@@ -23,7 +23,7 @@ SHARED_MEMORY_LIMIT = 227 * 1024  # per block on the H100/H200
 # spills up to 20 bytes at D = 128 (0 at D = 64); its bound stays at the 64 it once needed.
 # The persistent key-outer forward spills up to 64 bytes at D = 128 (4 or 16 heads a pair):
 # scalars of its segment loop (pairs, block, step counts), read from the L1 cache.
-SPILL_BYTES = {"forward": 0, "dq": 0, "dq-walk-limit": 0, "dkdv": 0, "kl": 64,
+SPILL_BYTES = {"forward": 0, "dq": 0, "dq-walk-limit": 0, "dkdv": 0, "dkdv-skip": 0, "kl": 64,
                "key-outer-forward": 64, "key-outer-dq": 0, "key-outer-dq-16bit": 0}
 # Compiled in a process of its own: with TRITON_INTERPRET=1 (the README's test command) Triton
 # swaps its language functions for interpreted ones, which the Gluon compiler then refuses.
@@ -47,7 +47,7 @@ def _compile(kernel, head_dim, block_size, dtype, heads_per_token):
     return report, int(shared)
 
 
-@pytest.mark.parametrize("kernel", ["forward", "dq", "dq-walk-limit", "dkdv", "kl",
+@pytest.mark.parametrize("kernel", ["forward", "dq", "dq-walk-limit", "dkdv", "dkdv-skip", "kl",
                                     "key-outer-forward", "key-outer-dq", "key-outer-dq-16bit"])
 @pytest.mark.parametrize("head_dim,block_size,dtype,heads_per_token", [
     (128, 128, "bf16", 16), (128, 128, "bf16", 4), (64, 64, "fp16", 4), (128, 64, "bf16", 3),

@@ -23,7 +23,7 @@ from ..segments import reduce_segments
 from . import sm90_backward, sm90_forward
 from .backward import attention_delta, triton_dkdv_parts, triton_dq
 from .forward import index_log_sum_exp, index_log_sum_exp_key_outer, triton_forward
-from .key_outer import key_outer_dq, key_outer_forward, walk_limit
+from .key_outer import dkdv_with_hard_dq, key_outer_dq, key_outer_forward, walk_limit
 
 __all__ = ["attention_backward", "attention_delta", "attention_dkdv", "attention_dq",
            "index_log_sum_exp", "index_log_sum_exp_key_outer", "sparse_attention_fwd"]
@@ -71,17 +71,23 @@ def _hopper_dq(q, k, v, dout, p: SparseAttentionProblem, use_hopper: bool | None
     return use_hopper is not False and sm90.supported(q, k, v, p) and dout.stride(2) == 1
 
 
+def _walk_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: int,
+             use_hopper: bool | None, out=None, **launch_options):
+    """dq of the rows that walk (all of them at ``limit`` 0): the Gluon kernel where it runs
+    (with ``out``, it also writes ``delta``'s rows, those it leaves too), else the Triton one."""
+    if _hopper_dq(q, k, v, dout, p, use_hopper):
+        return sm90_backward.attention_dq(q, k, v, dout, lse, delta, p, p.scale * LOG2_E,
+                                          out=out, walk_limit=limit)
+    return triton_dq(q, k, v, dout, lse, delta, p, walk_limit=limit, **launch_options)
+
+
 def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
                  use_hopper: bool | None = None, **launch_options):
     """dq, query-outer: on a Hopper GPU the Gluon kernel where it supports the inputs, else (or
     with ``use_hopper=False``) the Triton kernel (``launch_options``: its num_warps,
     num_stages); the rows of tiles past ``key_outer.walk_limit(p)`` key-outer."""
     limit = walk_limit(p)
-    if _hopper_dq(q, k, v, dout, p, use_hopper):
-        dq = sm90_backward.attention_dq(q, k, v, dout, lse, delta, p, p.scale * LOG2_E,
-                                        walk_limit=limit)
-    else:
-        dq = triton_dq(q, k, v, dout, lse, delta, p, walk_limit=limit, **launch_options)
+    dq = _walk_dq(q, k, v, dout, lse, delta, p, limit, use_hopper, **launch_options)
     if limit:
         key_outer_dq(q, k, v, dout, lse, delta, p, limit, dq, use_hopper)
     return dq
@@ -91,18 +97,20 @@ def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
                        use_hopper: bool | None = None):
     """dq, dk, dv of the main attention: delta, the query-outer dQ, the key-outer dK/dV. The
     Gluon dQ computes the deltas itself (one pass over out and dout less), those of the rows
-    it leaves to the key-outer dQ too."""
+    it leaves to the key-outer dQ too. With ``Tuning.key_outer_dq = "in_dkdv"`` the rows the
+    walk leaves get their dq from the dK/dV pass (``key_outer.dkdv_with_hard_dq``)."""
     dout = dout.contiguous()
+    limit = walk_limit(p)
     if _hopper_dq(q, k, v, dout, p, use_hopper) and out.stride(2) == 1:
         delta = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
-        limit = walk_limit(p)
-        dq = sm90_backward.attention_dq(q, k, v, dout, lse, delta, p, p.scale * LOG2_E,
-                                        out=out, walk_limit=limit)
-        if limit:  # after the deltas of its rows, which the Gluon dQ wrote
-            key_outer_dq(q, k, v, dout, lse, delta, p, limit, dq, use_hopper)
+        dq = _walk_dq(q, k, v, dout, lse, delta, p, limit, use_hopper, out=out)
     else:
         delta = attention_delta(out, dout, p)
-        dq = attention_dq(q, k, v, dout, lse, delta, p, use_hopper=use_hopper)
+        dq = _walk_dq(q, k, v, dout, lse, delta, p, limit, use_hopper)
+    if limit and p.tuning.key_outer_dq == "in_dkdv":
+        return dkdv_with_hard_dq(q, k, v, dout, lse, delta, p, limit, dq, use_hopper)
+    if limit:  # after the deltas of its rows, which the Gluon dQ wrote
+        key_outer_dq(q, k, v, dout, lse, delta, p, limit, dq, use_hopper)
     return (dq,) + attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=use_hopper)
 
 

@@ -15,8 +15,8 @@ import triton.language as tl
 from ..configs import DKDV_CONFIG, DQ_CONFIG
 from ..launch import launch, strides
 from ..problem import LOG2_E, SparseAttentionProblem
-from ..tiles import (_block_keys, _load_rows, _members, _query_tile, _segment, _walk_block,
-                     _walk_list)
+from ..tiles import (_block_keys, _load_rows, _members, _query_tile, _segment, _segment_at,
+                     _walk_block, _walk_list)
 
 
 @triton.jit
@@ -92,47 +92,54 @@ def _delta_kernel(OUT, DOUT, DELTA, stride_o_t, stride_o_h, stride_do_t, stride_
 def _pair_rows(PAIR_TOKEN, first_pair, last, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
                TOK: tl.constexpr):
     """Packed token and validity of each head-major row (row = g * TOK + t) for the TOK pairs
-    from ``first_pair``. The TOK tokens are loaded once and broadcast over the heads (a load per
-    row is slower)."""
+    from ``first_pair``, and the pairs' own tokens and validity. The TOK tokens are loaded once
+    and broadcast over the heads (a load per row is slower)."""
     pairs = tl.arange(0, TOK)
     pair_valid = first_pair + pairs < last
     pair_token = tl.load(PAIR_TOKEN + first_pair + pairs, mask=pair_valid, other=0).to(tl.int64)
-    row_token = tl.reshape(tl.broadcast_to(pair_token[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
-    row_valid = tl.reshape(tl.broadcast_to(pair_valid[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
-    return row_token, row_valid & (tl.arange(0, GQ_PAD * TOK) // TOK < GQ)
+    row_token = _over_heads(pair_token, GQ_PAD, TOK)
+    row_valid = _over_heads(pair_valid, GQ_PAD, TOK)
+    return (row_token, row_valid & (tl.arange(0, GQ_PAD * TOK) // TOK < GQ), pair_token,
+            pair_valid)
 
 
 @triton.jit
-def _sparse_attn_dkdv_kernel(
-    Q, K, V, DOUT, LSE, DELTA, DK_PART, DV_PART,
-    SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
-    BLOCK_LOCAL, CU_SEQLENS, query_start,
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_do_t, stride_do_h, scale_log2,
-    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
-    INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
-    SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """Key-outer dK, dV of one segment: up to SEGMENT_PAIRS (token, index head) pairs that kept
-    one key block, TOK pairs x GQ heads (head-major rows) per step; segments run in
-    SEGMENT_ORDER (worklists.key_blocks.SEGMENT_ORDERS). Writes fp32 partials (dK unscaled)."""
-    segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
-        SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
-        CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
-    if segment < 0:
-        return
-    kv_head = index_head // KV_GROUP
-    key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
-    k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
-    v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
+def _over_heads(per_pair, GQ_PAD: tl.constexpr, TOK: tl.constexpr):
+    """A per-pair vector [TOK] repeated for each head: head-major rows [GQ_PAD * TOK]."""
+    return tl.reshape(tl.broadcast_to(per_pair[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
+
+
+@triton.jit
+def _hard_pairs(HARD, IDS, pair_token, pair_valid, index_head, block, stride_ids_t,
+                stride_ids_h, HI: tl.constexpr, TOP_K: tl.constexpr):
+    """Per pair: whether its query row is hard (its tile left the walks to key-outer) and its
+    slot (the block's position in the row's ids)."""
+    hard = pair_valid & (tl.load(HARD + pair_token * HI + index_head, mask=pair_valid,
+                                 other=0) != 0)
+    ids = IDS + pair_token * stride_ids_t + index_head * stride_ids_h
+    slot = tl.zeros_like(pair_token)
+    for s in tl.static_range(TOP_K):
+        slot = tl.where(tl.load(ids + s, mask=hard, other=-1) == block, s, slot)
+    return hard, slot
+
+
+@triton.jit
+def _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, last, block,
+                index_head, query_base, stride_q_t, stride_q_h, stride_do_t, stride_do_h,
+                scale_log2, HARD, IDS, DQ_PART, window_start, stride_ids_t, stride_ids_h,
+                HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, TOK: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                PRECISION: tl.constexpr, TOP_K: tl.constexpr, HARD_DQ: tl.constexpr):
+    """dK and dV of the block over the pairs [first, last), TOK pairs x GQ heads (head-major
+    rows) a step, added to ``dk`` and ``dv``. HARD_DQ: each step's hard rows (HARD) also get
+    their dQ over the block, ``dS K`` from the step's own dS, stored into their slots of
+    DQ_PART [window rows, HI, TOP_K, GQ, D] (unscaled, as the key-outer dQ writes them)."""
     dims = tl.arange(0, HEAD_DIM)
-    dk = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-    dv = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
     rows = tl.arange(0, ROWS)
     row_head = index_head * GQ + rows // TOK
     for first_pair in range(first, last, TOK):
-        row_token, row_valid = _pair_rows(PAIR_TOKEN, first_pair, last, GQ, GQ_PAD, TOK)
+        row_token, row_valid, pair_token, pair_valid = _pair_rows(PAIR_TOKEN, first_pair, last,
+                                                                  GQ, GQ_PAD, TOK)
         q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
                     + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
         dout = tl.load(DOUT + row_token[:, None] * stride_do_t + row_head[:, None] * stride_do_h
@@ -152,9 +159,101 @@ def _sparse_attn_dkdv_kernel(
         dprobs_t = tl.dot(v, tl.trans(dout), input_precision=PRECISION)
         dscores_t = probs_t * (dprobs_t - delta[None, :])  # d loss / d (scaled logits)
         dk = tl.dot(dscores_t.to(q.dtype), q, dk, input_precision=PRECISION)
-    offsets = (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * HEAD_DIM + dims[None, :]
+        if HARD_DQ:
+            pair_hard, pair_slot = _hard_pairs(HARD, IDS, pair_token, pair_valid, index_head,
+                                               block, stride_ids_t, stride_ids_h, HI, TOP_K)
+            if tl.max(pair_hard.to(tl.int32), axis=0) > 0:
+                dq = tl.dot(tl.trans(dscores_t.to(k.dtype)), k, input_precision=PRECISION)
+                slot = (((row_token - window_start) * HI + index_head) * TOP_K
+                        + _over_heads(pair_slot, GQ_PAD, TOK)) * GQ + rows // TOK
+                store = row_valid & _over_heads(pair_hard, GQ_PAD, TOK)
+                tl.store(DQ_PART + slot[:, None] * HEAD_DIM + dims[None, :],
+                         dq.to(DQ_PART.dtype.element_ty), mask=store[:, None])
+    return dk, dv
+
+
+@triton.jit
+def _sparse_attn_dkdv_kernel(
+    Q, K, V, DOUT, LSE, DELTA, DK_PART, DV_PART,
+    SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
+    BLOCK_LOCAL, CU_SEQLENS, query_start,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_do_t, stride_do_h, scale_log2, SKIP,
+    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
+    INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
+    SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr, WITH_SKIP: tl.constexpr = False,
+):
+    """Key-outer dK, dV of one segment: up to SEGMENT_PAIRS (token, index head) pairs that kept
+    one key block, TOK pairs x GQ heads (head-major rows) per step; segments run in
+    SEGMENT_ORDER (worklists.key_blocks.SEGMENT_ORDERS). Writes fp32 partials (dK unscaled).
+    WITH_SKIP: the segments flagged in SKIP are left (another kernel writes them)."""
+    segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
+        SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
+        CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
+    if segment < 0:
+        return
+    if WITH_SKIP:
+        if tl.load(SKIP + segment) != 0:
+            return
+    kv_head = index_head // KV_GROUP
+    key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
+    k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
+    v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
+    dk = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+    dk, dv = _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, last,
+                         block, index_head, query_base, stride_q_t, stride_q_h, stride_do_t,
+                         stride_do_h, scale_log2, None, None, None, 0, 0, 0, HI, GQ, GQ_PAD,
+                         TOK, ROWS, BLOCK, HEAD_DIM, PRECISION, 1, False)
+    offsets = (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * HEAD_DIM \
+        + tl.arange(0, HEAD_DIM)[None, :]
     tl.store(DK_PART + offsets, dk)
     tl.store(DV_PART + offsets, dv)
+
+
+@triton.jit
+def _dkdv_hard_dq_kernel(
+    Q, K, V, DOUT, LSE, DELTA, DK_PART, DV_PART, HARD_SEGMENTS, HARD_COUNT, BOUNDS,
+    num_bounds, window, window_start, HARD, IDS, DQ_PART,
+    SEGMENTS, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
+    query_start, stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_do_t, stride_do_h, stride_ids_t, stride_ids_h, scale_log2,
+    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
+    TOK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr, TOP_K: tl.constexpr,
+):
+    """dK, dV and the hard rows' dQ partials of the segments that hold a hard pair (the first
+    HARD_COUNT of HARD_SEGMENTS), one window of query rows (each segment's pairs
+    BOUNDS[segment, window .. window + 1]) a launch, on a persistent grid (a launch whose
+    window none of them reaches costs one short wave). A segment's dK and dV partials carry
+    over from the windows before (fp32, in DK_PART and DV_PART)."""
+    for position in range(tl.program_id(0), tl.load(HARD_COUNT), tl.num_programs(0)):
+        segment = tl.load(HARD_SEGMENTS + position).to(tl.int64)
+        _, first, _, index_head, block, seq_start, seq_len, query_base = _segment_at(
+            SEGMENTS, segment, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
+            CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
+        low = tl.load(BOUNDS + segment * num_bounds + window).to(tl.int64)
+        high = tl.load(BOUNDS + segment * num_bounds + window + 1).to(tl.int64)
+        if low < high:
+            offsets = (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * HEAD_DIM \
+                + tl.arange(0, HEAD_DIM)[None, :]
+            dk = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+            dv = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+            if low > first:  # the windows before wrote this segment's partials so far
+                dk = tl.load(DK_PART + offsets)
+                dv = tl.load(DV_PART + offsets)
+            kv_head = index_head // KV_GROUP
+            key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
+            k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
+            v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
+            dk, dv = _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, low,
+                                 high, block, index_head, query_base, stride_q_t, stride_q_h,
+                                 stride_do_t, stride_do_h, scale_log2, HARD, IDS, DQ_PART,
+                                 window_start, stride_ids_t, stride_ids_h, HI, GQ, GQ_PAD, TOK,
+                                 ROWS, BLOCK, HEAD_DIM, PRECISION, TOP_K, True)
+            tl.store(DK_PART + offsets, dk)
+            tl.store(DV_PART + offsets, dv)
 
 
 def attention_delta(out, dout, p: SparseAttentionProblem):
@@ -181,14 +280,18 @@ def triton_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
 
 
 def triton_dkdv_parts(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
-                      num_warps=DKDV_CONFIG["num_warps"], num_stages=DKDV_CONFIG["num_stages"]):
-    """fp32 dK (unscaled) and dV partials per segment of ``p``'s key-block list, key-outer."""
+                      num_warps=DKDV_CONFIG["num_warps"], num_stages=DKDV_CONFIG["num_stages"],
+                      skip=None, parts=None):
+    """fp32 dK (unscaled) and dV partials per segment of ``p``'s key-block list, key-outer.
+    ``skip``: int32 flags per segment, those set left unwritten (another kernel's); ``parts``:
+    the (dk, dv) partials to write into (new ones by default)."""
     segments = p.block_work.segments.shape[0]
-    dk_part, dv_part = (torch.empty(segments * p.block_size, p.head_dim, dtype=torch.float32,
-                                    device=q.device) for _ in range(2))
+    dk_part, dv_part = parts or (torch.empty(segments * p.block_size, p.head_dim,
+                                             dtype=torch.float32, device=q.device)
+                                 for _ in range(2))
     launch(_sparse_attn_dkdv_kernel, (segments,),
         q, k, v, dout, lse, delta, dk_part, dv_part, *p.key_work_args(),
-        *strides(q, k, v, dout), p.scale * LOG2_E,
-        **p.key_constants(p.key_tokens, p.key_rows), num_warps=num_warps,
-        num_stages=num_stages)
+        *strides(q, k, v, dout), p.scale * LOG2_E, skip,
+        **p.key_constants(p.key_tokens, p.key_rows), WITH_SKIP=skip is not None,
+        num_warps=num_warps, num_stages=num_stages)
     return dk_part, dv_part
