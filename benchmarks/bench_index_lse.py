@@ -1,15 +1,16 @@
 """The index log-sum-exp over the kept tokens (the KL's student normalizer), computed beside
 the Hopper forward, three ways (GPU only): the query-outer walk of the Triton forward's index part
-on 64-token tiles (its cost follows each tile's union of kept blocks; ``deterministic=True``
-keeps it) against the key-outer pass over the key-block list (its cost follows the kept pairs),
+on 64-token tiles (its cost follows each tile's union of kept blocks) against the key-outer
+pass over a key-block list of the rows' pairs (its cost follows the kept pairs),
 and the split of the two by each tile's union that the forward runs (tiles of at most
 ``INDEX_WALK_LIMIT_PER_SLOT * top_k`` blocks walk, the rest key-outer), all given selection's
 row maxima, on every selection kind.
 
     python benchmarks/bench_index_lse.py --out DIR [--seqlens 32768,131072]
 
-H64/Hkv4/Hi4/Hik1, Di = 128, top 16 of 128, bf16. The key-block list is built beforehand (the
-KL walks it anyway), so the times are the kernels alone. Each row gives the selection's
+H64/Hkv4/Hi4/Hik1, Di = 128, top 16 of 128, bf16. The walk's tile lists are built beforehand;
+the key-outer pass builds a list of the pairs of the rows the walk left (all of them for
+"key-outer") each time, which its times include. Each row gives the selection's
 neighbours' Jaccard and 8-token union, the three times (speedup: the walk's over the split's)
 and how far the results lie apart (the larger max absolute difference of the natural-log
 values of key-outer and split against the walk). Prints a table last.
@@ -56,7 +57,6 @@ def main() -> None:
                                              index_softmax_scale=scale, num_local_blocks=1,
                                              num_sink_blocks=0, return_max=True)
             problem = SparseAttentionProblem(q, k, ids, cu, BLOCK, scale, index_k, scale)
-            problem.block_work  # built beforehand: the KL walks it anyway
             problem.index_tile_work
             walk = index_log_sum_exp(index_q, index_k, row_max, problem)
             key_outer = index_log_sum_exp_key_outer(index_q, index_k, row_max, problem,

@@ -3,7 +3,8 @@
 
     python benchmarks/bench_key_outer.py --out DIR [--seqlens 8192,32768,131072]
         [--limits 0,1.5,2,3,4] [--key-outer-kernels gluon,triton] [--partial-gib 2,8]
-        [--dq-partials float32,input] [--dq-passes own_pass,in_dkdv] [--kernels]
+        [--dq-partials float32,input] [--dq-passes own_pass,in_dkdv] [--index-lse walk,split]
+        [--kernels]
         [--launches 8x2,4x2,8x3]
         [--combine-launches 64x4,128x8] [--hopper-stages 3,4,6] [--dkdv-launches 8x1,8x2]
 
@@ -17,7 +18,9 @@ and how far out and dq lie from the walk's (relative RMS). Each limit above 0 is
 key-outer passes on each of ``--key-outer-kernels`` (the Gluon kernels, the Triton ones) and
 each of ``--partial-gib`` (the memory their partials take at once), ``--dq-partials`` (dQ's
 partials in fp32 or bf16) and ``--dq-passes`` (the hard rows' dQ partials from a key-outer
-pass of their own or from the dK/dV pass, ``Tuning.key_outer_dq``); ``--kernels`` adds each
+pass of their own or from the dK/dV pass, ``Tuning.key_outer_dq``); each limit, 0 too, with
+each of ``--index-lse`` (the index log-sum-exp's walk alone, or split with a key-outer pass:
+``Tuning.index_lse_split``, in the step's times only); ``--kernels`` adds each
 row's kernel times (torch profiler) of one forward and one backward.
 ``--launches WxS,...``: also times
 the key-outer kernels' launch (warps x stages, ``configs.KEY_OUTER_CONFIG``) at the last limit,
@@ -55,7 +58,8 @@ HEADS, KV_HEADS, INDEX_HEADS, DIM, TOP_K, BLOCK = 64, 4, 4, 128, 16, 128
 def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
             key_outer_kernels=("gluon", "triton"), partial_gib=(2.0,),
             profile: bool = False, combine_launches=(), dq_partials=("input",),
-            hopper_stages=(), dq_passes=("own_pass",), dkdv_launches=()) -> list[dict]:
+            hopper_stages=(), dq_passes=("own_pass",), dkdv_launches=(),
+            index_lse=("walk",)) -> list[dict]:
     generator = torch.Generator(device="cuda").manual_seed(seqlen)
     q, k, v = (torch.randn(seqlen, h, DIM, device="cuda", generator=generator).bfloat16()
                for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -72,16 +76,17 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
     if not dense:
         dense.update(dense_baseline(*inputs[:3], dout[None], median_ms))
     rows, walked = [], None
-    runs = [(limit, kernel, gib, partials, dq_pass) for limit in limits
+    runs = [(limit, kernel, gib, partials, dq_pass, lse) for limit in limits
             for kernel in (key_outer_kernels if limit else ["-"])
             for gib in (partial_gib if limit else partial_gib[:1])
             for partials in (dq_partials if limit else dq_partials[:1])
-            for dq_pass in (dq_passes if limit else dq_passes[:1])]
-    for limit, kernel, gib, partials, dq_pass in runs:
+            for dq_pass in (dq_passes if limit else dq_passes[:1]) for lse in index_lse]
+    for limit, kernel, gib, partials, dq_pass, lse in runs:
         key_outer.KEY_OUTER_HOPPER = kernel != "triton"
         tuning = Tuning(main_walk_limit_per_slot=limit,
                         key_outer_partial_bytes=int(gib * (1 << 30)),
-                        key_outer_dq_partials=partials, key_outer_dq=dq_pass)
+                        key_outer_dq_partials=partials, key_outer_dq=dq_pass,
+                        index_lse_split=lse == "split")
         problem = SparseAttentionProblem(q, k, ids, cu, BLOCK, scale, tuning=tuning)
         problem.block_work  # the step builds it for dK/dV anyway
         blocks = key_outer.walk_limit(problem)
@@ -98,7 +103,7 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
 
         row = dict(seqlen=seqlen, selection=kind, limit_per_slot=limit, walk_limit_blocks=blocks,
                    key_outer_kernels=kernel, partial_gib=gib, dq_partials=partials,
-                   key_outer_dq=dq_pass,
+                   key_outer_dq=dq_pass, index_lse=lse,
                    hard_row_share=hard, **statistics,
                    fwd_ms=median_ms(lambda: sparse_attention_fwd(q, k, v, None, None, problem)),
                    bwd_ms=median_ms(lambda: attention_backward(q, k, v, out, dout, lse,
@@ -217,6 +222,9 @@ def main() -> None:
     parser.add_argument("--hopper-stages", default="",
                         help="S,...: the Gluon key-outer kernels' ring stages to time (kernel "
                         "times, forward and dQ) at the last limit")
+    parser.add_argument("--index-lse", default="walk",
+                        help="at each limit, the index log-sum-exp to time in the step: walk, "
+                        "split (Tuning.index_lse_split)")
     parser.add_argument("--dkdv-launches", default="",
                         help="WxS,...: the in_dkdv backward's hard-segment kernel launches to "
                         "time at the last limit")
@@ -237,7 +245,8 @@ def main() -> None:
                             args.dq_partials.split(","),
                             [int(x) for x in args.hopper_stages.split(",") if x],
                             args.dq_passes.split(","),
-                            [x for x in args.dkdv_launches.split(",") if x])
+                            [x for x in args.dkdv_launches.split(",") if x],
+                            args.index_lse.split(","))
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, date=time.strftime("%Y-%m-%d"), args=vars(args),
                   config=f"H{HEADS}/Hkv{KV_HEADS}/Hi{INDEX_HEADS}/Hik1 D=Di={DIM} top {TOP_K} "
@@ -246,7 +255,7 @@ def main() -> None:
         json.dump(result, handle, indent=2)
     print(f"\nkey-outer forward and dQ by walk limit, {result['gpu']}, {result['config']}")
     print(f"{'S':>7} {'selection':>9} {'Jacc':>5} {'union8':>6} {'limit':>5} {'kernels':>7} "
-          f"{'GiB':>4} {'dQ part':>7} {'dQ pass':>8} {'hard':>5} "
+          f"{'GiB':>4} {'dQ part':>7} {'dQ pass':>8} {'idx lse':>7} {'hard':>5} "
           f"{'fwd ms':>8} {'bwd ms':>8} {'step ms':>8} {'x dense':>7} {'out/dq vs walk':>16}")
     for r in rows:
         if "hopper_stages" in r:
@@ -267,7 +276,7 @@ def main() -> None:
             continue
         print(f"{r['seqlen']:>7} {r['selection']:>9} {r['jaccard']:>5.2f} {r['union_8']:>6.1f} "
               f"{r['limit_per_slot']:>5.1f} {r['key_outer_kernels']:>7} {r['partial_gib']:>4g} "
-              f"{r['dq_partials']:>7} {r['key_outer_dq']:>8} "
+              f"{r['dq_partials']:>7} {r['key_outer_dq']:>8} {r['index_lse']:>7} "
               f"{r['hard_row_share']:>5.2f} {r['fwd_ms']:>8.2f} "
               f"{r['bwd_ms']:>8.2f} {r['step_ms']:>8.2f} {r.get('step_x_dense', 0):>6.2f}x "
               f"{r['out_vs_walk']:>7.1e}/{r['dq_vs_walk']:>7.1e}")

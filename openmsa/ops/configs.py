@@ -31,10 +31,6 @@ INDEX_TILE_TOKENS = 64
 INDEX_KEY_OUTER_PAIRS = 64
 INDEX_KEY_OUTER_CONFIG = dict(num_warps=4, num_stages=2)
 INDEX_WALK_LIMIT_PER_SLOT = 3
-# Whether the forward runs that split. Off: measured slower than the walk alone on coherent and
-# mid selections (at 128k 4.5 / 3.8 ms against 1.0 / 3.2; random 3.5 against 20.8), the key-outer
-# pass reading every pair's row first (docs/EXPERIMENTS.md).
-INDEX_LSE_SPLIT = False
 # The key-outer forward and dQ of the tiles whose walk would be long (attention.key_outer): the
 # launch of their per-segment Triton kernels, and whether the Gluon ones replace them.
 KEY_OUTER_CONFIG = dict(num_warps=8, num_stages=2)
@@ -130,6 +126,13 @@ class Tuning:
         precision (the default: half the memory traffic of writing and summing them, each
         partial rounded once before the fp32 sum; the H200's backward at 128k on random
         selections 7 ms faster, the step 3-5%, dq within bf16's error) or in "float32".
+    index_lse_split: the index log-sum-exp beside the Hopper forward split between its walk
+        (tiles of at most ``INDEX_WALK_LIMIT_PER_SLOT x top_k`` blocks) and a key-outer pass
+        over a list of the other rows' pairs (``attention.index_log_sum_exp_key_outer``), given
+        selection's row maxima. Off: its first form (the key-outer pass reading every pair's
+        row) was slower than the walk on coherent and mid selections (at 128k 4.5 / 3.8 ms
+        against 1.0 / 3.2; random 3.5 against 20.8, docs/EXPERIMENTS.md); the present form
+        (a list of the left rows' pairs alone, per-slot sums) is not yet timed.
     key_outer_dq: where the hard rows' dQ partials come from: a key-outer dQ pass of their own
         ("own_pass", the default) or the dK/dV pass ("in_dkdv": its steps already gather the
         rows and compute dS; one more product per step, no second gather). With "in_dkdv" the
@@ -149,6 +152,7 @@ class Tuning:
     key_outer_partial_bytes: int = 2 << 30
     key_outer_dq_partials: str = "input"
     key_outer_dq: str = "own_pass"
+    index_lse_split: bool = False
 
     def __post_init__(self):
         for name, allowed in (("key_outer_dq_partials", KEY_OUTER_DQ_PARTIALS),

@@ -108,7 +108,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Te
         lse_index = dense_log_sum_exp(index_q, index_k, dense_batch, index_scale)
     else:
         out, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem,
-                                                   index_max, deterministic=deterministic)
+                                                   index_max)
     # 4. The KL's value and unscaled gradients.
     kl = torch.zeros((), dtype=torch.float32, device=q.device)
     d_index_q, d_index_k = (q.new_empty(0, dtype=torch.float32) for _ in range(2))

@@ -127,6 +127,33 @@ def test_bf16_dq_in_dkdv_within_twice_the_reference_error(case, dq_partials, mon
     assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_bf16_index_lse_split_within_twice_the_reference_error(case, monkeypatch):
+    """``Tuning.index_lse_split``: the index log-sum-exp beside the Gluon forward split between
+    its walk and the key-outer pass over the left rows' pairs (the KL's student normalizer,
+    so d index_q and d index_k carry its error), with and without the key-outer main passes;
+    bitwise the same twice."""
+    calls = []
+    original = attention_module.index_log_sum_exp_key_outer
+    monkeypatch.setattr(attention_module, "index_log_sum_exp_key_outer",
+                        lambda *args: calls.append(1) or original(*args))
+    for tuning in (Tuning(index_lse_split=True),
+                   dataclasses.replace(TUNING, index_lse_split=True)):
+        comparison = compare_with_reference(tuned_msa_attention(tuning), case, torch.bfloat16,
+                                            "cuda")
+        print(case.name, {n: f"{e:.2e}/{comparison.baseline_errors[n]:.2e}"
+                          for n, e in comparison.errors.items()})
+        assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
+    assert calls, "the split did not run"
+    inputs, cu_seqlens = random_inputs(case, torch.bfloat16, "cuda", seed=3)
+    out_grad = torch.randn_like(inputs[0])
+    runs = [run_with_grads(tuned_msa_attention(Tuning(index_lse_split=True)), inputs,
+                           cu_seqlens, out_grad, 1.0, deterministic=True, **case.options)[0]
+            for _ in range(2)]
+    for name, value in runs[0].items():
+        assert torch.equal(value, runs[1][name]), name
+
+
 @pytest.mark.parametrize("dq_pass", ["own_pass", "in_dkdv"])
 def test_key_outer_is_bitwise_deterministic(dq_pass):
     """deterministic=True (d index_k then without atomics): two runs bitwise equal, with the

@@ -114,8 +114,8 @@ def test_log_sum_exps_match_the_kept_logits():
 @pytest.mark.parametrize("query_range", [(0, 400), (45, 330)])
 def test_index_log_sum_exp_alone_on_wider_tiles(query_range, index_heads):
     """Next to the Hopper forward the index log-sum-exp runs alone: split between the walk and
-    a key-outer pass over the key-block list by each tile's union when selection gives each
-    row's largest kept score, else on tiles of
+    a key-outer pass over a list of the left rows' pairs by each tile's union when selection
+    gives each row's largest kept score (``Tuning.index_lse_split``), else on tiles of
     INDEX_TILE_TOKENS tokens (the main tiles hold 8 at 16 heads per index head), also for a
     query range: against logsumexp of each packed sequence's masked index scores, every index
     head (two share one index key head)."""
@@ -159,6 +159,10 @@ def test_index_log_sum_exp_alone_on_wider_tiles(query_range, index_heads):
     torch.testing.assert_close(alone.double(), expected, rtol=1e-5, atol=1e-5)
     for got in split:
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    # Per-slot sums added in slot order, no atomics: the same bits every run.
+    again = attention_module.index_log_sum_exp_key_outer(index_q, index_k, row_max, problem,
+                                                         walk_limit=1)
+    assert torch.equal(again, split[1])
     # Without row maxima (fp8 selection) the kernel keeps a running maximum: the same sums.
     running = attention_module.index_log_sum_exp(index_q, index_k, None, problem)
     torch.testing.assert_close(running.double(), expected, rtol=1e-5, atol=1e-5)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from .. import sm90
-from ..configs import INDEX_LSE_SPLIT
 from ..problem import LOG2_E, SparseAttentionProblem
 from ..segments import reduce_segments
 from . import sm90_backward, sm90_forward
@@ -31,7 +30,7 @@ __all__ = ["attention_backward", "attention_delta", "attention_dkdv", "attention
 
 def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
                          index_max=None, num_warps=None, num_stages=None,
-                         use_hopper: bool | None = None, deterministic: bool = False):
+                         use_hopper: bool | None = None):
     """q [T, H, D], k, v [T, Hkv, D] (index_q [T, Hi, Di], index_k [T, Hik, Di] or None).
     Returns out [T, H, D] (q's dtype), lse2 [T, H] and the index log-sum-exp [T, Hi] (natural
     log over the kept tokens; None without the index branch), both fp32. ``index_max``: fp32
@@ -39,9 +38,8 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
     largest block score, when selection keeps the best block), or None.
     The Gluon kernel has no index branch: with one, the index log-sum-exp runs beside it on
     the Triton kernel's index part alone (with a running maximum when no row maxima are given:
-    fp8 selection, given ids); with ``configs.INDEX_LSE_SPLIT`` (off: slower on coherent
-    selections) and row maxima, unless ``deterministic`` (atomic sums land in any order),
-    split between that walk and a key-outer pass by each tile's union.
+    fp8 selection, given ids); with ``Tuning.index_lse_split`` (off) and row maxima, split
+    between that walk and a key-outer pass by each tile's union.
     Warmup on these kernels (every causal block) without row maxima keeps the fused Triton
     forward, its one walk serving both branches (the split walk there is not yet measured).
     ``num_warps``, ``num_stages``: the Triton launch's. The rows of tiles past
@@ -56,7 +54,7 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
             key_outer_forward(q, k, v, p, limit, out, lse, use_hopper)
         if not p.with_index:
             return out, lse, None
-        if INDEX_LSE_SPLIT and index_max is not None and not deterministic:
+        if p.tuning.index_lse_split and index_max is not None:
             return out, lse, index_log_sum_exp_key_outer(index_q, index_k, index_max, p)
         return out, lse, index_log_sum_exp(index_q, index_k, index_max, p)
     out, lse, lse_index = triton_forward(q, k, v, index_q, index_k, p, index_max, num_warps,

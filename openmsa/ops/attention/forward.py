@@ -6,8 +6,8 @@ tokens kept, flash-attention style; a row sees a block only if its own token kep
 Neighbouring tokens of a trained index branch keep nearly the same blocks, so the walk is close
 to ``top_k`` blocks. The index log-sum-exp alone, when each row's largest kept score is known,
 can also run split between that walk and a key-outer pass (``index_log_sum_exp_key_outer``),
-whose cost follows the kept pairs, not the tiles' unions (``configs.INDEX_LSE_SPLIT``: off,
-measured slower than the walk on coherent selections).
+whose cost follows the kept pairs, not the tiles' unions (``Tuning.index_lse_split``: off
+until timed on a GPU in its present form, docs/KERNELS.md section 4).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ..configs import (FWD_CONFIG, INDEX_ALONE_CONFIG, INDEX_KEY_OUTER_CONFIG,
                        INDEX_KEY_OUTER_PAIRS, INDEX_WALK_LIMIT_PER_SLOT)
 from ..launch import launch, strides
 from ..problem import LOG2_E, SparseAttentionProblem
+from ..worklists import build_block_work
 from ..tiles import (_block_keys, _load_rows, _members, _query_tile, _segment, _walk_block,
                      _walk_list)
 
@@ -192,16 +193,16 @@ def index_log_sum_exp(index_q, index_k, index_max, p: SparseAttentionProblem,
 
 @triton.jit
 def _index_sum_key_outer_kernel(
-    IQ, IK, INDEX_MAX, WALKED, SUMS, SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT,
-    BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start,
+    IQ, IK, INDEX_MAX, SLOT_SUMS, SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, PAIR_SLOT, BUCKET_START,
+    BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS, query_start,
     stride_iq_t, stride_iq_h, stride_ik_t, stride_ik_h, index_scale,
     HI: tl.constexpr, INDEX_GROUP: tl.constexpr, PAIRS: tl.constexpr, BLOCK: tl.constexpr,
-    INDEX_DIM: tl.constexpr, SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr,
+    INDEX_DIM: tl.constexpr, SEGMENT_PAIRS: tl.constexpr, TOP_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """One segment of the key-block -> queries list: for each of its (token, index head)
-    pairs whose row the query-outer walk left (NaN in WALKED), the sum over the block's visible
-    keys of exp(z - the row's largest kept score), added into the row's fp32 sum (atomic adds:
-    a row's top_k blocks land in any order)."""
+    """One segment of a key-block -> queries list: for each of its (token, index head) pairs,
+    the sum over the block's visible keys of exp(z - the row's largest kept score), stored in
+    the pair's slot of SLOT_SUMS [Tq, HI, TOP_K] (each slot written once: no atomics)."""
     segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
         CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
@@ -214,9 +215,8 @@ def _index_sum_key_outer_kernel(
     for first_pair in range(first, last, PAIRS):
         pair_valid = first_pair + tl.arange(0, PAIRS) < last
         token = tl.load(PAIR_TOKEN + first_pair + tl.arange(0, PAIRS), mask=pair_valid, other=0)
+        slot = tl.load(PAIR_SLOT + first_pair + tl.arange(0, PAIRS), mask=pair_valid, other=0)
         row = token.to(tl.int64) * HI + index_head
-        walked = tl.load(WALKED + row, mask=pair_valid, other=0.0)
-        pair_valid = pair_valid & (walked != walked)  # NaN: the walk skipped this row's tile
         index_q = tl.load(IQ + token[:, None].to(tl.int64) * stride_iq_t
                           + index_head * stride_iq_h + index_dims[None, :],
                           mask=pair_valid[:, None], other=0.0)  # [PAIRS, Di]
@@ -226,30 +226,37 @@ def _index_sum_key_outer_kernel(
         visible_t = (pair_valid[None, :] & key_valid[:, None]
                      & (key_pos[:, None] <= query_pos[None, :]))
         terms = tl.where(visible_t, tl.exp(z_t - row_max[None, :]), 0.0)  # [BLOCK, PAIRS]
-        tl.atomic_add(SUMS + row, tl.sum(terms, axis=0), mask=pair_valid, sem="relaxed")
+        tl.store(SLOT_SUMS + row * TOP_K + slot, tl.sum(terms, axis=0), mask=pair_valid)
 
 
 def index_log_sum_exp_key_outer(index_q, index_k, index_max, p: SparseAttentionProblem,
                                 walk_limit: int | None = None):
     """``index_log_sum_exp`` given each row's largest kept score, split by each tile's union:
     the query-outer walk takes the tiles of at most ``walk_limit`` blocks (default
-    ``INDEX_WALK_LIMIT_PER_SLOT * top_k``; 0: none), the key-outer pass over ``p``'s key-block
-    list (built here if no one has yet: the KL walks it next) the others' rows, one program
-    per segment adding its pairs' terms into per-row sums. So the cost follows the kept pairs
-    where unions are large and stays the walk's where they are small. Not bitwise reproducible
-    (atomic adds), so ``deterministic=True`` keeps the walk alone."""
+    ``INDEX_WALK_LIMIT_PER_SLOT * top_k``; 0: none), and a key-outer pass the rows it left,
+    over a key-block list of their pairs alone (one more list build; a program per segment,
+    each pair's terms summed into its slot, a row's slots added in slot order). So the cost
+    follows the kept pairs where unions are large and stays the walk's where they are small,
+    and the result is reproducible run to run (no atomics)."""
     if walk_limit is None:
         walk_limit = INDEX_WALK_LIMIT_PER_SLOT * p.top_k
     walked = torch.full((p.total, p.num_index_heads), float("nan"), dtype=torch.float32,
                         device=index_q.device)
     if walk_limit > 0:
         index_log_sum_exp(index_q, index_k, index_max, p, walk_limit, lse_index=walked)
-    sums = torch.zeros_like(walked)
-    work = p.block_work
+    left = walked.isnan()  # the rows of the tiles the walk left
+    pairs = p.segment_pairs()
+    work = build_block_work(torch.where(left[:, :, None], p.block_ids, -1), p.cu_seqlens,
+                            p.block_size, pairs, p.query_start, p.num_keys,
+                            p._top_k_segment_order(pairs), with_slots=True)
+    slot_sums = torch.zeros(p.total, p.num_index_heads, p.top_k, dtype=torch.float32,
+                            device=index_q.device)
     launch(_index_sum_key_outer_kernel, (work.segments.shape[0],),
-        index_q, index_k, index_max, walked, sums, *p.key_work_args(),
+        index_q, index_k, index_max, slot_sums, work.segments, work.segment_order,
+        work.pair_token, work.pair_slot, work.bucket_start, work.bucket_count,
+        work.block_sequence, work.block_local, p.cu_seqlens, p.query_start,
         *strides(index_q, index_k), p.index_scale,
         HI=p.num_index_heads, INDEX_GROUP=p.index_group, PAIRS=INDEX_KEY_OUTER_PAIRS,
-        BLOCK=p.block_size, INDEX_DIM=p.index_dim, SEGMENT_PAIRS=work.segment_pairs,
+        BLOCK=p.block_size, INDEX_DIM=p.index_dim, SEGMENT_PAIRS=pairs, TOP_K=p.top_k,
         PRECISION=p.shared["PRECISION"], **INDEX_KEY_OUTER_CONFIG)
-    return torch.where(walked.isnan(), index_max + sums.log(), walked)
+    return torch.where(left, index_max + slot_sums.sum(-1).log(), walked)
