@@ -4,7 +4,7 @@
     python benchmarks/bench_key_outer.py --out DIR [--seqlens 8192,32768,131072]
         [--limits 0,1.5,2,3,4] [--key-outer-kernels gluon,triton] [--partial-gib 2,8]
         [--dq-partials float32,input] [--dq-passes own_pass,in_dkdv] [--index-lse walk,split]
-        [--kernels]
+        [--dq-limits same,2] [--kernels]
         [--launches 8x2,4x2,8x3]
         [--combine-launches 64x4,128x8] [--hopper-stages 3,4,6] [--dkdv-launches 8x1,8x2]
 
@@ -20,7 +20,8 @@ each of ``--partial-gib`` (the memory their partials take at once), ``--dq-parti
 partials in fp32 or bf16) and ``--dq-passes`` (the hard rows' dQ partials from a key-outer
 pass of their own or from the dK/dV pass, ``Tuning.key_outer_dq``); each limit, 0 too, with
 each of ``--index-lse`` (the index log-sum-exp's walk alone, or split with a key-outer pass:
-``Tuning.index_lse_split``, in the step's times only); ``--kernels`` adds each
+``Tuning.index_lse_split``, in the step's times only) and of ``--dq-limits`` (dQ's own walk
+limit, ``Tuning.dq_walk_limit_per_slot``; "same": the forward's); ``--kernels`` adds each
 row's kernel times (torch profiler) of one forward and one backward.
 ``--launches WxS,...``: also times
 the key-outer kernels' launch (warps x stages, ``configs.KEY_OUTER_CONFIG``) at the last limit,
@@ -59,7 +60,7 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
             key_outer_kernels=("gluon", "triton"), partial_gib=(2.0,),
             profile: bool = False, combine_launches=(), dq_partials=("input",),
             hopper_stages=(), dq_passes=("own_pass",), dkdv_launches=(),
-            index_lse=("walk",)) -> list[dict]:
+            index_lse=("walk",), dq_limits=(None,)) -> list[dict]:
     generator = torch.Generator(device="cuda").manual_seed(seqlen)
     q, k, v = (torch.randn(seqlen, h, DIM, device="cuda", generator=generator).bfloat16()
                for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -76,14 +77,16 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
     if not dense:
         dense.update(dense_baseline(*inputs[:3], dout[None], median_ms))
     rows, walked = [], None
-    runs = [(limit, kernel, gib, partials, dq_pass, lse) for limit in limits
-            for kernel in (key_outer_kernels if limit else ["-"])
-            for gib in (partial_gib if limit else partial_gib[:1])
-            for partials in (dq_partials if limit else dq_partials[:1])
-            for dq_pass in (dq_passes if limit else dq_passes[:1]) for lse in index_lse]
-    for limit, kernel, gib, partials, dq_pass, lse in runs:
+    runs = [(limit, dq_limit, kernel, gib, partials, dq_pass, lse)
+            for limit in limits for dq_limit in dq_limits
+            for kernel in (key_outer_kernels if limit or dq_limit else ["-"])
+            for gib in (partial_gib if limit or dq_limit else partial_gib[:1])
+            for partials in (dq_partials if limit or dq_limit else dq_partials[:1])
+            for dq_pass in (dq_passes if limit or dq_limit else dq_passes[:1])
+            for lse in index_lse]
+    for limit, dq_limit, kernel, gib, partials, dq_pass, lse in runs:
         key_outer.KEY_OUTER_HOPPER = kernel != "triton"
-        tuning = Tuning(main_walk_limit_per_slot=limit,
+        tuning = Tuning(main_walk_limit_per_slot=limit, dq_walk_limit_per_slot=dq_limit,
                         key_outer_partial_bytes=int(gib * (1 << 30)),
                         key_outer_dq_partials=partials, key_outer_dq=dq_pass,
                         index_lse_split=lse == "split")
@@ -91,6 +94,9 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
         problem.block_work  # the step builds it for dK/dV anyway
         blocks = key_outer.walk_limit(problem)
         hard = key_outer.hard_rows(problem, blocks).float().mean().item() if blocks else 0.0
+        dq_blocks = key_outer.walk_limit(problem, backward=True)
+        dq_hard = (key_outer.hard_rows(problem, dq_blocks).float().mean().item() if dq_blocks
+                   else 0.0)
         out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
         dq = attention_backward(q, k, v, out, dout, lse, problem)[0]
         if walked is None:
@@ -102,6 +108,7 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
             torch.autograd.grad((result, kl), inputs, (dout[None], one))
 
         row = dict(seqlen=seqlen, selection=kind, limit_per_slot=limit, walk_limit_blocks=blocks,
+                   dq_limit_per_slot=dq_limit, dq_hard_row_share=dq_hard,
                    key_outer_kernels=kernel, partial_gib=gib, dq_partials=partials,
                    key_outer_dq=dq_pass, index_lse=lse,
                    hard_row_share=hard, **statistics,
@@ -225,6 +232,9 @@ def main() -> None:
     parser.add_argument("--index-lse", default="walk",
                         help="at each limit, the index log-sum-exp to time in the step: walk, "
                         "split (Tuning.index_lse_split)")
+    parser.add_argument("--dq-limits", default="same",
+                        help="dQ's walk limits per slot to time at each limit (same: the "
+                        "forward's; Tuning.dq_walk_limit_per_slot)")
     parser.add_argument("--dkdv-launches", default="",
                         help="WxS,...: the in_dkdv backward's hard-segment kernel launches to "
                         "time at the last limit")
@@ -246,7 +256,9 @@ def main() -> None:
                             [int(x) for x in args.hopper_stages.split(",") if x],
                             args.dq_passes.split(","),
                             [x for x in args.dkdv_launches.split(",") if x],
-                            args.index_lse.split(","))
+                            args.index_lse.split(","),
+                            [None if x == "same" else float(x)
+                             for x in args.dq_limits.split(",")])
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, date=time.strftime("%Y-%m-%d"), args=vars(args),
                   config=f"H{HEADS}/Hkv{KV_HEADS}/Hi{INDEX_HEADS}/Hik1 D=Di={DIM} top {TOP_K} "
@@ -254,7 +266,8 @@ def main() -> None:
     with open(os.path.join(args.out, "bench_key_outer.json"), "w") as handle:
         json.dump(result, handle, indent=2)
     print(f"\nkey-outer forward and dQ by walk limit, {result['gpu']}, {result['config']}")
-    print(f"{'S':>7} {'selection':>9} {'Jacc':>5} {'union8':>6} {'limit':>5} {'kernels':>7} "
+    print(f"{'S':>7} {'selection':>9} {'Jacc':>5} {'union8':>6} {'limit':>5} {'dQ lim':>6} "
+          f"{'kernels':>7} "
           f"{'GiB':>4} {'dQ part':>7} {'dQ pass':>8} {'idx lse':>7} {'hard':>5} "
           f"{'fwd ms':>8} {'bwd ms':>8} {'step ms':>8} {'x dense':>7} {'out/dq vs walk':>16}")
     for r in rows:
@@ -274,8 +287,10 @@ def main() -> None:
             print(f"{r['seqlen']:>7} {r['selection']:>9} launch {r['launch']}: fwd "
                   f"{r['fwd_ms']:.2f} ms, bwd {r['bwd_ms']:.2f} ms")
             continue
+        dq_limit = "same" if r["dq_limit_per_slot"] is None else f"{r['dq_limit_per_slot']:.1f}"
         print(f"{r['seqlen']:>7} {r['selection']:>9} {r['jaccard']:>5.2f} {r['union_8']:>6.1f} "
-              f"{r['limit_per_slot']:>5.1f} {r['key_outer_kernels']:>7} {r['partial_gib']:>4g} "
+              f"{r['limit_per_slot']:>5.1f} {dq_limit:>6} {r['key_outer_kernels']:>7} "
+              f"{r['partial_gib']:>4g} "
               f"{r['dq_partials']:>7} {r['key_outer_dq']:>8} {r['index_lse']:>7} "
               f"{r['hard_row_share']:>5.2f} {r['fwd_ms']:>8.2f} "
               f"{r['bwd_ms']:>8.2f} {r['step_ms']:>8.2f} {r.get('step_x_dense', 0):>6.2f}x "

@@ -119,6 +119,11 @@ class Tuning:
         kernels' persistent grid made those launches one short wave each; the combine's and dQ
         sum's launches and the hard-row list still cost coherent selections 0.7-2.3% of a step
         (benchmarks/records/key-outer-persistent.json), so it stays off.
+    dq_walk_limit_per_slot: the same limit for dQ alone (None: ``main_walk_limit_per_slot``).
+        The forward's and dQ's limits are independent (dQ reads the final log-sum-exps, from
+        whichever pass wrote them), and with ``key_outer_dq = "in_dkdv"`` a hard row's dQ costs
+        one product in a dK/dV step that runs anyway, so dQ may pay at a lower limit than the
+        forward (mid selections); not yet timed.
     key_outer_partial_bytes: the most memory the key-outer forward's or dQ's per-slot
         partials take at once (they run over windows of query rows that fit). At 128k on
         random selections 8 GiB made the step 4% faster than 2 GiB (fewer windows).
@@ -149,6 +154,7 @@ class Tuning:
     rows_order_min_segments_per_sm: int = 6
     kl_pairs: int = 64
     main_walk_limit_per_slot: float = 0.0
+    dq_walk_limit_per_slot: float | None = None
     key_outer_partial_bytes: int = 2 << 30
     key_outer_dq_partials: str = "input"
     key_outer_dq: str = "own_pass"

@@ -100,30 +100,37 @@ def test_bf16_key_outer_within_twice_the_reference_error(case, kernels, dq_parti
     assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
 
 
-@pytest.mark.parametrize("dq_partials", ["float32", "input"])
+@pytest.mark.parametrize("dq_partials,forward_limit", [("float32", 1.0), ("input", 1.0),
+                                                       ("input", 0.0)])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_bf16_dq_in_dkdv_within_twice_the_reference_error(case, dq_partials, monkeypatch):
+def test_bf16_dq_in_dkdv_within_twice_the_reference_error(case, dq_partials, forward_limit,
+                                                          monkeypatch):
     """``Tuning.key_outer_dq = "in_dkdv"``: the hard rows' dQ partials from the (Triton) dK/dV
-    pass, window by window, in fp32 or bf16; the Gluon key-outer forward."""
+    pass, window by window, in fp32 or bf16; the Gluon key-outer forward, or (forward limit
+    0, ``dq_walk_limit_per_slot`` 1) the forward walking every tile."""
     passes = []
     original = attention_module.dkdv_with_hard_dq
     monkeypatch.setattr(attention_module, "dkdv_with_hard_dq",
                         lambda *args: passes.append(1) or original(*args))
     launches = _count_gluon_launches(monkeypatch)
     tuning = dataclasses.replace(TUNING, key_outer_dq="in_dkdv",
-                                 key_outer_dq_partials=dq_partials)
+                                 key_outer_dq_partials=dq_partials,
+                                 main_walk_limit_per_slot=forward_limit,
+                                 dq_walk_limit_per_slot=1.0)
     comparison = compare_with_reference(tuned_msa_attention(tuning), case, torch.bfloat16,
                                         "cuda")
     record = os.environ.get("OPENMSA_GPU_RECORD")
     if record:
         with open(record, "a") as f:
             f.write(json.dumps({"test": "key_outer_dq_in_dkdv_bf16", "case": case.name,
-                                "dq_partials": dq_partials, "errors": comparison.errors,
+                                "dq_partials": dq_partials, "forward_limit": forward_limit,
+                                "errors": comparison.errors,
                                 "reference_bf16_errors": comparison.baseline_errors}) + "\n")
     print(case.name, {n: f"{e:.2e}/{comparison.baseline_errors[n]:.2e}"
                       for n, e in comparison.errors.items()})
-    # The dK/dV pass gave dq's hard rows; the Gluon key-outer kernel ran the forward alone.
-    assert passes and set(launches) == {False}, (passes, launches)
+    # The dK/dV pass gave dq's hard rows; the Gluon key-outer kernel ran the forward alone,
+    # where it had a limit.
+    assert passes and set(launches) == ({False} if forward_limit else set()), (passes, launches)
     assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
 
 

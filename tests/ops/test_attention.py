@@ -485,6 +485,26 @@ def test_dq_in_dkdv_carries_segments_across_windows(programs, monkeypatch):
         torch.testing.assert_close(got[name], own[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("forward,backward,dq_pass", [
+    (0.0, 1.0, "in_dkdv"), (0.0, 1.0, "own_pass"), (1.0, 0.0, "own_pass")],
+    ids=["dq_alone_in_dkdv", "dq_alone_own_pass", "forward_alone"])
+def test_dq_walk_limit_apart_from_the_forward(forward, backward, dq_pass, monkeypatch):
+    """``Tuning.dq_walk_limit_per_slot``: dQ's tiles go key-outer by a limit of their own (the
+    forward walking every tile, or the forward alone going key-outer): the reference's
+    quantities, the hard rows picked by the pass that has a limit only."""
+    passes = _count_dq_passes(monkeypatch)
+    counts = _count_hard_rows(monkeypatch)
+    tuning = dataclasses.replace(KEY_OUTER_TUNING, main_walk_limit_per_slot=forward,
+                                 dq_walk_limit_per_slot=backward, key_outer_dq=dq_pass)
+    got, expected, _ = kernel_and_reference(KEY_OUTER_CASE, torch.float32, seed=4,
+                                            tuning=tuning)
+    assert len(counts) == 1 and 0 < counts[0][0] < counts[0][1], counts
+    assert passes == ([dq_pass] if backward else []), passes
+    for name in QUANTITY_NAMES:
+        error = rel_rms_error(got[name], expected[name])
+        assert error < TOLERANCE[torch.float32], (name, error)
+
+
 def _window_bytes(monkeypatch) -> list:
     """The bytes per slot each key-outer pass sized its windows by (the patched ``_windows``):
     the forward's first, then dQ's."""
@@ -545,7 +565,8 @@ def test_key_outer_rows_of_query_ranges_add_up_to_the_full_run(tuning, monkeypat
 
 
 def test_walk_limit_follows_the_tuning():
-    """0 turns the split off, as does a limit no union can pass or warmup's every block."""
+    """0 turns the split off, as does a limit no union can pass or warmup's every block; dQ
+    takes ``dq_walk_limit_per_slot`` where set."""
     case = CASES[0]
     inputs, cu = random_inputs(case, torch.float32, "cpu", seed=1)
     q, k = (t.detach().reshape(-1, *t.shape[-2:]) for t in inputs[:2])
@@ -561,6 +582,13 @@ def test_walk_limit_follows_the_tuning():
     slots = SparseAttentionProblem(q, k, ids, cu, 64, 0.1).query_work.union.shape[-1]
     assert limit(0.0) == 0 and limit(1.0) == 3 and limit(0.5) == 1
     assert limit(slots / 3) == 0 and limit(1.0, all_causal=True) == 0
+    # dQ's own limit, where set; the forward's otherwise.
+    for per_slot, dq_per_slot, expected in ((1.0, None, 3), (1.0, 0.5, 1), (0.0, 1.0, 3),
+                                            (1.0, 0.0, 0)):
+        problem = SparseAttentionProblem(q, k, ids, cu, 64, 0.1, tuning=Tuning(
+            main_walk_limit_per_slot=per_slot, dq_walk_limit_per_slot=dq_per_slot))
+        assert key_outer_module.walk_limit(problem, backward=True) == expected
+        assert key_outer_module.walk_limit(problem) == limit(per_slot)
 
 
 @pytest.mark.parametrize("window_rows", [1, 7, 64, 1000])

@@ -83,8 +83,9 @@ def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
                  use_hopper: bool | None = None, **launch_options):
     """dq, query-outer: on a Hopper GPU the Gluon kernel where it supports the inputs, else (or
     with ``use_hopper=False``) the Triton kernel (``launch_options``: its num_warps,
-    num_stages); the rows of tiles past ``key_outer.walk_limit(p)`` key-outer."""
-    limit = walk_limit(p)
+    num_stages); the rows of tiles past ``key_outer.walk_limit(p, backward=True)``
+    key-outer."""
+    limit = walk_limit(p, backward=True)
     dq = _walk_dq(q, k, v, dout, lse, delta, p, limit, use_hopper, **launch_options)
     if limit:
         key_outer_dq(q, k, v, dout, lse, delta, p, limit, dq, use_hopper)
@@ -98,7 +99,7 @@ def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
     it leaves to the key-outer dQ too. With ``Tuning.key_outer_dq = "in_dkdv"`` the rows the
     walk leaves get their dq from the dK/dV pass (``key_outer.dkdv_with_hard_dq``)."""
     dout = dout.contiguous()
-    limit = walk_limit(p)
+    limit = walk_limit(p, backward=True)
     if _hopper_dq(q, k, v, dout, p, use_hopper) and out.stride(2) == 1:
         delta = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
         dq = _walk_dq(q, k, v, dout, lse, delta, p, limit, use_hopper, out=out)

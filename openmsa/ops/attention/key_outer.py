@@ -45,11 +45,13 @@ from .backward import _dkdv_hard_dq_kernel, triton_dkdv_parts
 __all__ = ["dkdv_with_hard_dq", "key_outer_dq", "key_outer_forward", "walk_limit"]
 
 
-def walk_limit(p: SparseAttentionProblem) -> int:
+def walk_limit(p: SparseAttentionProblem, backward: bool = False) -> int:
     """The most blocks a query tile's walk takes before its rows go key-outer; 0: every tile
     walks (warmup keeps every causal block, so its tiles never go; nor where no union can pass
-    the limit)."""
+    the limit). ``backward``: dQ's (``Tuning.dq_walk_limit_per_slot`` where set)."""
     per_slot = p.tuning.main_walk_limit_per_slot
+    if backward and p.tuning.dq_walk_limit_per_slot is not None:
+        per_slot = p.tuning.dq_walk_limit_per_slot
     if per_slot <= 0 or p.all_causal:
         return 0
     limit = max(1, int(per_slot * p.top_k))
