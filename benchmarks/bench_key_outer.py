@@ -29,7 +29,8 @@ forward and backward alone; ``--hopper-stages S,...`` the Gluon key-outer kernel
 times with rings of S steps (``configs.KEY_OUTER_HOPPER_STAGES``; a ring past the shared
 memory is recorded as an error); ``--dkdv-launches WxS,...`` the backward with the hard rows'
 dQ in the dK/dV pass (``in_dkdv``) at the last limit, with that launch of its hard segments'
-kernel (``configs.KEY_OUTER_DKDV_CONFIG``). Prints a table last.
+kernel (``configs.KEY_OUTER_DKDV_CONFIG``; WxSxR: also R rows a step,
+``KEY_OUTER_DKDV_ROWS``). Prints a table last.
 """
 
 from __future__ import annotations
@@ -161,9 +162,10 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
                                                                                * (1 << 30)),
                                                    key_outer_dq="in_dkdv"))
     for launch in dkdv_launches:
-        warps, stages = map(int, launch.split("x"))
-        shipped = dict(key_outer.KEY_OUTER_DKDV_CONFIG)
+        warps, stages, *step_rows = map(int, launch.split("x"))
+        shipped = dict(key_outer.KEY_OUTER_DKDV_CONFIG), key_outer.KEY_OUTER_DKDV_ROWS
         key_outer.KEY_OUTER_DKDV_CONFIG.update(num_warps=warps, num_stages=stages)
+        key_outer.KEY_OUTER_DKDV_ROWS = step_rows[0] if step_rows else shipped[1]
         try:
             row = dict(seqlen=seqlen, selection=kind, limit_per_slot=limits[-1],
                        dkdv_launch=launch,
@@ -172,7 +174,8 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
                        bwd_kernels_ms=kernel_times(
                            lambda: attention_backward(q, k, v, out, dout, lse, in_dkdv), top=8))
         finally:
-            key_outer.KEY_OUTER_DKDV_CONFIG.update(shipped)
+            key_outer.KEY_OUTER_DKDV_CONFIG.update(shipped[0])
+            key_outer.KEY_OUTER_DKDV_ROWS = shipped[1]
         rows.append(row)
         print(json.dumps(row), flush=True)
     for launch in launches:
@@ -236,8 +239,8 @@ def main() -> None:
                         help="dQ's walk limits per slot to time at each limit (same: the "
                         "forward's; Tuning.dq_walk_limit_per_slot)")
     parser.add_argument("--dkdv-launches", default="",
-                        help="WxS,...: the in_dkdv backward's hard-segment kernel launches to "
-                        "time at the last limit")
+                        help="WxS[xR],...: the in_dkdv backward's hard-segment kernel launches "
+                        "(warps x stages x rows a step) to time at the last limit")
     parser.add_argument("--kernels", action="store_true",
                         help="also record each row's forward and backward kernel times")
     args = parser.parse_args()

@@ -208,6 +208,8 @@ def compile_key_outer_for_sm90(kernel: str = "forward", num_stages: int = 2,
     from triton.compiler import ASTSource
 
     from openmsa.ops.attention.backward import _dkdv_hard_dq_kernel, _sparse_attn_dkdv_kernel
+    from openmsa.ops.configs import KEY_OUTER_DKDV_ROWS
+    from openmsa.ops.problem import _tile_shape
     from openmsa.ops.attention.key_outer import _dq_key_outer_kernel, _fwd_key_outer_kernel
 
     fn = {"forward": _fwd_key_outer_kernel, "dq": _dq_key_outer_kernel,
@@ -218,8 +220,9 @@ def compile_key_outer_for_sm90(kernel: str = "forward", num_stages: int = 2,
         del constants["TOP_K"]
         constants.update(INDEX_GROUP=4, TOK=4, TOKP=16, ROWS=64, INDEX_DIM=128,
                          WITH_SKIP=False)
-    if kernel == "dkdv-hard-dq":
-        constants.update(TOK=4, ROWS=64)
+    if kernel == "dkdv-hard-dq":  # steps of KEY_OUTER_DKDV_ROWS rows
+        tokens, _, rows = _tile_shape(16, KEY_OUTER_DKDV_ROWS)
+        constants.update(TOK=tokens, ROWS=rows)
     floats = ("LSE_PART", "LSE", "DELTA", "DQ_PART", "DK_PART", "DV_PART")
     types = {}
     for name in fn.arg_names:

@@ -34,9 +34,12 @@ INDEX_WALK_LIMIT_PER_SLOT = 3
 # The key-outer forward and dQ of the tiles whose walk would be long (attention.key_outer): the
 # launch of their per-segment Triton kernels, and whether the Gluon ones replace them.
 KEY_OUTER_CONFIG = dict(num_warps=8, num_stages=2)
-# The launch of the dK/dV segments that also give the hard rows' dQ (key_outer_dq "in_dkdv"):
-# as dK/dV's until timed (sm_90a: 468 bytes spilled at 2 stages, 276 at 1).
+# The launch of the dK/dV segments that also give the hard rows' dQ (key_outer_dq "in_dkdv")
+# and its rows a step: compiled for sm_90a at 8 warps, steps of 32 rows spill 0 / 28 bytes at 1 /
+# 2 stages, of 64 rows (dK/dV's) 116 / 348 (tools/sm90_compile.py key-outer dkdv-hard-dq); not
+# yet timed.
 KEY_OUTER_DKDV_CONFIG = dict(num_warps=8, num_stages=2)
+KEY_OUTER_DKDV_ROWS = 32
 # Rows (query rows x heads) of a combine program and of a dQ-sum program, and their warps:
 # H200, 128k, random selections, H64/Hi4 (docs/BENCHMARKS.md): the combine 10.0 ms at 16 rows
 # against 15.0 at 64, the dQ sum best at 64 (16.4 ms).

@@ -456,14 +456,16 @@ def _recorded_window_bounds(monkeypatch) -> list:
     return bounds
 
 
-@pytest.mark.parametrize("programs", [1, 3], ids=["one_program", "three_programs"])
-def test_dq_in_dkdv_carries_segments_across_windows(programs, monkeypatch):
+@pytest.mark.parametrize("programs,step_rows", [(1, 32), (3, 64)],
+                         ids=["one_program_32_rows", "three_programs_64_rows"])
+def test_dq_in_dkdv_carries_segments_across_windows(programs, step_rows, monkeypatch):
     """``key_outer_dq="in_dkdv"`` with segments of 16 pairs over windows of 30 rows: some
     segments hold hard pairs and run window by window on the persistent kernel (``programs``
-    of them taking turns), several of them across windows (their dK/dV partials carried
-    over), some hold none and run once on the dK/dV kernel; dq, dk and dv match the
-    reference and the own-pass run's to fp32 rounding."""
+    of them taking turns, steps of ``step_rows`` rows), several of them across windows (their
+    dK/dV partials carried over), some hold none and run once on the dK/dV kernel; dq, dk
+    and dv match the reference and the own-pass run's to fp32 rounding."""
     monkeypatch.setattr(key_outer_module, "multiprocessors", lambda device: programs)
+    monkeypatch.setattr(key_outer_module, "KEY_OUTER_DKDV_ROWS", step_rows)
     flags = _segment_hard_flags(monkeypatch)
     all_bounds = _recorded_window_bounds(monkeypatch)
     small = dict(segment_pairs=16, short_segment_pairs=16, long_segment_pairs=16,

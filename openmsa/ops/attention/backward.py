@@ -238,11 +238,11 @@ def _dkdv_hard_dq_kernel(
         if low < high:
             offsets = (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * HEAD_DIM \
                 + tl.arange(0, HEAD_DIM)[None, :]
-            dk = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-            dv = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-            if low > first:  # the windows before wrote this segment's partials so far
-                dk = tl.load(DK_PART + offsets)
-                dv = tl.load(DV_PART + offsets)
+            # The windows before wrote this segment's partials so far (a masked load: a branch
+            # holding both the zeros and the loads spilled more).
+            resume = (tl.zeros((BLOCK, HEAD_DIM), tl.int32) + (low > first).to(tl.int32)) != 0
+            dk = tl.load(DK_PART + offsets, mask=resume, other=0.0)
+            dv = tl.load(DV_PART + offsets, mask=resume, other=0.0)
             kv_head = index_head // KV_GROUP
             key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
             k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)

@@ -32,10 +32,10 @@ import triton
 import triton.language as tl
 
 from ..configs import (KEY_OUTER_COMBINE_ROWS, KEY_OUTER_COMBINE_WARPS, KEY_OUTER_CONFIG,
-                       KEY_OUTER_DKDV_CONFIG, KEY_OUTER_DKDV_PROGRAMS_PER_SM, KEY_OUTER_HOPPER,
-                       KEY_OUTER_SUM_ROWS)
+                       KEY_OUTER_DKDV_CONFIG, KEY_OUTER_DKDV_PROGRAMS_PER_SM,
+                       KEY_OUTER_DKDV_ROWS, KEY_OUTER_HOPPER, KEY_OUTER_SUM_ROWS)
 from ..launch import launch, strides
-from ..problem import LOG2_E, SparseAttentionProblem, multiprocessors
+from ..problem import LOG2_E, SparseAttentionProblem, _tile_shape, multiprocessors
 from ..segments import reduce_segments
 from ..tiles import _block_keys, _load_rows, _query_tile, _segment
 from ..worklists import build_block_work
@@ -524,6 +524,7 @@ def dkdv_with_hard_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limi
     dq_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
                           dtype=part_dtype, device=q.device)
     programs = min(segments, multiprocessors(q.device) * KEY_OUTER_DKDV_PROGRAMS_PER_SM)
+    step_tokens, _, step_rows = _tile_shape(p.gq, KEY_OUTER_DKDV_ROWS)
     tokens = _combine_tokens(p, KEY_OUTER_SUM_ROWS)
     shared = p.shared
     for window, (start, end) in enumerate(windows):
@@ -533,7 +534,7 @@ def dkdv_with_hard_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limi
                work.pair_token, work.bucket_start, work.bucket_count, work.block_sequence,
                work.block_local, p.cu_seqlens, p.query_start, *strides(q, k, v, dout, ids),
                p.scale * LOG2_E, HI=shared["HI"], GQ=shared["GQ"], GQ_PAD=shared["GQ_PAD"],
-               KV_GROUP=shared["KV_GROUP"], TOK=p.key_tokens, ROWS=p.key_rows,
+               KV_GROUP=shared["KV_GROUP"], TOK=step_tokens, ROWS=step_rows,
                BLOCK=p.block_size, HEAD_DIM=p.head_dim, SEGMENT_PAIRS=pairs,
                PRECISION=shared["PRECISION"], TOP_K=p.top_k, **KEY_OUTER_DKDV_CONFIG)
         _dq_sum_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
