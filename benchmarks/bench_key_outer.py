@@ -78,19 +78,19 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
     if not dense:
         dense.update(dense_baseline(*inputs[:3], dout[None], median_ms))
     rows, walked = [], None
-    runs = [(limit, dq_limit, kernel, gib, partials, dq_pass, lse)
+    runs = [(limit, dq_limit, kernel, gib, partials, dq_pass, index_lse_kind)
             for limit in limits for dq_limit in dq_limits
             for kernel in (key_outer_kernels if limit or dq_limit else ["-"])
             for gib in (partial_gib if limit or dq_limit else partial_gib[:1])
             for partials in (dq_partials if limit or dq_limit else dq_partials[:1])
             for dq_pass in (dq_passes if limit or dq_limit else dq_passes[:1])
-            for lse in index_lse]
-    for limit, dq_limit, kernel, gib, partials, dq_pass, lse in runs:
+            for index_lse_kind in index_lse]
+    for limit, dq_limit, kernel, gib, partials, dq_pass, index_lse_kind in runs:
         key_outer.KEY_OUTER_HOPPER = kernel != "triton"
         tuning = Tuning(main_walk_limit_per_slot=limit, dq_walk_limit_per_slot=dq_limit,
                         key_outer_partial_bytes=int(gib * (1 << 30)),
                         key_outer_dq_partials=partials, key_outer_dq=dq_pass,
-                        index_lse_split=lse == "split")
+                        index_lse_split=index_lse_kind == "split")
         problem = SparseAttentionProblem(q, k, ids, cu, BLOCK, scale, tuning=tuning)
         problem.block_work  # the step builds it for dK/dV anyway
         blocks = key_outer.walk_limit(problem)
@@ -111,7 +111,7 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
         row = dict(seqlen=seqlen, selection=kind, limit_per_slot=limit, walk_limit_blocks=blocks,
                    dq_limit_per_slot=dq_limit, dq_hard_row_share=dq_hard,
                    key_outer_kernels=kernel, partial_gib=gib, dq_partials=partials,
-                   key_outer_dq=dq_pass, index_lse=lse,
+                   key_outer_dq=dq_pass, index_lse=index_lse_kind,
                    hard_row_share=hard, **statistics,
                    fwd_ms=median_ms(lambda: sparse_attention_fwd(q, k, v, None, None, problem)),
                    bwd_ms=median_ms(lambda: attention_backward(q, k, v, out, dout, lse,
@@ -271,7 +271,7 @@ def main() -> None:
     print(f"\nkey-outer forward and dQ by walk limit, {result['gpu']}, {result['config']}")
     print(f"{'S':>7} {'selection':>9} {'Jacc':>5} {'union8':>6} {'limit':>5} {'dQ lim':>6} "
           f"{'kernels':>7} "
-          f"{'GiB':>4} {'dQ part':>7} {'dQ pass':>8} {'idx lse':>7} {'hard':>5} "
+          f"{'GiB':>4} {'dQ part':>7} {'dQ pass':>8} {'idx lse':>7} {'hard':>5} {'dQ hard':>7} "
           f"{'fwd ms':>8} {'bwd ms':>8} {'step ms':>8} {'x dense':>7} {'out/dq vs walk':>16}")
     for r in rows:
         if "hopper_stages" in r:
@@ -295,7 +295,7 @@ def main() -> None:
               f"{r['limit_per_slot']:>5.1f} {dq_limit:>6} {r['key_outer_kernels']:>7} "
               f"{r['partial_gib']:>4g} "
               f"{r['dq_partials']:>7} {r['key_outer_dq']:>8} {r['index_lse']:>7} "
-              f"{r['hard_row_share']:>5.2f} {r['fwd_ms']:>8.2f} "
+              f"{r['hard_row_share']:>5.2f} {r['dq_hard_row_share']:>7.2f} {r['fwd_ms']:>8.2f} "
               f"{r['bwd_ms']:>8.2f} {r['step_ms']:>8.2f} {r.get('step_x_dense', 0):>6.2f}x "
               f"{r['out_vs_walk']:>7.1e}/{r['dq_vs_walk']:>7.1e}")
 
