@@ -511,7 +511,8 @@ def dkdv_with_hard_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limi
         PAIRS_PAD=triton.next_power_of_2(pairs))
     # The hard segments first, each kind in the list's segment order.
     by_order = segment_hard[work.segment_order.long()]
-    hard_segments = work.segment_order[torch.argsort(by_order == 0, stable=True)]
+    hard_segments = work.segment_order[torch.argsort((by_order == 0).to(torch.int8),
+                                                     stable=True)]
     hard_count = by_order.sum(dtype=torch.int32)
     parts = tuple(torch.empty(segments * p.block_size, p.head_dim, dtype=torch.float32,
                               device=q.device) for _ in range(2))
