@@ -390,8 +390,12 @@ IN_DKDV = dataclasses.replace(KEY_OUTER_TUNING, key_outer_dq="in_dkdv")
     (KEY_OUTER_CASE, torch.float32, IN_DKDV),
     (KEY_OUTER_CASE, torch.float16, IN_DKDV),
     (CASES[1], torch.float32, Tuning(main_walk_limit_per_slot=0.5, key_outer_dq="in_dkdv")),
+    # Three heads padded to four, windows of 40 rows.
+    (CASES[2], torch.float32, Tuning(main_walk_limit_per_slot=0.5, key_outer_dq="in_dkdv",
+                                     key_outer_partial_bytes=40 * 4 * 2 * 256)),
 ], ids=["gq16_fp32", "gq16_fp16", "packed_with_sink_fp32", "gq16_fp32_dq_in_dkdv",
-        "gq16_fp16_dq_in_dkdv", "packed_with_sink_fp32_dq_in_dkdv"])
+        "gq16_fp16_dq_in_dkdv", "packed_with_sink_fp32_dq_in_dkdv",
+        "three_heads_fp32_dq_in_dkdv"])
 def test_key_outer_forward_and_dq_match_reference(case, dtype, tuning, monkeypatch):
     """Tiles whose union holds more than ``main_walk_limit_per_slot * top_k`` blocks take the
     forward and dQ key-outer (per-slot partials merged by log-sum-exp, summed in slot order),
