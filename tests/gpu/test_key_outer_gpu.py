@@ -1,6 +1,6 @@
 """The key-outer forward and dQ (``attention.key_outer``) on the GPU, next to the Gluon walk of
 the other tiles: bf16 against the fp32 reference (within twice the reference's own bf16 error),
-and bitwise the same twice. Skipped without a GPU."""
+bitwise the same twice and under a CUDA graph. Skipped without a GPU."""
 
 import dataclasses
 import json
@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from openmsa.bench.timing import captured as captured_graph
 from openmsa.ops import attention as attention_module
 from openmsa.ops.attention import attention_backward, key_outer, sm90_key_outer
 from openmsa.ops.attention import sparse_attention_fwd
@@ -159,6 +160,36 @@ def test_bf16_index_lse_split_within_twice_the_reference_error(case, monkeypatch
             for _ in range(2)]
     for name, value in runs[0].items():
         assert torch.equal(value, runs[1][name]), name
+
+
+def test_key_outer_levers_replay_under_a_cuda_graph_bitwise():
+    """The key-outer passes with every lever (the hard rows' dQ in the dK/dV pass at a dQ limit
+    of its own, the index log-sum-exp split) wait on no host value: a training step captured
+    once in a CUDA graph, replayed on new inputs, is bitwise the eager step
+    (``deterministic=True``)."""
+    case = CASES[1]
+    tuning = dataclasses.replace(TUNING, key_outer_dq="in_dkdv", dq_walk_limit_per_slot=0.75,
+                                 index_lse_split=True)
+    attention = tuned_msa_attention(tuning)
+    inputs, cu_seqlens = random_inputs(case, torch.bfloat16, "cuda", seed=3)
+    static = [t.detach().clone().requires_grad_() for t in inputs]
+    out_grad = torch.randn_like(inputs[0])
+
+    def step():
+        out, kl = attention(*static, cu_seqlens=cu_seqlens, deterministic=True,
+                            **case.options)[:2]
+        loss = (out.float() * out_grad.float()).sum() + kl
+        return (out, kl) + torch.autograd.grad(loss, static)
+
+    graph, captured = captured_graph(step)
+    for seed in (11, 12):
+        fresh, _ = random_inputs(case, torch.bfloat16, "cuda", seed=seed)
+        with torch.no_grad():
+            for target, value in zip(static, fresh):
+                target.copy_(value)
+        graph.replay()
+        for got, want in zip(captured, step()):
+            assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dq_pass", ["own_pass", "in_dkdv"])
