@@ -613,9 +613,7 @@ def test_window_bounds_cut_each_segment_at_the_windows_rows(window_rows):
     work = build_block_work(ids, cu, block, pairs, 0, total, "rows")
     segments = work.segments.shape[0]
     windows = -(-total // window_rows)
-    arguments = (work.segments, work.segment_order, work.pair_token, work.pair_slot,
-                 work.bucket_start, work.bucket_count)
-    bounds = key_outer_module.window_bounds(arguments, total, window_rows, windows, pairs)
+    bounds = key_outer_module.window_bounds(work, total, window_rows, windows)
     assert bounds.shape == (segments, windows + 1)
     rows = torch.clamp(torch.arange(windows + 1) * window_rows, max=total)
     padding = 0

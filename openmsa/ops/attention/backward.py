@@ -113,7 +113,8 @@ def _over_heads(per_pair, GQ_PAD: tl.constexpr, TOK: tl.constexpr):
 def _hard_pairs(HARD, IDS, pair_token, pair_valid, index_head, block, stride_ids_t,
                 stride_ids_h, HI: tl.constexpr, TOP_K: tl.constexpr):
     """Per pair: whether its query row is hard (its tile left the walks to key-outer) and its
-    slot (the block's position in the row's ids)."""
+    slot (the block's position in the row's ids), found among the ids: the dK/dV list comes
+    from the forward's packed lists, which hold no slots (``BlockWork.pair_slot``)."""
     hard = pair_valid & (tl.load(HARD + pair_token * HI + index_head, mask=pair_valid,
                                  other=0) != 0)
     ids = IDS + pair_token * stride_ids_t + index_head * stride_ids_h

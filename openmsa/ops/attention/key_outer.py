@@ -38,9 +38,9 @@ from ..launch import launch, strides
 from ..problem import LOG2_E, SparseAttentionProblem, _tile_shape, multiprocessors
 from ..segments import reduce_segments
 from ..tiles import _block_keys, _load_rows, _query_tile, _segment
-from ..worklists import build_block_work
+from ..worklists import BlockWork, build_block_work
 from . import sm90_backward, sm90_key_outer
-from .backward import _dkdv_hard_dq_kernel, triton_dkdv_parts
+from .backward import _dkdv_hard_dq_kernel, _over_heads, _pair_rows, triton_dkdv_parts
 
 __all__ = ["dkdv_with_hard_dq", "key_outer_dq", "key_outer_forward", "walk_limit"]
 
@@ -117,19 +117,19 @@ def _window_bounds_kernel(BOUNDS, SEGMENTS, PAIR_TOKEN, BUCKET_START, BUCKET_COU
              mask=in_list[:, None] & (bound < num_bounds)[None, :])
 
 
-def window_bounds(arguments, num_rows: int, window_rows: int, windows: int,
-                  segment_pairs: int) -> torch.Tensor:
-    """int32 [segments, windows + 1]: each window's pairs of each segment of the hard pairs'
-    list (``_hard_work``'s ``arguments``; ``_window_bounds_kernel``), found once a pass for all
-    windows instead of by each key-outer program."""
-    segment_list, _, pair_token, _, bucket_start, bucket_count = arguments[:6]
-    segments = segment_list.shape[0]
-    bounds = torch.empty(segments, windows + 1, dtype=torch.int32, device=pair_token.device)
+def window_bounds(work: BlockWork, num_rows: int, window_rows: int,
+                  windows: int) -> torch.Tensor:
+    """int32 [segments, windows + 1]: each window's pairs of each segment of a key-block list
+    (the hard pairs', or dK/dV's; ``_window_bounds_kernel``), found once a pass for all windows
+    instead of by each key-outer program."""
+    segments = work.segments.shape[0]
+    bounds = torch.empty(segments, windows + 1, dtype=torch.int32,
+                         device=work.pair_token.device)
     segs, pad = 32, min(64, triton.next_power_of_2(windows + 1))
     _window_bounds_kernel[(triton.cdiv(segments, segs), triton.cdiv(windows + 1, pad))](
-        bounds, segment_list, pair_token, bucket_start, bucket_count, segments, num_rows,
-        window_rows, windows + 1, SEGMENT_PAIRS=segment_pairs,
-        SEARCH_STEPS=segment_pairs.bit_length() + 1, SEGS=segs, BOUNDS_PAD=pad)
+        bounds, work.segments, work.pair_token, work.bucket_start, work.bucket_count, segments,
+        num_rows, window_rows, windows + 1, SEGMENT_PAIRS=work.segment_pairs,
+        SEARCH_STEPS=work.segment_pairs.bit_length() + 1, SEGS=segs, BOUNDS_PAD=pad)
     return bounds
 
 
@@ -163,17 +163,13 @@ def _block_kv(K, V, seq_start, seq_len, block, kv_head, stride_k_t, stride_k_h, 
 def _pair_rows_and_slots(PAIR_TOKEN, PAIR_SLOT, first_pair, end, GQ: tl.constexpr,
                          GQ_PAD: tl.constexpr, TOK: tl.constexpr):
     """The TOK pairs from ``first_pair`` (before ``end``), head-major as the dK/dV kernel's rows
-    (row = g * TOK + t): each row's query row, validity, head g and its pair's slot (the
-    block's position in the row's ids)."""
-    pairs = tl.arange(0, TOK)
-    pair_valid = first_pair + pairs < end
-    pair_row = tl.load(PAIR_TOKEN + first_pair + pairs, mask=pair_valid, other=0).to(tl.int64)
-    slot = tl.load(PAIR_SLOT + first_pair + pairs, mask=pair_valid, other=0)
-    row_token = tl.reshape(tl.broadcast_to(pair_row[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
-    row_valid = tl.reshape(tl.broadcast_to(pair_valid[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
-    row_slot = tl.reshape(tl.broadcast_to(slot[None, :], (GQ_PAD, TOK)), (GQ_PAD * TOK,))
-    head = tl.arange(0, GQ_PAD * TOK) // TOK
-    return row_token, row_valid & (head < GQ), head, row_slot
+    (``backward._pair_rows``, row = g * TOK + t): each row's query row, validity, head g and
+    its pair's slot (the block's position in the row's ids)."""
+    row_token, row_valid, _, pair_valid = _pair_rows(PAIR_TOKEN, first_pair, end, GQ, GQ_PAD,
+                                                     TOK)
+    slot = tl.load(PAIR_SLOT + first_pair + tl.arange(0, TOK), mask=pair_valid, other=0)
+    return (row_token, row_valid, tl.arange(0, GQ_PAD * TOK) // TOK,
+            _over_heads(slot, GQ_PAD, TOK))
 
 
 @triton.jit
@@ -354,19 +350,41 @@ def _dq_sum_kernel(IDS, HARD, WINDOW_HARD, window, DQ_PART, DQ, window_start, wi
              + dims[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=valid[:, None])
 
 
-def _windows(p: SparseAttentionProblem, bytes_per_slot: int, hard: torch.Tensor, arguments,
-             segment_pairs: int):
+def _windows(p: SparseAttentionProblem, bytes_per_slot: int, hard: torch.Tensor,
+             work: BlockWork):
     """Query-row windows [start, end) whose slots fit ``Tuning.key_outer_partial_bytes``, each
     window's count of hard (row, index head)s (int32 on the device: a window without any
     costs its launches only, nothing waits for the GPU) and each window's pairs of each
-    segment of the hard pairs' list (``window_bounds``)."""
+    segment of the key-block list ``work`` (``window_bounds``)."""
     per_row = p.num_index_heads * p.top_k * p.gq * bytes_per_slot
     rows = max(1, p.tuning.key_outer_partial_bytes // per_row)
     windows = [(start, min(start + rows, p.total)) for start in range(0, p.total, rows)]
     padded = torch.nn.functional.pad(hard, (0, 0, 0, len(windows) * rows - p.total))
     counts = padded.view(len(windows), -1).sum(1, dtype=torch.int32)
-    bounds = window_bounds(arguments, p.total, rows, len(windows), segment_pairs)
+    bounds = window_bounds(work, p.total, rows, len(windows))
     return rows, windows, counts, bounds
+
+
+def _block_ids(p: SparseAttentionProblem) -> torch.Tensor:
+    """``p``'s kept block ids with unit stride along the slots, as the combine and the dQ sum
+    read them."""
+    return p.block_ids if p.block_ids.stride(-1) == 1 else p.block_ids.contiguous()
+
+
+def _dq_part_dtype(p: SparseAttentionProblem, q) -> torch.dtype:
+    """The hard rows' dQ partials' dtype (``Tuning.key_outer_dq_partials``)."""
+    return torch.float32 if p.tuning.key_outer_dq_partials == "float32" else q.dtype
+
+
+def _sum_dq_window(ids, hard, window_hard, window: int, dq_part, dq, start: int, end: int,
+                   p: SparseAttentionProblem) -> None:
+    """The window's hard rows of ``dq``: their slots' partials summed in slot order
+    (``_dq_sum_kernel``)."""
+    tokens = _combine_tokens(p, KEY_OUTER_SUM_ROWS)
+    _dq_sum_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
+        ids, hard, window_hard, window, dq_part, dq, start, end, *strides(ids, dq), p.scale,
+        HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"], TOP_K=p.top_k,
+        HEAD_DIM=p.head_dim, TOKENS=tokens, num_warps=KEY_OUTER_COMBINE_WARPS)
 
 
 @triton.jit
@@ -388,9 +406,9 @@ def _segment_hard_kernel(SEGMENT_HARD, HARD, SEGMENTS, PAIR_TOKEN, BUCKET_START,
 
 
 def _hard_work(p: SparseAttentionProblem, limit: int):
-    """The hard rows (``hard_rows``) and the key-block -> queries list of their pairs alone, as
-    the key-outer kernels' arguments: every gathered row then computes (no pair of a walked
-    row rides along), at the cost of one more list build."""
+    """The hard rows (``hard_rows``) and the key-block -> queries list of their pairs alone,
+    itself and as the key-outer kernels' arguments and constants: every gathered row then
+    computes (no pair of a walked row rides along), at the cost of one more list build."""
     hard = hard_rows(p, limit)
     pairs = p.segment_pairs()
     work = build_block_work(torch.where(hard[:, :, None] != 0, p.block_ids, -1), p.cu_seqlens,
@@ -404,8 +422,7 @@ def _hard_work(p: SparseAttentionProblem, limit: int):
                      KV_GROUP=shared["KV_GROUP"], TOK=p.query_tokens, BLOCK=p.block_size,
                      HEAD_DIM=p.head_dim, TOP_K=p.top_k, SEGMENT_PAIRS=pairs,
                      PRECISION=shared["PRECISION"])
-    ids = p.block_ids if p.block_ids.stride(-1) == 1 else p.block_ids.contiguous()
-    return hard, ids, arguments, work.segments.shape[0], constants
+    return hard, work, arguments, constants
 
 
 def _combine_tokens(p: SparseAttentionProblem, rows_per_program: int) -> int:
@@ -426,9 +443,11 @@ def key_outer_forward(q, k, v, p: SparseAttentionProblem, limit: int, out, lse,
     """Writes ``out`` [Tq, H, D] and ``lse`` (lse2, [Tq, H]) of the rows whose tiles' unions
     hold more than ``limit`` blocks (the walk left them), window by window: the partials from
     the Gluon kernel on a Hopper GPU where it takes the inputs, else from the Triton one."""
-    hard, ids, arguments, segments, constants = _hard_work(p, limit)
+    hard, work, arguments, constants = _hard_work(p, limit)
+    segments = work.segments.shape[0]
     rows, windows, window_hard, bounds = _windows(p, q.element_size() * p.head_dim + 4, hard,
-                                                  arguments, constants["SEGMENT_PAIRS"])
+                                                  work)
+    ids = _block_ids(p)
     slots = rows * p.num_index_heads * p.top_k * p.gq
     out_part = torch.empty(slots, p.head_dim, dtype=q.dtype, device=q.device)
     lse_part = torch.empty(slots, dtype=torch.float32, device=q.device)
@@ -458,13 +477,14 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
     """Writes ``dq``'s rows whose tiles' unions hold more than ``limit`` blocks (the walk left
     them), window by window: the partials from the Gluon kernel on a Hopper GPU where it takes
     the inputs, else from the Triton one."""
-    hard, ids, arguments, segments, constants = _hard_work(p, limit)
-    part_dtype = torch.float32 if p.tuning.key_outer_dq_partials == "float32" else q.dtype
+    hard, work, arguments, constants = _hard_work(p, limit)
+    segments = work.segments.shape[0]
+    part_dtype = _dq_part_dtype(p, q)
     rows, windows, window_hard, bounds = _windows(p, part_dtype.itemsize * p.head_dim, hard,
-                                                  arguments, constants["SEGMENT_PAIRS"])
+                                                  work)
     dq_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
                           dtype=part_dtype, device=q.device)
-    tokens = _combine_tokens(p, KEY_OUTER_SUM_ROWS)
+    ids = _block_ids(p)
     hopper = _use_hopper(use_hopper, sm90_key_outer.supported(q, k, v, p, dout))
     descriptors = sm90_key_outer.block_descriptors(k, v, p.block_size) if hopper else None
     for window, (start, end) in enumerate(windows):
@@ -478,10 +498,7 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
                    q, k, v, dout, lse, delta, window_hard, window, bounds, bounds.shape[1],
                    dq_part, *arguments, start, *strides(q, k, v, dout), p.scale * LOG2_E,
                    **constants, **KEY_OUTER_CONFIG)
-        _dq_sum_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
-            ids, hard, window_hard, window, dq_part, dq, start, end, *strides(ids, dq), p.scale,
-            HI=p.num_index_heads, GQ=p.gq, GQ_PAD=p.shared["GQ_PAD"], TOP_K=p.top_k,
-            HEAD_DIM=p.head_dim, TOKENS=tokens, num_warps=KEY_OUTER_COMBINE_WARPS)
+        _sum_dq_window(ids, hard, window_hard, window, dq_part, dq, start, end, p)
     return dq
 
 
@@ -498,11 +515,9 @@ def dkdv_with_hard_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limi
     hard = hard_rows(p, limit)
     work = p.block_work
     pairs = work.segment_pairs
-    listed = (work.segments, work.segment_order, work.pair_token, None, work.bucket_start,
-              work.bucket_count)
-    part_dtype = torch.float32 if p.tuning.key_outer_dq_partials == "float32" else q.dtype
+    part_dtype = _dq_part_dtype(p, q)
     rows, windows, window_hard, bounds = _windows(p, part_dtype.itemsize * p.head_dim, hard,
-                                                  listed, pairs)
+                                                  work)
     segments = work.segments.shape[0]
     segment_hard = torch.empty(segments, dtype=torch.int32, device=q.device)
     _segment_hard_kernel[(segments,)](
@@ -521,12 +536,11 @@ def dkdv_with_hard_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limi
                                            skip=segment_hard, parts=parts)
     else:
         triton_dkdv_parts(q, k, v, dout, lse, delta, p, skip=segment_hard, parts=parts)
-    ids = p.block_ids if p.block_ids.stride(-1) == 1 else p.block_ids.contiguous()
+    ids = _block_ids(p)
     dq_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
                           dtype=part_dtype, device=q.device)
     programs = min(segments, multiprocessors(q.device) * KEY_OUTER_DKDV_PROGRAMS_PER_SM)
     step_tokens, _, step_rows = _tile_shape(p.gq, KEY_OUTER_DKDV_ROWS)
-    tokens = _combine_tokens(p, KEY_OUTER_SUM_ROWS)
     shared = p.shared
     for window, (start, end) in enumerate(windows):
         launch(_dkdv_hard_dq_kernel, (programs,),
@@ -538,9 +552,6 @@ def dkdv_with_hard_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limi
                KV_GROUP=shared["KV_GROUP"], TOK=step_tokens, ROWS=step_rows,
                BLOCK=p.block_size, HEAD_DIM=p.head_dim, SEGMENT_PAIRS=pairs,
                PRECISION=shared["PRECISION"], TOP_K=p.top_k, **KEY_OUTER_DKDV_CONFIG)
-        _dq_sum_kernel[(triton.cdiv(end - start, tokens), p.num_index_heads)](
-            ids, hard, window_hard, window, dq_part, dq, start, end, *strides(ids, dq), p.scale,
-            HI=p.num_index_heads, GQ=p.gq, GQ_PAD=shared["GQ_PAD"], TOP_K=p.top_k,
-            HEAD_DIM=p.head_dim, TOKENS=tokens, num_warps=KEY_OUTER_COMBINE_WARPS)
+        _sum_dq_window(ids, hard, window_hard, window, dq_part, dq, start, end, p)
     return dq, *reduce_segments(parts[0], torch.empty_like(k), p.scale, shared["KV_GROUP"], p,
                                 parts[1], torch.empty_like(v), 1.0)
