@@ -139,7 +139,7 @@ class Tuning:
         over a list of the other rows' pairs (``attention.index_log_sum_exp_key_outer``), given
         selection's row maxima. Off: its first form (the key-outer pass reading every pair's
         row) was slower than the walk on coherent and mid selections (at 128k 4.5 / 3.8 ms
-        against 1.0 / 3.2; random 3.5 against 20.8, docs/EXPERIMENTS.md); the present form
+        against 1.0 / 3.2; random 3.5 against 20.8; kernels alone, index-lse.json); the present form
         (a list of the left rows' pairs alone, per-slot sums) is not yet timed.
     key_outer_dq: where the hard rows' dQ partials come from: a key-outer dQ pass of their own
         ("own_pass", the default) or the dK/dV pass ("in_dkdv": its steps already gather the
