@@ -4,7 +4,7 @@
     python benchmarks/bench_key_outer.py --out DIR [--seqlens 8192,32768,131072]
         [--limits 0,1.5,2,3,4] [--key-outer-kernels gluon,triton] [--partial-gib 2,8]
         [--dq-partials float32,input] [--dq-passes own_pass,in_dkdv] [--index-lse walk,split]
-        [--dq-limits same,2] [--kernels]
+        [--dq-limits same,2] [--dq-routes walk,dkdv_atomic] [--kernels]
         [--launches 8x2,4x2,8x3]
         [--combine-launches 64x4,128x8] [--hopper-stages 3,4,6] [--dkdv-launches 8x1,8x2]
 
@@ -21,8 +21,10 @@ partials in fp32 or bf16) and ``--dq-passes`` (the hard rows' dQ partials from a
 pass of their own or from the dK/dV pass, ``Tuning.key_outer_dq``); each limit, 0 too, with
 each of ``--index-lse`` (the index log-sum-exp's walk alone, or split with a key-outer pass:
 ``Tuning.index_lse_split``, in the step's times only) and of ``--dq-limits`` (dQ's own walk
-limit, ``Tuning.dq_walk_limit_per_slot``; "same": the forward's); ``--kernels`` adds each
-row's kernel times (torch profiler) of one forward and one backward.
+limit, ``Tuning.dq_walk_limit_per_slot``; "same": the forward's) and of ``--dq-routes``
+(every row's dQ from the walk, its hard rows as above, or "dkdv_atomic": from the dK/dV
+pass's atomic sums, ``Tuning.dq_pass``; no dQ limit, partials or pass of its own then);
+``--kernels`` adds each row's kernel times (torch profiler) of one forward and one backward.
 ``--launches WxS,...``: also times
 the key-outer kernels' launch (warps x stages, ``configs.KEY_OUTER_CONFIG``) at the last limit,
 forward and backward alone; ``--hopper-stages S,...`` the Gluon key-outer kernels' kernel
@@ -61,7 +63,7 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
             key_outer_kernels=("gluon", "triton"), partial_gib=(2.0,),
             profile: bool = False, combine_launches=(), dq_partials=("input",),
             hopper_stages=(), dq_passes=("own_pass",), dkdv_launches=(),
-            index_lse=("walk",), dq_limits=(None,)) -> list[dict]:
+            index_lse=("walk",), dq_limits=(None,), dq_routes=("walk",)) -> list[dict]:
     generator = torch.Generator(device="cuda").manual_seed(seqlen)
     q, k, v = (torch.randn(seqlen, h, DIM, device="cuda", generator=generator).bfloat16()
                for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -78,24 +80,28 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
     if not dense:
         dense.update(dense_baseline(*inputs[:3], dout[None], median_ms))
     rows, walked = [], None
-    runs = [(limit, dq_limit, kernel, gib, partials, dq_pass, index_lse_kind)
-            for limit in limits for dq_limit in dq_limits
+    # The atomic dQ route has no dQ walk: no dQ limit, partials or hard rows' pass of its own.
+    runs = [(limit, dq_limit, kernel, gib, partials, dq_pass, index_lse_kind, route)
+            for limit in limits for route in dq_routes
+            for dq_limit in (dq_limits if route == "walk" else [None])
             for kernel in (key_outer_kernels if limit or dq_limit else ["-"])
             for gib in (partial_gib if limit or dq_limit else partial_gib[:1])
-            for partials in (dq_partials if limit or dq_limit else dq_partials[:1])
-            for dq_pass in (dq_passes if limit or dq_limit else dq_passes[:1])
+            for partials in (dq_partials if (limit or dq_limit) and route == "walk"
+                             else dq_partials[:1])
+            for dq_pass in (dq_passes if (limit or dq_limit) and route == "walk"
+                            else dq_passes[:1])
             for index_lse_kind in index_lse]
-    for limit, dq_limit, kernel, gib, partials, dq_pass, index_lse_kind in runs:
+    for limit, dq_limit, kernel, gib, partials, dq_pass, index_lse_kind, route in runs:
         key_outer.KEY_OUTER_HOPPER = kernel != "triton"
         tuning = Tuning(main_walk_limit_per_slot=limit, dq_walk_limit_per_slot=dq_limit,
                         key_outer_partial_bytes=int(gib * (1 << 30)),
                         key_outer_dq_partials=partials, key_outer_dq=dq_pass,
-                        index_lse_split=index_lse_kind == "split")
+                        index_lse_split=index_lse_kind == "split", dq_pass=route)
         problem = SparseAttentionProblem(q, k, ids, cu, BLOCK, scale, tuning=tuning)
         problem.block_work  # the step builds it for dK/dV anyway
         blocks = key_outer.walk_limit(problem)
         hard = key_outer.hard_rows(problem, blocks).float().mean().item() if blocks else 0.0
-        dq_blocks = key_outer.walk_limit(problem, backward=True)
+        dq_blocks = key_outer.walk_limit(problem, backward=True) if route == "walk" else 0
         dq_hard = (key_outer.hard_rows(problem, dq_blocks).float().mean().item() if dq_blocks
                    else 0.0)
         out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
@@ -111,7 +117,7 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
         row = dict(seqlen=seqlen, selection=kind, limit_per_slot=limit, walk_limit_blocks=blocks,
                    dq_limit_per_slot=dq_limit, dq_hard_row_share=dq_hard,
                    key_outer_kernels=kernel, partial_gib=gib, dq_partials=partials,
-                   key_outer_dq=dq_pass, index_lse=index_lse_kind,
+                   key_outer_dq=dq_pass, index_lse=index_lse_kind, dq_route=route,
                    hard_row_share=hard, **statistics,
                    fwd_ms=median_ms(lambda: sparse_attention_fwd(q, k, v, None, None, problem)),
                    bwd_ms=median_ms(lambda: attention_backward(q, k, v, out, dout, lse,
@@ -241,6 +247,8 @@ def main() -> None:
     parser.add_argument("--dkdv-launches", default="",
                         help="WxS[xR],...: the in_dkdv backward's hard-segment kernel launches "
                         "(warps x stages x rows a step) to time at the last limit")
+    parser.add_argument("--dq-routes", default="walk",
+                        help="comma-separated Tuning.dq_pass values: walk, dkdv_atomic")
     parser.add_argument("--kernels", action="store_true",
                         help="also record each row's forward and backward kernel times")
     args = parser.parse_args()
@@ -261,7 +269,8 @@ def main() -> None:
                             [x for x in args.dkdv_launches.split(",") if x],
                             args.index_lse.split(","),
                             [None if x == "same" else float(x)
-                             for x in args.dq_limits.split(",")])
+                             for x in args.dq_limits.split(",")],
+                            dq_routes=args.dq_routes.split(","))
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, date=time.strftime("%Y-%m-%d"), args=vars(args),
                   config=f"H{HEADS}/Hkv{KV_HEADS}/Hi{INDEX_HEADS}/Hik1 D=Di={DIM} top {TOP_K} "
@@ -291,10 +300,13 @@ def main() -> None:
                   f"{r['fwd_ms']:.2f} ms, bwd {r['bwd_ms']:.2f} ms")
             continue
         dq_limit = "same" if r["dq_limit_per_slot"] is None else f"{r['dq_limit_per_slot']:.1f}"
+        atomic = r.get("dq_route") == "dkdv_atomic"
+        dq_pass = "atomic" if atomic else r["key_outer_dq"]
+        dq_limit = "-" if atomic else dq_limit
         print(f"{r['seqlen']:>7} {r['selection']:>9} {r['jaccard']:>5.2f} {r['union_8']:>6.1f} "
               f"{r['limit_per_slot']:>5.1f} {dq_limit:>6} {r['key_outer_kernels']:>7} "
               f"{r['partial_gib']:>4g} "
-              f"{r['dq_partials']:>7} {r['key_outer_dq']:>8} {r['index_lse']:>7} "
+              f"{r['dq_partials']:>7} {dq_pass:>8} {r['index_lse']:>7} "
               f"{r['hard_row_share']:>5.2f} {r['dq_hard_row_share']:>7.2f} {r['fwd_ms']:>8.2f} "
               f"{r['bwd_ms']:>8.2f} {r['step_ms']:>8.2f} {r.get('step_x_dense', 0):>6.2f}x "
               f"{r['out_vs_walk']:>7.1e}/{r['dq_vs_walk']:>7.1e}")

@@ -114,6 +114,8 @@ def main() -> None:
         ("dQ", _sparse_attn_dq_kernel, query),
         ("dK/dV", _sparse_attn_dkdv_kernel,
          dict(shared, TOK=4, TOKP=16, ROWS=64, SEGMENT_PAIRS=SEGMENT_PAIRS)),
+        ("dK/dV + atomic dQ, 32 rows", _sparse_attn_dkdv_kernel,
+         dict(shared, TOK=2, TOKP=16, ROWS=32, SEGMENT_PAIRS=SEGMENT_PAIRS, ATOMIC_DQ=True)),
         ("KL query side", _kl_query_kernel,
          dict(query, WITH_VALUE=True, WITH_GRAD=True)),
     ]

@@ -4,7 +4,8 @@ tensor-core products). Used by tests/ops/test_sm90.py and benchmarks/inspect_ker
 
     python tools/sm90_compile.py [forward|dq|dkdv|dkdv-skip|kl] [HEAD_DIM BLOCK DTYPE HEADS]
     python tools/sm90_compile.py select [input|fp8] [TILE_ROWS WARPS STAGES IMPRECISE_ACC|none]
-    python tools/sm90_compile.py key-outer [forward|dq|dkdv|dkdv-hard-dq] [STAGES ...]
+    python tools/sm90_compile.py key-outer [forward|dq|dkdv|dkdv-hard-dq|dkdv-atomic-dq]
+        [STAGES ...]
 """
 
 from __future__ import annotations
@@ -204,26 +205,33 @@ def compile_key_outer_for_sm90(kernel: str = "forward", num_stages: int = 2,
     (``attention.key_outer``; whether Triton's pipeliner turns its gathers into asynchronous
     copies, and the shared memory that costs: a launch past the GPU's shared memory falls
     back to one stage, ``launch``), or dK/dV ("dkdv"; "dkdv-hard-dq": with the hard rows' dQ,
-    ``Tuning.key_outer_dq = "in_dkdv"``) as ``attention.backward`` launches it."""
+    ``Tuning.key_outer_dq = "in_dkdv"``; "dkdv-atomic-dq": with every row's dQ added
+    atomically, ``Tuning.dq_pass = "dkdv_atomic"``) as ``attention.backward`` launches it."""
     from triton.compiler import ASTSource
 
     from openmsa.ops.attention.backward import _dkdv_hard_dq_kernel, _sparse_attn_dkdv_kernel
-    from openmsa.ops.configs import KEY_OUTER_DKDV_ROWS
+    from openmsa.ops.configs import DKDV_ATOMIC_DQ_ROWS, KEY_OUTER_DKDV_ROWS
     from openmsa.ops.problem import _tile_shape
     from openmsa.ops.attention.key_outer import _dq_key_outer_kernel, _fwd_key_outer_kernel
 
     fn = {"forward": _fwd_key_outer_kernel, "dq": _dq_key_outer_kernel,
-          "dkdv": _sparse_attn_dkdv_kernel, "dkdv-hard-dq": _dkdv_hard_dq_kernel}[kernel]
+          "dkdv": _sparse_attn_dkdv_kernel, "dkdv-hard-dq": _dkdv_hard_dq_kernel,
+          "dkdv-atomic-dq": _sparse_attn_dkdv_kernel}[kernel]
     constants = dict(HI=4, GQ=16, GQ_PAD=16, KV_GROUP=1, TOK=8, BLOCK=128, HEAD_DIM=128,
                      TOP_K=16, SEGMENT_PAIRS=1024, PRECISION="tf32")
     if kernel == "dkdv":  # 64-row steps: 4 pairs x 16 heads
         del constants["TOP_K"]
         constants.update(INDEX_GROUP=4, TOK=4, TOKP=16, ROWS=64, INDEX_DIM=128,
-                         WITH_SKIP=False)
+                         WITH_SKIP=False, ATOMIC_DQ=False)
+    if kernel == "dkdv-atomic-dq":  # steps of DKDV_ATOMIC_DQ_ROWS rows
+        del constants["TOP_K"]
+        tokens, _, rows = _tile_shape(16, DKDV_ATOMIC_DQ_ROWS)
+        constants.update(INDEX_GROUP=4, TOK=tokens, TOKP=16, ROWS=rows, INDEX_DIM=128,
+                         WITH_SKIP=False, ATOMIC_DQ=True)
     if kernel == "dkdv-hard-dq":  # steps of KEY_OUTER_DKDV_ROWS rows
         tokens, _, rows = _tile_shape(16, KEY_OUTER_DKDV_ROWS)
         constants.update(TOK=tokens, ROWS=rows)
-    floats = ("LSE_PART", "LSE", "DELTA", "DQ_PART", "DK_PART", "DV_PART")
+    floats = ("LSE_PART", "LSE", "DELTA", "DQ_PART", "DK_PART", "DV_PART", "DQ_SUM")
     types = {}
     for name in fn.arg_names:
         if name in constants:
@@ -278,7 +286,8 @@ if __name__ == "__main__" and sys.argv[1:2] == ["select"]:
           f"of shared memory, products "
           f"{'serialized' if report['serialized'] else 'asynchronous'}")
 elif __name__ == "__main__" and sys.argv[1:2] == ["key-outer"]:
-    # python tools/sm90_compile.py key-outer [forward|dq|dkdv|dkdv-hard-dq] [STAGES ...]
+    # python tools/sm90_compile.py key-outer [forward|dq|dkdv|dkdv-hard-dq|dkdv-atomic-dq]
+    # [STAGES ...]
     kernel = sys.argv[2] if len(sys.argv) > 2 else "forward"
     for stages in map(int, sys.argv[3:] or ["1", "2", "3"]):
         compiled = compile_key_outer_for_sm90(kernel, stages)

@@ -40,6 +40,9 @@ KEY_OUTER_CONFIG = dict(num_warps=8, num_stages=2)
 # yet timed.
 KEY_OUTER_DKDV_CONFIG = dict(num_warps=8, num_stages=2)
 KEY_OUTER_DKDV_ROWS = 32
+# Rows a step of the dK/dV kernel that also adds every row's dQ atomically (Tuning.dq_pass
+# "dkdv_atomic"): the fifth product's registers, as for the hard rows' dQ above.
+DKDV_ATOMIC_DQ_ROWS = 32
 # Rows (query rows x heads) of a combine program and of a dQ-sum program, and their warps:
 # H200, 128k, random selections, H64/Hi4 (docs/BENCHMARKS.md): the combine 10.0 ms at 16 rows
 # against 15.0 at 64, the dQ sum best at 64 (16.4 ms).
@@ -90,6 +93,7 @@ KEY_OUTER_DKDV_PROGRAMS_PER_SM = 1
 
 KEY_OUTER_DQ_PARTIALS = ("float32", "input")
 KEY_OUTER_DQ_PASSES = ("own_pass", "in_dkdv")
+DQ_PASSES = ("walk", "dkdv_atomic")
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,12 @@ class Tuning:
         rows and compute dS; one more product per step, no second gather). With "in_dkdv" the
         dK/dV segments holding a hard row run window by window on a Triton kernel, on Hopper
         GPUs too; not yet timed on a GPU (docs/KERNELS.md, section 4).
+    dq_pass: where every row's dQ comes from: "walk" (the default: query-outer over each
+        tile's union, the hard rows as ``key_outer_dq`` says) or "dkdv_atomic" (the dK/dV pass
+        adds each step's ``dS K`` atomically into an fp32 sum: no dQ walk and no key-outer dQ,
+        a cost that follows the kept pairs on any selection, on the Triton dK/dV kernel, on
+        Hopper GPUs too). Atomic sums are not bitwise reproducible, so ``deterministic=True``
+        keeps the walk. Not yet timed on a GPU (docs/KERNELS.md, section 5).
     """
 
     segment_pairs: int = 1024
@@ -162,10 +172,11 @@ class Tuning:
     key_outer_dq_partials: str = "input"
     key_outer_dq: str = "own_pass"
     index_lse_split: bool = False
+    dq_pass: str = "walk"
 
     def __post_init__(self):
         for name, allowed in (("key_outer_dq_partials", KEY_OUTER_DQ_PARTIALS),
-                              ("key_outer_dq", KEY_OUTER_DQ_PASSES)):
+                              ("key_outer_dq", KEY_OUTER_DQ_PASSES), ("dq_pass", DQ_PASSES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, "
                                  f"received {getattr(self, name)!r}")

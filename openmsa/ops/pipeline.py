@@ -157,7 +157,8 @@ def backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torch.Te
         dq, dk, dv = dense_attention_backward(dout, q, k, v, out, lse, dense_batch,
                                               softmax_scale)
     else:
-        dq, dk, dv = attention_backward(q, k, v, out, dout, lse, problem)
+        dq, dk, dv = attention_backward(q, k, v, out, dout, lse, problem,
+                                        deterministic=deterministic)
     if not index_grads:
         return dq, dk, dv, q.new_empty(0), q.new_empty(0)
     if d_index_q.numel() == 0:  # the forward ran without index gradients

@@ -15,7 +15,7 @@ from openmsa.ops.attention import attention_backward, key_outer, sm90_key_outer
 from openmsa.ops.attention import sparse_attention_fwd
 from openmsa.ops.configs import Tuning
 from openmsa.testing import (TOLERANCE, MSACase, compare_with_reference, random_inputs,
-                             run_with_grads, tuned_msa_attention)
+                             rel_rms_error, run_with_grads, tuned_msa_attention)
 
 # Random index inputs: neighbouring tokens keep different blocks, so most tiles go key-outer.
 CASES = [
@@ -135,6 +135,60 @@ def test_bf16_dq_in_dkdv_within_twice_the_reference_error(case, dq_partials, for
     assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
 
 
+@pytest.mark.parametrize("forward_limit", [0.0, 1.0])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_bf16_dq_from_dkdv_atomics_within_twice_the_reference_error(case, forward_limit,
+                                                                    monkeypatch):
+    """``Tuning.dq_pass = "dkdv_atomic"``: no dQ walk, every row's dQ added atomically by the
+    (Triton) dK/dV steps; the forward walking every tile, or its hard rows key-outer."""
+    routes = []
+    original = attention_module.triton_backward_dq_in_dkdv
+    monkeypatch.setattr(attention_module, "triton_backward_dq_in_dkdv",
+                        lambda *args: routes.append(1) or original(*args))
+    tuning = dataclasses.replace(TUNING, dq_pass="dkdv_atomic",
+                                 main_walk_limit_per_slot=forward_limit)
+    comparison = compare_with_reference(tuned_msa_attention(tuning), case, torch.bfloat16,
+                                        "cuda")
+    record = os.environ.get("OPENMSA_GPU_RECORD")
+    if record:
+        with open(record, "a") as f:
+            f.write(json.dumps({"test": "dq_from_dkdv_atomics_bf16", "case": case.name,
+                                "forward_limit": forward_limit, "errors": comparison.errors,
+                                "reference_bf16_errors": comparison.baseline_errors}) + "\n")
+    print(case.name, {n: f"{e:.2e}/{comparison.baseline_errors[n]:.2e}"
+                      for n, e in comparison.errors.items()})
+    assert routes, "the dK/dV pass did not give dq"
+    assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
+
+
+def test_dq_from_dkdv_atomics_under_a_cuda_graph():
+    """``dq_pass = "dkdv_atomic"`` waits on no host value: a step captured in a CUDA graph and
+    replayed on new inputs gives the eager step's values up to the atomic sums' order (dq
+    within bf16 rounding, everything else bitwise)."""
+    case = CASES[1]
+    attention = tuned_msa_attention(dataclasses.replace(TUNING, dq_pass="dkdv_atomic"))
+    inputs, cu_seqlens = random_inputs(case, torch.bfloat16, "cuda", seed=3)
+    static = [t.detach().clone().requires_grad_() for t in inputs]
+    out_grad = torch.randn_like(inputs[0])
+
+    def step():
+        out, kl = attention(*static, cu_seqlens=cu_seqlens, **case.options)[:2]
+        loss = (out.float() * out_grad.float()).sum() + kl
+        return (out,) + torch.autograd.grad(loss, static)[:3]
+
+    graph, captured = captured_graph(step)
+    fresh, _ = random_inputs(case, torch.bfloat16, "cuda", seed=11)
+    with torch.no_grad():
+        for target, value in zip(static, fresh):
+            target.copy_(value)
+    graph.replay()
+    for name, got, want in zip(("out", "dq", "dk", "dv"), captured, step()):
+        if name == "dq":
+            assert rel_rms_error(got.float(), want.float()) < 1e-2, name
+        else:
+            assert torch.equal(got, want), name
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_bf16_index_lse_split_within_twice_the_reference_error(case, monkeypatch):
     """``Tuning.index_lse_split``: the index log-sum-exp beside the Gluon forward split between
@@ -220,7 +274,6 @@ def test_gluon_key_outer_matches_the_triton_kernels(case, programs, monkeypatch)
     from openmsa.ops.layout import batch_cu_seqlens
     from openmsa.ops.problem import SparseAttentionProblem
     from openmsa.ops.select import select_blocks_fwd
-    from openmsa.testing import rel_rms_error
 
     inputs, cu = random_inputs(case, torch.bfloat16, "cuda", seed=5)
     q, k, v, index_q, index_k = (t.detach().reshape(-1, *t.shape[-2:]) for t in inputs)

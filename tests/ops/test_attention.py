@@ -549,12 +549,71 @@ def test_key_outer_dq_partials_must_be_named():
         Tuning(key_outer_dq_partials="bfloat16")
     with pytest.raises(ValueError, match="key_outer_dq: expected one of"):
         Tuning(key_outer_dq="dkdv")
+    with pytest.raises(ValueError, match="dq_pass: expected one of"):
+        Tuning(dq_pass="atomic")
 
 
-@pytest.mark.parametrize("tuning", [KEY_OUTER_TUNING, IN_DKDV], ids=["own_pass", "in_dkdv"])
+DQ_ATOMIC = Tuning(dq_pass="dkdv_atomic")
+
+
+def _count_backward_routes(monkeypatch) -> list:
+    """Which route each backward took for dq: "walk" (``_walk_dq``) or "dkdv_atomic"
+    (``triton_backward_dq_in_dkdv``)."""
+    routes = []
+    for name, kind in (("_walk_dq", "walk"), ("triton_backward_dq_in_dkdv", "dkdv_atomic")):
+        original = getattr(attention_module, name)
+
+        def counted(*args, original=original, kind=kind, **kwargs):
+            routes.append(kind)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(attention_module, name, counted)
+    return routes
+
+
+@pytest.mark.parametrize("case,dtype,tuning", [
+    (KEY_OUTER_CASE, torch.float32, DQ_ATOMIC),
+    (KEY_OUTER_CASE, torch.float16, DQ_ATOMIC),
+    (CASES[1], torch.float32, DQ_ATOMIC),
+    (CASES[2], torch.float32, DQ_ATOMIC),
+    # The forward's hard rows key-outer, every row's dQ from dK/dV.
+    (KEY_OUTER_CASE, torch.float32, dataclasses.replace(KEY_OUTER_TUNING,
+                                                        dq_pass="dkdv_atomic")),
+], ids=["gq16_fp32", "gq16_fp16", "packed_with_sink_fp32", "three_heads_fp32",
+        "gq16_fp32_key_outer_forward"])
+def test_dq_from_dkdv_atomics_matches_reference(case, dtype, tuning, monkeypatch):
+    """``Tuning.dq_pass = "dkdv_atomic"``: no dQ walk; every row's dq is added atomically by
+    the dK/dV steps (32 rows a step: two tokens of 16 heads, eight of three heads padded to
+    four); the reference's quantities, every element written (new buffers poisoned)."""
+    routes = _count_backward_routes(monkeypatch)
+    _poison_new_buffers(monkeypatch)
+    got, expected, _ = kernel_and_reference(case, dtype, seed=4, tuning=tuning)
+    assert routes == ["dkdv_atomic"], routes
+    for name in QUANTITY_NAMES:
+        error = rel_rms_error(got[name], expected[name])
+        assert error < TOLERANCE[dtype], (name, error)
+
+
+def test_deterministic_keeps_the_dq_walk(monkeypatch):
+    """``deterministic=True`` with ``dq_pass = "dkdv_atomic"``: the walk runs (atomic sums
+    vary in order), the main gradients bitwise the default tuning's."""
+    routes = _count_backward_routes(monkeypatch)
+    got, _, _ = kernel_and_reference(KEY_OUTER_CASE, torch.float32, seed=4, tuning=DQ_ATOMIC,
+                                     deterministic=True)
+    walked, _, _ = kernel_and_reference(KEY_OUTER_CASE, torch.float32, seed=4,
+                                        deterministic=True)
+    assert routes == ["walk", "walk"], routes
+    for name in ("dq", "dk", "dv"):
+        assert torch.equal(got[name], walked[name]), name
+
+
+@pytest.mark.parametrize("tuning", [
+    KEY_OUTER_TUNING, IN_DKDV, dataclasses.replace(KEY_OUTER_TUNING, dq_pass="dkdv_atomic")],
+    ids=["own_pass", "in_dkdv", "dq_from_dkdv_atomics"])
 def test_key_outer_rows_of_query_ranges_add_up_to_the_full_run(tuning, monkeypatch):
     """The key-outer passes on query ranges (rows named relative to ``query_start``): out and
-    dq are the full run's rows, with the hard rows' dQ from either pass."""
+    dq are the full run's rows, with the hard rows' dQ from either pass, or every row's from
+    the dK/dV pass's atomic sums."""
     counts = _count_hard_rows(monkeypatch)
     inputs, cu_seqlens = random_inputs(KEY_OUTER_CASE, torch.float32, "cpu", seed=8)
     out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(9))

@@ -119,6 +119,32 @@ def test_decode_kernels_compile_for_sm90_without_spills(shape):
     assert json.loads(lines[-2]) == [1 if shape[3] else 0] * 5
 
 
+KEY_OUTER_COMPILE = """
+import json, sys
+from tools.sm90_compile import compile_key_outer_for_sm90, ptxas_report
+from openmsa.ops import configs
+launch = getattr(configs, sys.argv[2])
+kernel = compile_key_outer_for_sm90(sys.argv[1], launch["num_stages"], launch["num_warps"])
+report = ptxas_report(kernel.asm["ptx"])
+print(json.dumps([report["spill_bytes"], report["serialized"], kernel.metadata.shared]))
+"""
+
+
+@pytest.mark.parametrize("kernel,launch", [("dkdv-atomic-dq", "DKDV_CONFIG"),
+                                           ("dkdv-hard-dq", "KEY_OUTER_DKDV_CONFIG")])
+def test_dkdv_kernels_with_a_dq_product_compile_for_sm90(kernel, launch):
+    """The Triton dK/dV kernels that also compute dQ (every row's, added atomically:
+    ``Tuning.dq_pass = "dkdv_atomic"``; the hard rows', ``key_outer_dq = "in_dkdv"``), at
+    their launch and step rows, compile for sm_90a with their products asynchronous (a dQ
+    product shaped ``[rows, D]`` serialized them) and at most 28 bytes spilled."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    printed = subprocess.run([sys.executable, "-c", KEY_OUTER_COMPILE, kernel, launch],
+                             capture_output=True, text=True, cwd=ROOT, env=env)
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    spills, serialized, shared = json.loads(printed.stdout.splitlines()[-1])
+    assert not serialized and spills <= 28 and shared <= SHARED_MEMORY_LIMIT, printed.stdout
+
+
 def test_inspect_kernels_compiles_the_triton_kernels_with_their_default_constants():
     """benchmarks/inspect_kernels.py builds each kernel's signature itself: a constexpr with a
     default (the forward's walk limits) once went in as a pointer and stopped the script."""

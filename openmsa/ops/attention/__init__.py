@@ -18,9 +18,9 @@ import torch
 
 from .. import sm90
 from ..problem import LOG2_E, SparseAttentionProblem
-from ..segments import reduce_segments
 from . import sm90_backward, sm90_forward
-from .backward import attention_delta, triton_dkdv_parts, triton_dq
+from .backward import (attention_delta, reduce_dkdv_parts, triton_backward_dq_in_dkdv,
+                       triton_dkdv_parts, triton_dq)
 from .forward import index_log_sum_exp, index_log_sum_exp_key_outer, triton_forward
 from .key_outer import dkdv_with_hard_dq, key_outer_dq, key_outer_forward, walk_limit
 
@@ -93,12 +93,16 @@ def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
 
 
 def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
-                       use_hopper: bool | None = None):
+                       use_hopper: bool | None = None, deterministic: bool = False):
     """dq, dk, dv of the main attention: delta, the query-outer dQ, the key-outer dK/dV. The
     Gluon dQ computes the deltas itself (one pass over out and dout less), those of the rows
     it leaves to the key-outer dQ too. With ``Tuning.key_outer_dq = "in_dkdv"`` the rows the
-    walk leaves get their dq from the dK/dV pass (``key_outer.dkdv_with_hard_dq``)."""
+    walk leaves get their dq from the dK/dV pass (``key_outer.dkdv_with_hard_dq``). With
+    ``Tuning.dq_pass = "dkdv_atomic"`` every row's does, added atomically
+    (``backward.triton_backward_dq_in_dkdv``), unless ``deterministic``."""
     dout = dout.contiguous()
+    if p.tuning.dq_pass == "dkdv_atomic" and not deterministic:
+        return triton_backward_dq_in_dkdv(q, k, v, out, dout, lse, p)
     limit = walk_limit(p, backward=True)
     if _hopper_dq(q, k, v, dout, p, use_hopper) and out.stride(2) == 1:
         delta = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
@@ -124,5 +128,4 @@ def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
                                                               p.scale * LOG2_E)
     else:
         dk_part, dv_part = triton_dkdv_parts(q, k, v, dout, lse, delta, p, **launch_options)
-    return reduce_segments(dk_part, torch.empty_like(k), p.scale, p.shared["KV_GROUP"], p,
-                           dv_part, torch.empty_like(v), 1.0)
+    return reduce_dkdv_parts(dk_part, dv_part, k, v, p)

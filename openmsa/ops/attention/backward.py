@@ -4,6 +4,9 @@ query-outer over the tile unions (as the forward), dK and dV key-outer.
 dK and dV: a program takes one key block and a segment of the (token, index head) pairs that
 kept it (``worklists.key_blocks``), ``TOK x GQ`` rows at a time, and writes fp32 partials that
 ``segments.reduce_segments`` sums per block in a fixed order: no atomics, deterministic.
+With ``ATOMIC_DQ`` (``Tuning.dq_pass = "dkdv_atomic"``) each step also adds its rows' dQ over
+the block, ``dS K``, atomically into an fp32 sum: no dQ walk, a cost that follows the kept
+pairs, but an order of additions that varies from run to run.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..configs import DKDV_CONFIG, DQ_CONFIG
+from ..configs import DKDV_ATOMIC_DQ_ROWS, DKDV_CONFIG, DQ_CONFIG
 from ..launch import launch, strides
-from ..problem import LOG2_E, SparseAttentionProblem
+from ..problem import LOG2_E, SparseAttentionProblem, _tile_shape
+from ..segments import reduce_segments
 from ..tiles import (_block_keys, _load_rows, _members, _query_tile, _segment, _segment_at,
                      _walk_block, _walk_list)
 
@@ -74,9 +78,11 @@ def _sparse_attn_dq_kernel(
 
 
 @triton.jit
-def _delta_kernel(OUT, DOUT, DELTA, stride_o_t, stride_o_h, stride_do_t, stride_do_h,
-                  NUM_ROWS, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    """DELTA[t, h] = sum_d dO * O (fp32), the softmax-backward correction; rows are (t, h)."""
+def _delta_kernel(OUT, DOUT, DELTA, DQ_SUM, stride_o_t, stride_o_h, stride_do_t, stride_do_h,
+                  NUM_ROWS, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+                  ZERO_DQ_SUM: tl.constexpr = False):
+    """DELTA[t, h] = sum_d dO * O (fp32), the softmax-backward correction; rows are (t, h).
+    ZERO_DQ_SUM: also zeroes the rows of DQ_SUM [Tq * H, D] (fp32), saving a launch."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     valid = row < NUM_ROWS
     token, head = row // NUM_HEADS, row % NUM_HEADS
@@ -86,6 +92,24 @@ def _delta_kernel(OUT, DOUT, DELTA, stride_o_t, stride_o_h, stride_do_t, stride_
     dout = tl.load(DOUT + token[:, None] * stride_do_t + head[:, None] * stride_do_h
                    + dims[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     tl.store(DELTA + row, tl.sum(out * dout, axis=1), mask=valid)
+    if ZERO_DQ_SUM:
+        tl.store(DQ_SUM + row[:, None] * HEAD_DIM + dims[None, :],
+                 tl.zeros((ROWS, HEAD_DIM), tl.float32), mask=valid[:, None])
+
+
+@triton.jit
+def _dq_from_sum_kernel(DQ_SUM, DQ, stride_dq_t, stride_dq_h, scale, NUM_ROWS,
+                        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """DQ[t, h] = scale * DQ_SUM[t, h] in DQ's dtype: the atomic sums scaled and cast in one
+    pass; rows are (t, h)."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    valid = row < NUM_ROWS
+    token, head = row // NUM_HEADS, row % NUM_HEADS
+    dims = tl.arange(0, HEAD_DIM)
+    total = tl.load(DQ_SUM + row[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None],
+                    other=0.0)
+    tl.store(DQ + token[:, None] * stride_dq_t + head[:, None] * stride_dq_h + dims[None, :],
+             (total * scale).to(DQ.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
@@ -128,13 +152,16 @@ def _hard_pairs(HARD, IDS, pair_token, pair_valid, index_head, block, stride_ids
 def _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, last, block,
                 index_head, query_base, stride_q_t, stride_q_h, stride_do_t, stride_do_h,
                 scale_log2, HARD, IDS, DQ_PART, window_start, stride_ids_t, stride_ids_h,
-                HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, TOK: tl.constexpr,
-                ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                PRECISION: tl.constexpr, TOP_K: tl.constexpr, HARD_DQ: tl.constexpr):
+                DQ_SUM, HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
+                TOK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, TOP_K: tl.constexpr,
+                HARD_DQ: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """dK and dV of the block over the pairs [first, last), TOK pairs x GQ heads (head-major
     rows) a step, added to ``dk`` and ``dv``. HARD_DQ: each step's hard rows (HARD) also get
     their dQ over the block, ``dS K`` from the step's own dS, stored into their slots of
-    DQ_PART [window rows, HI, TOP_K, GQ, D] (unscaled, as the key-outer dQ writes them)."""
+    DQ_PART [window rows, HI, TOP_K, GQ, D] (unscaled, as the key-outer dQ writes them).
+    ATOMIC_DQ: every row's ``dS K`` is added atomically to its row of DQ_SUM [Tq, H, D]
+    (fp32, unscaled)."""
     dims = tl.arange(0, HEAD_DIM)
     rows = tl.arange(0, ROWS)
     row_head = index_head * GQ + rows // TOK
@@ -170,6 +197,13 @@ def _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, l
                 store = row_valid & _over_heads(pair_hard, GQ_PAD, TOK)
                 tl.store(DQ_PART + slot[:, None] * HEAD_DIM + dims[None, :],
                          dq.to(DQ_PART.dtype.element_ty), mask=store[:, None])
+        if ATOMIC_DQ:
+            # Transposed, [D, ROWS]: shaped [ROWS, D] (M = 32 rows) the product made ptxas
+            # serialize the step's asynchronous MMAs at 2 stages. Relaxed atomics: nothing
+            # reads the sum before the kernel ends.
+            dq_t = tl.dot(tl.trans(k), dscores_t.to(k.dtype), input_precision=PRECISION)
+            tl.atomic_add(DQ_SUM + (row_token * (HI * GQ) + row_head)[None, :] * HEAD_DIM
+                          + dims[:, None], dq_t, mask=row_valid[None, :], sem="relaxed")
     return dk, dv
 
 
@@ -179,16 +213,18 @@ def _sparse_attn_dkdv_kernel(
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_do_t, stride_do_h, scale_log2, SKIP,
+    stride_do_t, stride_do_h, scale_log2, SKIP, DQ_SUM,
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
     INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
     SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr, WITH_SKIP: tl.constexpr = False,
+    ATOMIC_DQ: tl.constexpr = False,
 ):
     """Key-outer dK, dV of one segment: up to SEGMENT_PAIRS (token, index head) pairs that kept
     one key block, TOK pairs x GQ heads (head-major rows) per step; segments run in
     SEGMENT_ORDER (worklists.key_blocks.SEGMENT_ORDERS). Writes fp32 partials (dK unscaled).
-    WITH_SKIP: the segments flagged in SKIP are left (another kernel writes them)."""
+    WITH_SKIP: the segments flagged in SKIP are left (another kernel writes them). ATOMIC_DQ:
+    the rows' dQ over the block is added atomically into DQ_SUM (``_dkdv_steps``)."""
     segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
         CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
@@ -205,8 +241,8 @@ def _sparse_attn_dkdv_kernel(
     dv = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
     dk, dv = _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, last,
                          block, index_head, query_base, stride_q_t, stride_q_h, stride_do_t,
-                         stride_do_h, scale_log2, None, None, None, 0, 0, 0, HI, GQ, GQ_PAD,
-                         TOK, ROWS, BLOCK, HEAD_DIM, PRECISION, 1, False)
+                         stride_do_h, scale_log2, None, None, None, 0, 0, 0, DQ_SUM, HI, GQ,
+                         GQ_PAD, TOK, ROWS, BLOCK, HEAD_DIM, PRECISION, 1, False, ATOMIC_DQ)
     offsets = (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * HEAD_DIM \
         + tl.arange(0, HEAD_DIM)[None, :]
     tl.store(DK_PART + offsets, dk)
@@ -251,19 +287,28 @@ def _dkdv_hard_dq_kernel(
             dk, dv = _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, low,
                                  high, block, index_head, query_base, stride_q_t, stride_q_h,
                                  stride_do_t, stride_do_h, scale_log2, HARD, IDS, DQ_PART,
-                                 window_start, stride_ids_t, stride_ids_h, HI, GQ, GQ_PAD, TOK,
-                                 ROWS, BLOCK, HEAD_DIM, PRECISION, TOP_K, True)
+                                 window_start, stride_ids_t, stride_ids_h, None, HI, GQ,
+                                 GQ_PAD, TOK, ROWS, BLOCK, HEAD_DIM, PRECISION, TOP_K, True,
+                                 False)
             tl.store(DK_PART + offsets, dk)
             tl.store(DV_PART + offsets, dv)
 
 
-def attention_delta(out, dout, p: SparseAttentionProblem):
-    """[T, H] fp32: sum_d dO * O per (token, head)."""
+def _row_programs(p: SparseAttentionProblem, device) -> tuple[int, int]:
+    """Rows a program and programs of the kernels over the (token, head) rows."""
+    rows = 64 if device.type == "cuda" else 1024  # the interpreter's cost is per program
+    return rows, triton.cdiv(p.total * p.num_heads, rows)
+
+
+def attention_delta(out, dout, p: SparseAttentionProblem, dq_sum=None):
+    """[T, H] fp32: sum_d dO * O per (token, head); ``dq_sum`` (fp32 [T, H, D]): zeroed on
+    the way."""
     delta = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=out.device)
-    rows = 64 if out.is_cuda else 1024  # the interpreter's cost is per program
-    _delta_kernel[(triton.cdiv(p.total * p.num_heads, rows),)](
-        out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
-        p.total * p.num_heads, NUM_HEADS=p.num_heads, HEAD_DIM=p.head_dim, ROWS=rows)
+    rows, programs = _row_programs(p, out.device)
+    _delta_kernel[(programs,)](
+        out, dout, delta, dq_sum, out.stride(0), out.stride(1), dout.stride(0),
+        dout.stride(1), p.total * p.num_heads, NUM_HEADS=p.num_heads, HEAD_DIM=p.head_dim,
+        ROWS=rows, ZERO_DQ_SUM=dq_sum is not None)
     return delta
 
 
@@ -282,17 +327,46 @@ def triton_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
 
 def triton_dkdv_parts(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
                       num_warps=DKDV_CONFIG["num_warps"], num_stages=DKDV_CONFIG["num_stages"],
-                      skip=None, parts=None):
+                      skip=None, parts=None, dq_sum=None):
     """fp32 dK (unscaled) and dV partials per segment of ``p``'s key-block list, key-outer.
     ``skip``: int32 flags per segment, those set left unwritten (another kernel's); ``parts``:
-    the (dk, dv) partials to write into (new ones by default)."""
+    the (dk, dv) partials to write into (new ones by default); ``dq_sum``: an fp32
+    [Tq, H, D] tensor that each row's unscaled dQ is atomically added to (in steps of
+    ``DKDV_ATOMIC_DQ_ROWS`` rows: the extra product needs the registers)."""
     segments = p.block_work.segments.shape[0]
     dk_part, dv_part = parts or (torch.empty(segments * p.block_size, p.head_dim,
                                              dtype=torch.float32, device=q.device)
                                  for _ in range(2))
+    tokens, rows = p.key_tokens, p.key_rows
+    if dq_sum is not None:
+        tokens, _, rows = _tile_shape(p.gq, DKDV_ATOMIC_DQ_ROWS)
     launch(_sparse_attn_dkdv_kernel, (segments,),
         q, k, v, dout, lse, delta, dk_part, dv_part, *p.key_work_args(),
-        *strides(q, k, v, dout), p.scale * LOG2_E, skip,
-        **p.key_constants(p.key_tokens, p.key_rows), WITH_SKIP=skip is not None,
-        num_warps=num_warps, num_stages=num_stages)
+        *strides(q, k, v, dout), p.scale * LOG2_E, skip, dq_sum,
+        **p.key_constants(tokens, rows), WITH_SKIP=skip is not None,
+        ATOMIC_DQ=dq_sum is not None, num_warps=num_warps, num_stages=num_stages)
     return dk_part, dv_part
+
+
+def reduce_dkdv_parts(dk_part, dv_part, k, v, p: SparseAttentionProblem):
+    """dk (scaled by the softmax scale) and dv from the per-segment partials, summed per key
+    block in segment order."""
+    return reduce_segments(dk_part, torch.empty_like(k), p.scale, p.shared["KV_GROUP"], p,
+                           dv_part, torch.empty_like(v), 1.0)
+
+
+def triton_backward_dq_in_dkdv(q, k, v, out, dout, lse, p: SparseAttentionProblem):
+    """dq, dk, dv with every row's dQ from the dK/dV pass (``Tuning.dq_pass =
+    "dkdv_atomic"``): the deltas, then the Triton dK/dV kernel adding each step's ``dS K``
+    atomically into an fp32 sum (zeroed by the deltas' kernel; not bitwise reproducible),
+    scaled and cast into dq in one pass."""
+    dq_sum = torch.empty(p.total, p.num_heads, p.head_dim, dtype=torch.float32,
+                         device=q.device)
+    delta = attention_delta(out, dout, p, dq_sum=dq_sum)
+    dk_part, dv_part = triton_dkdv_parts(q, k, v, dout, lse, delta, p, dq_sum=dq_sum)
+    dq = torch.empty_like(q)
+    rows, programs = _row_programs(p, q.device)
+    _dq_from_sum_kernel[(programs,)](dq_sum, dq, dq.stride(0), dq.stride(1), p.scale,
+                                     p.total * p.num_heads, NUM_HEADS=p.num_heads,
+                                     HEAD_DIM=p.head_dim, ROWS=rows)
+    return (dq,) + reduce_dkdv_parts(dk_part, dv_part, k, v, p)

@@ -36,11 +36,11 @@ from ..configs import (KEY_OUTER_COMBINE_ROWS, KEY_OUTER_COMBINE_WARPS, KEY_OUTE
                        KEY_OUTER_DKDV_ROWS, KEY_OUTER_HOPPER, KEY_OUTER_SUM_ROWS)
 from ..launch import launch, strides
 from ..problem import LOG2_E, SparseAttentionProblem, _tile_shape, multiprocessors
-from ..segments import reduce_segments
 from ..tiles import _block_keys, _load_rows, _query_tile, _segment
 from ..worklists import BlockWork, build_block_work
 from . import sm90_backward, sm90_key_outer
-from .backward import _dkdv_hard_dq_kernel, _over_heads, _pair_rows, triton_dkdv_parts
+from .backward import (_dkdv_hard_dq_kernel, _over_heads, _pair_rows, reduce_dkdv_parts,
+                       triton_dkdv_parts)
 
 __all__ = ["dkdv_with_hard_dq", "key_outer_dq", "key_outer_forward", "walk_limit"]
 
@@ -553,5 +553,4 @@ def dkdv_with_hard_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limi
                BLOCK=p.block_size, HEAD_DIM=p.head_dim, SEGMENT_PAIRS=pairs,
                PRECISION=shared["PRECISION"], TOP_K=p.top_k, **KEY_OUTER_DKDV_CONFIG)
         _sum_dq_window(ids, hard, window_hard, window, dq_part, dq, start, end, p)
-    return dq, *reduce_segments(parts[0], torch.empty_like(k), p.scale, shared["KV_GROUP"], p,
-                                parts[1], torch.empty_like(v), 1.0)
+    return dq, *reduce_dkdv_parts(*parts, k, v, p)
