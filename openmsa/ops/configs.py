@@ -155,7 +155,8 @@ class Tuning:
         adds each step's ``dS K`` atomically into an fp32 sum: no dQ walk and no key-outer dQ,
         a cost that follows the kept pairs on any selection, on the Triton dK/dV kernel, on
         Hopper GPUs too). Atomic sums are not bitwise reproducible, so ``deterministic=True``
-        keeps the walk. Not yet timed on a GPU (docs/KERNELS.md, section 5).
+        keeps the walk; the fp32 sum takes twice dq's memory (4.3 GB at 128k tokens, 34 GB at
+        1M, H64, D = 128). Not yet timed on a GPU (docs/KERNELS.md, section 5).
     """
 
     segment_pairs: int = 1024
