@@ -8,7 +8,7 @@
 #   default 0), decode-kernels
 #   (bench_decode_kernels.py: the decode kernels' launches and the step's stages), key-outer
 #   (bench_key_outer.py: the main attention's tiles of long walks key-outer, by walk limit;
-#   OPENMSA_KEY_OUTER_ARGS adds arguments, e.g. "--limits 0,4 --dq-passes own_pass,in_dkdv"), bench
+#   OPENMSA_KEY_OUTER_ARGS adds arguments, e.g. "--limits 0,4 --dq-routes walk,dkdv_atomic"), bench
 #   (the user-facing commands `openmsa train --preset gpu` and `openmsa bench`, every selection
 #   kind; fla's NSA baseline where fla-core is importable), cli (= train,bench), short
 #   (profile_host.py and bench_segments.py at 4k-16k: host against GPU time, segment sizes),
