@@ -33,6 +33,19 @@ CASES = [
 TUNING = Tuning(main_walk_limit_per_slot=1.0, key_outer_partial_bytes=64 << 20)
 
 
+def _record(test: str, case, comparison, **fields) -> None:
+    """Prints a bf16 comparison's errors (kernels / reference in bf16) and appends them, with
+    ``fields``, to the JSON lines file OPENMSA_GPU_RECORD names, if any."""
+    record = os.environ.get("OPENMSA_GPU_RECORD")
+    if record:
+        with open(record, "a") as f:
+            f.write(json.dumps({"test": test, "case": case.name, **fields,
+                                "errors": comparison.errors,
+                                "reference_bf16_errors": comparison.baseline_errors}) + "\n")
+    print(case.name, fields, {n: f"{e:.2e}/{comparison.baseline_errors[n]:.2e}"
+                              for n, e in comparison.errors.items()})
+
+
 def _count_gluon_launches(monkeypatch) -> list:
     """The Gluon key-outer launches made from now on: True for dQ's, False for the forward's."""
     launches = []
@@ -84,15 +97,8 @@ def test_bf16_key_outer_within_twice_the_reference_error(case, kernels, dq_parti
     tuning = dataclasses.replace(TUNING, key_outer_dq_partials=dq_partials)
     comparison = compare_with_reference(tuned_msa_attention(tuning), case, torch.bfloat16,
                                         "cuda")
-    record = os.environ.get("OPENMSA_GPU_RECORD")
-    if record:
-        with open(record, "a") as f:
-            f.write(json.dumps({"test": "key_outer_bf16", "case": case.name, "kernels": kernels,
-                                "dq_partials": dq_partials, "hard_row_share": counts,
-                                "errors": comparison.errors,
-                                "reference_bf16_errors": comparison.baseline_errors}) + "\n")
-    print(case.name, counts, {n: f"{e:.2e}/{comparison.baseline_errors[n]:.2e}"
-                              for n, e in comparison.errors.items()})
+    _record("key_outer_bf16", case, comparison, kernels=kernels, dq_partials=dq_partials,
+            hard_row_share=counts)
     assert counts and all(share > 0 for share in counts), counts
     # dQ's partials took 4 bytes an element, or the inputs' 2.
     assert slot_bytes[1] == (4 if dq_partials == "float32" else 2) * case.head_dim, slot_bytes
@@ -120,15 +126,8 @@ def test_bf16_dq_in_dkdv_within_twice_the_reference_error(case, dq_partials, for
                                  dq_walk_limit_per_slot=1.0)
     comparison = compare_with_reference(tuned_msa_attention(tuning), case, torch.bfloat16,
                                         "cuda")
-    record = os.environ.get("OPENMSA_GPU_RECORD")
-    if record:
-        with open(record, "a") as f:
-            f.write(json.dumps({"test": "key_outer_dq_in_dkdv_bf16", "case": case.name,
-                                "dq_partials": dq_partials, "forward_limit": forward_limit,
-                                "errors": comparison.errors,
-                                "reference_bf16_errors": comparison.baseline_errors}) + "\n")
-    print(case.name, {n: f"{e:.2e}/{comparison.baseline_errors[n]:.2e}"
-                      for n, e in comparison.errors.items()})
+    _record("key_outer_dq_in_dkdv_bf16", case, comparison, dq_partials=dq_partials,
+            forward_limit=forward_limit)
     # The dK/dV pass gave dq's hard rows; the Gluon key-outer kernel ran the forward alone,
     # where it had a limit.
     assert passes and set(launches) == ({False} if forward_limit else set()), (passes, launches)
@@ -149,14 +148,7 @@ def test_bf16_dq_from_dkdv_atomics_within_twice_the_reference_error(case, forwar
                                  main_walk_limit_per_slot=forward_limit)
     comparison = compare_with_reference(tuned_msa_attention(tuning), case, torch.bfloat16,
                                         "cuda")
-    record = os.environ.get("OPENMSA_GPU_RECORD")
-    if record:
-        with open(record, "a") as f:
-            f.write(json.dumps({"test": "dq_from_dkdv_atomics_bf16", "case": case.name,
-                                "forward_limit": forward_limit, "errors": comparison.errors,
-                                "reference_bf16_errors": comparison.baseline_errors}) + "\n")
-    print(case.name, {n: f"{e:.2e}/{comparison.baseline_errors[n]:.2e}"
-                      for n, e in comparison.errors.items()})
+    _record("dq_from_dkdv_atomics_bf16", case, comparison, forward_limit=forward_limit)
     assert routes, "the dK/dV pass did not give dq"
     assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
 
