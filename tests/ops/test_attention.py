@@ -594,6 +594,26 @@ def test_dq_from_dkdv_atomics_matches_reference(case, dtype, tuning, monkeypatch
         assert error < TOLERANCE[dtype], (name, error)
 
 
+@pytest.mark.parametrize("case,options", [
+    (CASES[4], {}), (CASES[5], {}), (CASES[3], {}), (CASES[1], dict(warmup=True))],
+    ids=["one_head_per_index_head", "packed_dilated_window", "block128_d128",
+         "packed_warmup"])
+def test_dq_from_dkdv_atomics_matches_the_walk(case, options, monkeypatch):
+    """More shapes for ``dq_pass = "dkdv_atomic"`` (one head per index head: 32 tokens a step;
+    local windows; blocks of 128 and D = 128; warmup's every causal block): dq, dk, dv equal
+    the walk's to fp32 rounding."""
+    routes = _count_backward_routes(monkeypatch)
+    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=21)
+    out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(22))
+    run = dict(case.options, **options, backend="triton")
+    atomic, _ = run_with_grads(tuned_msa_attention(DQ_ATOMIC), inputs, cu_seqlens, out_grad,
+                               1.0, **run)
+    walked, _ = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 1.0, **run)
+    assert routes == ["dkdv_atomic", "walk"], routes
+    for name in ("dq", "dk", "dv"):
+        torch.testing.assert_close(atomic[name], walked[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_deterministic_keeps_the_dq_walk(monkeypatch):
     """``deterministic=True`` with ``dq_pass = "dkdv_atomic"``: the walk runs (atomic sums
     vary in order), the main gradients bitwise the default tuning's."""
