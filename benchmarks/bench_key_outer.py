@@ -4,7 +4,8 @@
     python benchmarks/bench_key_outer.py --out DIR [--seqlens 8192,32768,131072]
         [--limits 0,1.5,2,3,4] [--key-outer-kernels gluon,triton] [--partial-gib 2,8]
         [--dq-partials float32,input] [--dq-passes own_pass,in_dkdv] [--index-lse walk,split]
-        [--dq-limits same,2] [--dq-routes walk,dkdv_atomic] [--kernels]
+        [--dq-limits same,2] [--dq-routes walk,dkdv_atomic] [--kl-teachers recompute,from_dkdv]
+        [--kernels]
         [--launches 8x2,4x2,8x3]
         [--combine-launches 64x4,128x8] [--hopper-stages 3,4,6] [--dkdv-launches 8x1,8x2]
 
@@ -24,6 +25,9 @@ each of ``--index-lse`` (the index log-sum-exp's walk alone, or split with a key
 limit, ``Tuning.dq_walk_limit_per_slot``; "same": the forward's) and of ``--dq-routes``
 (every row's dQ from the walk, its hard rows as above, or "dkdv_atomic": from the dK/dV
 pass's atomic sums, ``Tuning.dq_pass``; no dQ limit, partials or pass of its own then);
+``--kl-teachers`` also times each row's step with ``kl_value=False`` (no KL value in the
+forward) under each ``Tuning.kl_teacher`` listed ("recompute": the KL pass rebuilds the
+teachers; "from_dkdv": the backward's dK/dV pass stores them);
 ``--kernels`` adds each row's kernel times (torch profiler) of one forward and one backward.
 ``--launches WxS,...``: also times
 the key-outer kernels' launch (warps x stages, ``configs.KEY_OUTER_CONFIG``) at the last limit,
@@ -38,6 +42,7 @@ kernel (``configs.KEY_OUTER_DKDV_CONFIG``; WxSxR: also R rows a step,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -63,7 +68,8 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
             key_outer_kernels=("gluon", "triton"), partial_gib=(2.0,),
             profile: bool = False, combine_launches=(), dq_partials=("input",),
             hopper_stages=(), dq_passes=("own_pass",), dkdv_launches=(),
-            index_lse=("walk",), dq_limits=(None,), dq_routes=("walk",)) -> list[dict]:
+            index_lse=("walk",), dq_limits=(None,), dq_routes=("walk",),
+            kl_teachers=()) -> list[dict]:
     generator = torch.Generator(device="cuda").manual_seed(seqlen)
     q, k, v = (torch.randn(seqlen, h, DIM, device="cuda", generator=generator).bfloat16()
                for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -127,6 +133,14 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
                    dq_vs_walk=rel_rms_error(dq.float(), walked[1].float()), **dense)
         if "dense_fwd_bwd_ms" in dense:
             row["step_x_dense"] = dense["dense_fwd_bwd_ms"] / row["step_ms"]
+        for teacher in kl_teachers:
+            no_value = tuned_msa_attention(dataclasses.replace(tuning, kl_teacher=teacher))
+
+            def step_without_value():
+                result, kl = no_value(*inputs, top_k=TOP_K, block_size=BLOCK, kl_value=False)
+                torch.autograd.grad((result, kl), inputs, (dout[None], one))
+
+            row[f"step_no_kl_value_{teacher}_ms"] = median_ms(step_without_value)
         if profile:
             row["fwd_kernels_ms"] = kernel_times(
                 lambda: sparse_attention_fwd(q, k, v, None, None, problem), top=10)
@@ -249,6 +263,8 @@ def main() -> None:
                         "(warps x stages x rows a step) to time at the last limit")
     parser.add_argument("--dq-routes", default="walk",
                         help="comma-separated Tuning.dq_pass values: walk, dkdv_atomic")
+    parser.add_argument("--kl-teachers", default="",
+                        help="comma-separated Tuning.kl_teacher values: recompute, from_dkdv")
     parser.add_argument("--kernels", action="store_true",
                         help="also record each row's forward and backward kernel times")
     args = parser.parse_args()
@@ -270,7 +286,8 @@ def main() -> None:
                             args.index_lse.split(","),
                             [None if x == "same" else float(x)
                              for x in args.dq_limits.split(",")],
-                            dq_routes=args.dq_routes.split(","))
+                            dq_routes=args.dq_routes.split(","),
+                            kl_teachers=[x for x in args.kl_teachers.split(",") if x])
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, date=time.strftime("%Y-%m-%d"), args=vars(args),
                   config=f"H{HEADS}/Hkv{KV_HEADS}/Hi{INDEX_HEADS}/Hik1 D=Di={DIM} top {TOP_K} "
@@ -310,6 +327,11 @@ def main() -> None:
               f"{r['hard_row_share']:>5.2f} {r['dq_hard_row_share']:>7.2f} {r['fwd_ms']:>8.2f} "
               f"{r['bwd_ms']:>8.2f} {r['step_ms']:>8.2f} {r.get('step_x_dense', 0):>6.2f}x "
               f"{r['out_vs_walk']:>7.1e}/{r['dq_vs_walk']:>7.1e}")
+        no_value = {key[len("step_no_kl_value_"):-len("_ms")]: value for key, value in r.items()
+                    if key.startswith("step_no_kl_value_")}
+        if no_value:
+            print(" " * 17 + "step without the KL value, by teacher: " + ", ".join(
+                f"{teacher} {ms:.2f} ms" for teacher, ms in no_value.items()))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from triton.compiler import ASTSource
 
 from openmsa.ops.attention.backward import _sparse_attn_dkdv_kernel, _sparse_attn_dq_kernel
 from openmsa.ops.attention.forward import _sparse_attn_fwd_kernel
-from openmsa.ops.configs import DEFAULT_TUNING
+from openmsa.ops.configs import DEFAULT_TUNING, KL_TEACHER_PAIRS
 from openmsa.ops.kl.kernels import _kl_kernel, _kl_query_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tools/ beside the package
@@ -51,6 +51,8 @@ def signature(fn, constants):
             types[name] = "*i32"
         elif name == "UNION_MEMBERS":
             types[name] = "*i64"
+        elif name == "TEACHER":  # fp16 for 16-bit inputs (kl.new_teacher)
+            types[name] = "*fp16"
         elif name.isupper():
             types[name] = "*fp32"
         elif name in FLOAT_ARGS:
@@ -116,6 +118,12 @@ def main() -> None:
          dict(shared, TOK=4, TOKP=16, ROWS=64, SEGMENT_PAIRS=SEGMENT_PAIRS)),
         ("dK/dV + atomic dQ, 32 rows", _sparse_attn_dkdv_kernel,
          dict(shared, TOK=2, TOKP=16, ROWS=32, SEGMENT_PAIRS=SEGMENT_PAIRS, ATOMIC_DQ=True)),
+        ("dK/dV + KL teacher", _sparse_attn_dkdv_kernel,
+         dict(shared, TOK=4, TOKP=16, ROWS=64, SEGMENT_PAIRS=SEGMENT_PAIRS,
+              STORE_TEACHER=True)),
+        ("dK/dV + atomic dQ + teacher", _sparse_attn_dkdv_kernel,
+         dict(shared, TOK=2, TOKP=16, ROWS=32, SEGMENT_PAIRS=SEGMENT_PAIRS, ATOMIC_DQ=True,
+              STORE_TEACHER=True)),
         ("KL query side", _kl_query_kernel,
          dict(query, WITH_VALUE=True, WITH_GRAD=True)),
     ]
@@ -125,6 +133,9 @@ def main() -> None:
         kernels.append((f"KL one pass, {pairs} pairs", _kl_kernel,
                         dict(kl, PAIRS=pairs, SEGMENT_PAIRS=SEGMENT_PAIRS, QUERY_SIDE=True,
                              WITH_VALUE=True)))
+    kernels.append(("KL from stored teachers", _kl_kernel,
+                    dict(kl, PAIRS=KL_TEACHER_PAIRS, SEGMENT_PAIRS=SEGMENT_PAIRS,
+                         QUERY_SIDE=True, WITH_VALUE=False, TEACHER_GIVEN=True)))
     kernels.append(("KL key side (ordered)", _kl_kernel,
                     dict(kl, PAIRS=64, SEGMENT_PAIRS=SEGMENT_PAIRS, QUERY_SIDE=False,
                          WITH_VALUE=False)))

@@ -148,9 +148,10 @@ def msa_options(options: dict) -> dict:
 
 
 def compare_with_reference(fn, case: MSACase, dtype: torch.dtype, device, seed: int = 0,
-                           kl_weight: float = 1.0) -> Comparison:
+                           kl_weight: float = 1.0, **extra_options) -> Comparison:
     """Runs ``fn`` in ``dtype`` and the reference in high precision (float64 on CPU, float32 on
-    GPU) and in ``dtype``, all on ``fn``'s kept blocks, and returns the relative errors."""
+    GPU) and in ``dtype``, all on ``fn``'s kept blocks, and returns the relative errors.
+    ``extra_options``: more keyword arguments of every run (e.g. ``kl_value=False``)."""
     device = torch.device(device)
     high = torch.float64 if device.type == "cpu" else torch.float32
     inputs, cu_seqlens = random_inputs(case, dtype, device, seed)
@@ -158,7 +159,7 @@ def compare_with_reference(fn, case: MSACase, dtype: torch.dtype, device, seed: 
     out_grad = torch.randn(*lead, case.num_heads, case.head_dim,
                            generator=torch.Generator().manual_seed(seed + 1)).to(device)
     warmup = case.options.get("warmup", False)
-    options = dict(case.options, return_indices=not warmup)
+    options = dict(case.options, return_indices=not warmup, **extra_options)
     values, indices = run_with_grads(fn, inputs, cu_seqlens, out_grad, kl_weight, **options)
 
     agreement = None

@@ -206,17 +206,21 @@ def compile_key_outer_for_sm90(kernel: str = "forward", num_stages: int = 2,
     copies, and the shared memory that costs: a launch past the GPU's shared memory falls
     back to one stage, ``launch``), or dK/dV ("dkdv"; "dkdv-hard-dq": with the hard rows' dQ,
     ``Tuning.key_outer_dq = "in_dkdv"``; "dkdv-atomic-dq": with every row's dQ added
-    atomically, ``Tuning.dq_pass = "dkdv_atomic"``) as ``attention.backward`` launches it."""
+    atomically, ``Tuning.dq_pass = "dkdv_atomic"``; a "+teacher" suffix: storing each pair's
+    KL teacher too, ``Tuning.kl_teacher = "from_dkdv"``) as ``attention.backward`` launches
+    it, or the KL pass that reads those teachers ("kl-teacher", ``kl.kl_from_teacher``)."""
     from triton.compiler import ASTSource
 
     from openmsa.ops.attention.backward import _dkdv_hard_dq_kernel, _sparse_attn_dkdv_kernel
-    from openmsa.ops.configs import DKDV_ATOMIC_DQ_ROWS, KEY_OUTER_DKDV_ROWS
+    from openmsa.ops.configs import DKDV_ATOMIC_DQ_ROWS, KEY_OUTER_DKDV_ROWS, KL_TEACHER_PAIRS
     from openmsa.ops.problem import _tile_shape
     from openmsa.ops.attention.key_outer import _dq_key_outer_kernel, _fwd_key_outer_kernel
+    from openmsa.ops.kl.kernels import _kl_kernel
 
+    kernel, teacher = kernel.removesuffix("+teacher"), kernel.endswith("+teacher")
     fn = {"forward": _fwd_key_outer_kernel, "dq": _dq_key_outer_kernel,
           "dkdv": _sparse_attn_dkdv_kernel, "dkdv-hard-dq": _dkdv_hard_dq_kernel,
-          "dkdv-atomic-dq": _sparse_attn_dkdv_kernel}[kernel]
+          "dkdv-atomic-dq": _sparse_attn_dkdv_kernel, "kl-teacher": _kl_kernel}[kernel]
     constants = dict(HI=4, GQ=16, GQ_PAD=16, KV_GROUP=1, TOK=8, BLOCK=128, HEAD_DIM=128,
                      TOP_K=16, SEGMENT_PAIRS=1024, PRECISION="tf32")
     if kernel == "dkdv":  # 64-row steps: 4 pairs x 16 heads
@@ -231,14 +235,24 @@ def compile_key_outer_for_sm90(kernel: str = "forward", num_stages: int = 2,
     if kernel == "dkdv-hard-dq":  # steps of KEY_OUTER_DKDV_ROWS rows
         tokens, _, rows = _tile_shape(16, KEY_OUTER_DKDV_ROWS)
         constants.update(TOK=tokens, ROWS=rows)
-    floats = ("LSE_PART", "LSE", "DELTA", "DQ_PART", "DK_PART", "DV_PART", "DQ_SUM")
+    if kernel.startswith("dkdv"):
+        constants["STORE_TEACHER"] = teacher
+    if kernel == "kl-teacher":
+        constants = dict(HI=4, GQ=16, KV_GROUP=1, INDEX_GROUP=4, PAIRS=KL_TEACHER_PAIRS,
+                         BLOCK=128, HEAD_DIM=128, INDEX_DIM=128, SEGMENT_PAIRS=1024,
+                         QUERY_SIDE=True, WITH_VALUE=False, PRECISION="tf32",
+                         TEACHER_GIVEN=True)
+    floats = ("LSE_PART", "LSE", "DELTA", "DQ_PART", "DK_PART", "DV_PART", "DQ_SUM",
+              "LSE_INDEX", "DIK", "KL_PARTS", "DIQ")
     types = {}
     for name in fn.arg_names:
         if name in constants:
             types[name] = "constexpr"
-        elif name in ("Q", "K", "V", "DOUT", "OUT_PART") or (
+        elif name in ("Q", "K", "V", "DOUT", "OUT_PART", "IQ", "IK") or (
                 name == "DQ_PART" and kernel == "dkdv-hard-dq"):
             types[name] = "*bf16"
+        elif name == "TEACHER":
+            types[name] = "*fp16"
         elif name == "HARD":
             types[name] = "*i8"
         elif name == "SKIP":
@@ -246,7 +260,7 @@ def compile_key_outer_for_sm90(kernel: str = "forward", num_stages: int = 2,
         elif name.isupper():
             types[name] = "*fp32" if name in floats else "*i32"
         else:
-            types[name] = "fp32" if name == "scale_log2" else "i32"
+            types[name] = "fp32" if name in ("scale_log2", "index_scale") else "i32"
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                if types[name].startswith("*") or name.startswith("stride")}
     source = ASTSource(fn=fn, signature=types, constexprs=constants, attrs=aligned)

@@ -18,6 +18,11 @@ DQ_CONFIG = dict(num_warps=8, num_stages=2)
 DKDV_CONFIG = dict(num_warps=8, num_stages=2)
 KL_QUERY_CONFIG = dict(num_warps=8, num_stages=2)
 KL_CONFIG = dict(num_warps=8, num_stages=2)
+# The KL pass that reads the teachers the dK/dV pass stored (Tuning.kl_teacher "from_dkdv"):
+# compiled for sm_90a (benchmarks/inspect_kernels.py), 2 stages serialize its products at any
+# pair count, and at 1 stage 32 pairs a step spill nothing (64: 88 bytes). Not yet timed.
+KL_TEACHER_CONFIG = dict(num_warps=8, num_stages=1)
+KL_TEACHER_PAIRS = 32
 # The index log-sum-exp alone (next to the Hopper forward): a light kernel, memory-bound on the
 # index keys, where fewer warps keep more programs resident.
 INDEX_ALONE_CONFIG = dict(num_warps=4, num_stages=2)
@@ -94,6 +99,7 @@ KEY_OUTER_DKDV_PROGRAMS_PER_SM = 1
 KEY_OUTER_DQ_PARTIALS = ("float32", "input")
 KEY_OUTER_DQ_PASSES = ("own_pass", "in_dkdv")
 DQ_PASSES = ("walk", "dkdv_atomic")
+KL_TEACHERS = ("recompute", "from_dkdv")
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,15 @@ class Tuning:
         Hopper GPUs too). Atomic sums are not bitwise reproducible, so ``deterministic=True``
         keeps the walk; the fp32 sum takes twice dq's memory (4.3 GB at 128k tokens, 34 GB at
         1M, H64, D = 128). Not yet timed on a GPU (docs/KERNELS.md, section 5).
+    kl_teacher: where the index gradients' teacher (the mean of each pair's GQ heads'
+        probabilities) comes from when the forward wants no KL value (``kl_value=False``):
+        "recompute" (the default: the forward's KL pass rebuilds it, GQ products a pair) or
+        "from_dkdv" (the forward runs no KL; the backward's dK/dV steps, which compute those
+        probabilities anyway, store each pair's teacher [pairs, block] in fp16, and a KL pass
+        without the GQ products reads it: the Triton dK/dV kernel, on Hopper GPUs too; atomic
+        adds, so not with ``deterministic=True``, nor with a frozen main branch, where the
+        backward runs the KL passes). The value, when wanted, needs the teacher in the
+        forward: it keeps "recompute". Not yet timed on a GPU (docs/KERNELS.md, section 6).
     """
 
     segment_pairs: int = 1024
@@ -174,10 +189,12 @@ class Tuning:
     key_outer_dq: str = "own_pass"
     index_lse_split: bool = False
     dq_pass: str = "walk"
+    kl_teacher: str = "recompute"
 
     def __post_init__(self):
         for name, allowed in (("key_outer_dq_partials", KEY_OUTER_DQ_PARTIALS),
-                              ("key_outer_dq", KEY_OUTER_DQ_PASSES), ("dq_pass", DQ_PASSES)):
+                              ("key_outer_dq", KEY_OUTER_DQ_PASSES), ("dq_pass", DQ_PASSES),
+                              ("kl_teacher", KL_TEACHERS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, "
                                  f"received {getattr(self, name)!r}")

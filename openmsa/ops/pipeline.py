@@ -10,7 +10,9 @@ of them by default: ``query_start = 0``, ``Tq = T``), and the KL is a mean over
 ``kl_num_queries`` query tokens (None: Tq); context parallelism runs each rank's queries so.
 
 The KL's gradients do not depend on ``dout`` (only on the scalar gradient reaching ``kl``), so
-the forward computes them unscaled, along with the value, and the backward only scales them.
+the forward computes them unscaled, along with the value, and the backward only scales them
+(with ``Tuning.kl_teacher = "from_dkdv"`` and no value wanted, the backward computes them from
+the teachers its dK/dV pass stores: ``_teacher_from_dkdv``).
 The forward also returns the work lists it built (the query-tile lists and the key-block ->
 queries list the KL walked), so the backward does not build them again.
 """
@@ -24,7 +26,7 @@ import torch
 from .attention import attention_backward, sparse_attention_fwd
 from .configs import DEFAULT_TUNING, Tuning
 from .dense import dense_attention_backward, dense_attention_forward, dense_log_sum_exp
-from .kl import index_branch_kl, scaled_kl_gradients
+from .kl import index_branch_kl, kl_from_teacher, new_teacher, scaled_kl_gradients
 from .layout import all_causal_block_ids
 from .problem import SparseAttentionProblem, query_tile_shape, segment_pairs
 from .select import select_blocks_fwd
@@ -109,11 +111,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Te
     else:
         out, lse, lse_index = sparse_attention_fwd(q, k, v, index_q, index_k, problem,
                                                    index_max)
-    # 4. The KL's value and unscaled gradients.
+    # 4. The KL's value and unscaled gradients (or, for the teachers of the backward's dK/dV
+    # pass, nothing).
     kl = torch.zeros((), dtype=torch.float32, device=q.device)
     d_index_q, d_index_k = (q.new_empty(0, dtype=torch.float32) for _ in range(2))
     block_work = q.new_empty(0, dtype=torch.int32)
-    if kl_value or index_grad:
+    if kl_value or (index_grad and not _teacher_from_dkdv(tuning, deterministic, dense_batch)):
         value_parts, grad_q, grad_k = index_branch_kl(q, k, index_q, index_k, lse, lse_index,
                                                       problem, kl_value, index_grad,
                                                       deterministic)
@@ -150,6 +153,12 @@ def backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torch.Te
                                      index_k, index_scale, query_work=work, block_work=blocks,
                                      query_start=query_start, kl_num_queries=kl_num_queries,
                                      tuning=tuning)
+    # The forward left the index gradients to the backward: from the teachers the dK/dV pass
+    # stores where it runs, else from the KL's own passes.
+    teacher = None
+    if (main_grads and index_grads and d_index_q.numel() == 0
+            and _teacher_from_dkdv(tuning, deterministic, dense_batch)):
+        teacher = new_teacher(q, problem)
     # Outputs may not alias each other: every skipped gradient is an empty tensor of its own.
     if not main_grads:
         dq, dk, dv = (q.new_empty(0) for _ in range(3))
@@ -158,14 +167,25 @@ def backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torch.Te
                                               softmax_scale)
     else:
         dq, dk, dv = attention_backward(q, k, v, out, dout, lse, problem,
-                                        deterministic=deterministic)
+                                        deterministic=deterministic, teacher=teacher)
     if not index_grads:
         return dq, dk, dv, q.new_empty(0), q.new_empty(0)
-    if d_index_q.numel() == 0:  # the forward ran without index gradients
+    if teacher is not None:
+        d_index_q, d_index_k = kl_from_teacher(q, k, index_q, index_k, lse, lse_index, teacher,
+                                               problem)
+    elif d_index_q.numel() == 0:  # the forward ran without index gradients
         _, d_index_q, d_index_k = index_branch_kl(q, k, index_q, index_k, lse, lse_index,
                                                   problem, False, True, deterministic)
     return (dq, dk, dv) + scaled_kl_gradients(d_index_q, d_index_k, dkl, problem,
                                               index_q.dtype, index_k.dtype)
+
+
+def _teacher_from_dkdv(tuning: Tuning, deterministic: bool, dense_batch: int) -> bool:
+    """Whether the index gradients come from the teachers of the backward's dK/dV pass
+    (``Tuning.kl_teacher``): not with ``deterministic`` (their kernel adds atomically) nor
+    with cuDNN's dense backward (no dK/dV pass of ours). Only where the forward wants no KL
+    value, which needs the teacher before any backward."""
+    return tuning.kl_teacher == "from_dkdv" and not deterministic and not dense_batch
 
 
 def _causal_ids_and_work(q, k, cu_seqlens, num_index_heads: int, block_size: int,

@@ -153,6 +153,27 @@ def test_bf16_dq_from_dkdv_atomics_within_twice_the_reference_error(case, forwar
     assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
 
 
+@pytest.mark.parametrize("dq_pass", ["walk", "dkdv_atomic"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_bf16_kl_teachers_from_dkdv_within_twice_the_reference_error(case, dq_pass,
+                                                                     monkeypatch):
+    """``Tuning.kl_teacher = "from_dkdv"`` with ``kl_value=False``: no KL in the forward, the
+    (Triton) dK/dV pass stores the teachers in fp16 and the KL pass reads them; with the dQ
+    walk or the atomic dQ."""
+    from openmsa.ops import pipeline
+
+    calls = []
+    original = pipeline.kl_from_teacher
+    monkeypatch.setattr(pipeline, "kl_from_teacher",
+                        lambda *args: calls.append(1) or original(*args))
+    tuning = Tuning(kl_teacher="from_dkdv", dq_pass=dq_pass)
+    comparison = compare_with_reference(tuned_msa_attention(tuning), case, torch.bfloat16,
+                                        "cuda", kl_value=False)
+    _record("kl_teachers_from_dkdv_bf16", case, comparison, dq_pass=dq_pass)
+    assert calls == [1], calls
+    assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
+
+
 def test_dq_from_dkdv_atomics_under_a_cuda_graph():
     """``dq_pass = "dkdv_atomic"`` waits on no host value: a step captured in a CUDA graph and
     replayed on new inputs gives the eager step's values up to the atomic sums' order (dq

@@ -6,9 +6,10 @@ import torch
 
 import openmsa
 from openmsa.ops import msa as msa_module
+from openmsa.ops import pipeline as pipeline_module
 from openmsa.ops.configs import Tuning
 from openmsa.testing import (QUANTITY_NAMES, MSACase, random_inputs, rel_rms_error,
-                             run_with_grads)
+                             run_with_grads, tuned_msa_attention)
 
 from attention_cases import CASES, TOLERANCE, kernel_and_reference
 
@@ -87,3 +88,93 @@ def test_kl_kernel_with_several_steps_per_segment():
                                             tuning=Tuning(kl_pairs=8))
     for name in ("kl", "dindex_q", "dindex_k"):
         assert rel_rms_error(got[name], expected[name]) < 1e-5, name
+
+
+def _count_kl_routes(monkeypatch) -> list:
+    """Which KL pass each forward or backward ran: "kl_passes" (``index_branch_kl``) or
+    "teacher" (``kl_from_teacher``, the teachers the dK/dV pass stored)."""
+    routes = []
+    for name, kind in (("index_branch_kl", "kl_passes"), ("kl_from_teacher", "teacher")):
+        original = getattr(pipeline_module, name)
+
+        def counted(*args, original=original, kind=kind, **kwargs):
+            routes.append(kind)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(pipeline_module, name, counted)
+    return routes
+
+
+TEACHER = Tuning(kl_teacher="from_dkdv")
+# 16 heads per index head over several windows of hard rows (KEY_OUTER_CASE in
+# test_attention.py): the hard rows' dQ from the dK/dV pass, whose two kernels store teachers.
+SIXTEEN_HEADS = MSACase("sixteen_heads_per_index_head_packed", seqlens=(200, 1, 130),
+                        num_heads=16, num_kv_heads=1, num_index_heads=1,
+                        options=dict(top_k=2, block_size=64))
+
+
+@pytest.mark.parametrize("case,dtype,tuning", [
+    (SIXTEEN_HEADS, torch.float32, TEACHER),
+    (SIXTEEN_HEADS, torch.float16, TEACHER),
+    (CASES[1], torch.float32, TEACHER),
+    (CASES[2], torch.float32, TEACHER),
+    (SCALED, torch.float32, TEACHER),
+    (CASES[3], torch.float32, TEACHER),
+    (CASES[1], torch.float32, Tuning(kl_teacher="from_dkdv", dq_pass="dkdv_atomic")),
+    (SIXTEEN_HEADS, torch.float32, Tuning(kl_teacher="from_dkdv", key_outer_dq="in_dkdv",
+                                          main_walk_limit_per_slot=1.0,
+                                          key_outer_partial_bytes=120 * 16 * 2 * 256)),
+], ids=["gq16_fp32", "gq16_fp16", "packed_with_sink_fp32", "three_heads_fp32", "scaled_fp32",
+        "block128_d128_fp32", "with_atomic_dq", "with_hard_rows_dq_in_dkdv"])
+def test_index_gradients_from_the_dkdv_teachers_match_reference(case, dtype, tuning,
+                                                                monkeypatch):
+    """``Tuning.kl_teacher = "from_dkdv"`` with ``kl_value=False``: the forward runs no KL,
+    the backward's dK/dV kernels store each pair's teacher (new buffers poisoned: every one must
+    be written) and the KL pass reads them; out, dq, dk, dv and the index gradients are the
+    reference's, on the plain dK/dV kernel, with the atomic dQ, and on the hard rows'
+    windowed kernel."""
+    routes = _count_kl_routes(monkeypatch)
+    original_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: original_empty(*a, **kw).fill_(
+        float("nan")) if kw.get("dtype", torch.float32).is_floating_point else
+        original_empty(*a, **kw))
+    got, expected, _ = kernel_and_reference(case, dtype, seed=4, tuning=tuning, kl_value=False)
+    assert routes == ["teacher"], routes
+    for name in QUANTITY_NAMES:
+        error = rel_rms_error(got[name], expected[name])
+        assert error < TOLERANCE[dtype], (name, error)
+
+
+@pytest.mark.parametrize("options,frozen_main", [
+    (dict(kl_value=True), False), (dict(kl_value=False, deterministic=True), False),
+    (dict(kl_value=False), True)], ids=["value_wanted", "deterministic", "frozen_main_branch"])
+def test_kl_teachers_from_dkdv_fall_back_to_the_kl_passes(options, frozen_main, monkeypatch):
+    """Where the dK/dV pass cannot give the teachers (the value wanted in the forward,
+    ``deterministic=True``, no main gradients so no dK/dV pass), the KL's own passes run, and
+    the index gradients (and value) are the reference's."""
+    routes = _count_kl_routes(monkeypatch)
+    case = CASES[1]
+    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=7)
+    run = dict(case.options, cu_seqlens=cu_seqlens, return_indices=True, **options)
+    ids = openmsa.msa_attention(*inputs, backend="triton", **run)[2]
+    routes.clear()
+    results = []
+    for fn, extra in ((tuned_msa_attention(TEACHER), dict(backend="triton")),
+                      (openmsa.msa_attention, dict(backend="reference", block_indices=ids))):
+        leaves = [t.detach().clone().requires_grad_(not frozen_main or i >= 3)
+                  for i, t in enumerate(inputs)]
+        out, kl = fn(*[t.double() if extra["backend"] == "reference" else t for t in leaves],
+                     **run, **extra)[:2]
+        loss = out.double().square().sum() + kl.double()
+        wanted = [t for t in leaves if t.requires_grad]
+        results.append((kl.detach().double(), torch.autograd.grad(loss, wanted)))
+    assert routes == ["kl_passes"], routes
+    (kl, grads), (kl_expected, grads_expected) = results
+    assert rel_rms_error(kl, kl_expected) < 1e-5
+    for grad, grad_expected in zip(grads, grads_expected):
+        assert rel_rms_error(grad.double(), grad_expected) < 1e-5
+
+
+def test_kl_teacher_must_be_named():
+    with pytest.raises(ValueError, match="kl_teacher: expected one of"):
+        Tuning(kl_teacher="dkdv")

@@ -93,16 +93,19 @@ def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
 
 
 def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
-                       use_hopper: bool | None = None, deterministic: bool = False):
+                       use_hopper: bool | None = None, deterministic: bool = False,
+                       teacher=None):
     """dq, dk, dv of the main attention: delta, the query-outer dQ, the key-outer dK/dV. The
     Gluon dQ computes the deltas itself (one pass over out and dout less), those of the rows
     it leaves to the key-outer dQ too. With ``Tuning.key_outer_dq = "in_dkdv"`` the rows the
     walk leaves get their dq from the dK/dV pass (``key_outer.dkdv_with_hard_dq``). With
     ``Tuning.dq_pass = "dkdv_atomic"`` every row's does, added atomically
-    (``backward.triton_backward_dq_in_dkdv``), unless ``deterministic``."""
+    (``backward.triton_backward_dq_in_dkdv``), unless ``deterministic``. ``teacher``: a
+    [pairs, block] tensor the dK/dV pass stores each pair's KL teacher into (on the Triton
+    kernels: ``Tuning.kl_teacher = "from_dkdv"``)."""
     dout = dout.contiguous()
     if p.tuning.dq_pass == "dkdv_atomic" and not deterministic:
-        return triton_backward_dq_in_dkdv(q, k, v, out, dout, lse, p)
+        return triton_backward_dq_in_dkdv(q, k, v, out, dout, lse, p, teacher)
     limit = walk_limit(p, backward=True)
     if _hopper_dq(q, k, v, dout, p, use_hopper) and out.stride(2) == 1:
         delta = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
@@ -111,21 +114,24 @@ def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
         delta = attention_delta(out, dout, p)
         dq = _walk_dq(q, k, v, dout, lse, delta, p, limit, use_hopper)
     if limit and p.tuning.key_outer_dq == "in_dkdv":
-        return dkdv_with_hard_dq(q, k, v, dout, lse, delta, p, limit, dq, use_hopper)
+        return dkdv_with_hard_dq(q, k, v, dout, lse, delta, p, limit, dq, use_hopper, teacher)
     if limit:  # after the deltas of its rows, which the Gluon dQ wrote
         key_outer_dq(q, k, v, dout, lse, delta, p, limit, dq, use_hopper)
-    return (dq,) + attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=use_hopper)
+    return (dq,) + attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=use_hopper,
+                                  teacher=teacher)
 
 
 def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
-                   use_hopper: bool | None = None, **launch_options):
+                   use_hopper: bool | None = None, teacher=None, **launch_options):
     """dk, dv, key-outer: fp32 partials per segment of pairs, then an in-order sum per key
     block. The partials come from the Gluon kernel on a Hopper GPU where it supports the inputs
-    (unless ``use_hopper=False``), else from the Triton kernel (``launch_options``: its
-    num_warps, num_stages)."""
-    if use_hopper is not False and sm90_backward.supported_key_outer(q, k, v, dout, p):
+    (unless ``use_hopper=False`` or a ``teacher`` to store, which the Triton kernel does), else
+    from the Triton kernel (``launch_options``: its num_warps, num_stages)."""
+    if (use_hopper is not False and teacher is None
+            and sm90_backward.supported_key_outer(q, k, v, dout, p)):
         dk_part, dv_part = sm90_backward.attention_dkdv_parts(q, k, v, dout, lse, delta, p,
                                                               p.scale * LOG2_E)
     else:
-        dk_part, dv_part = triton_dkdv_parts(q, k, v, dout, lse, delta, p, **launch_options)
+        dk_part, dv_part = triton_dkdv_parts(q, k, v, dout, lse, delta, p, teacher=teacher,
+                                             **launch_options)
     return reduce_dkdv_parts(dk_part, dv_part, k, v, p)

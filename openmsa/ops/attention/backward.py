@@ -152,16 +152,17 @@ def _hard_pairs(HARD, IDS, pair_token, pair_valid, index_head, block, stride_ids
 def _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, last, block,
                 index_head, query_base, stride_q_t, stride_q_h, stride_do_t, stride_do_h,
                 scale_log2, HARD, IDS, DQ_PART, window_start, stride_ids_t, stride_ids_h,
-                DQ_SUM, HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
+                DQ_SUM, TEACHER, HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
                 TOK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                 HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, TOP_K: tl.constexpr,
-                HARD_DQ: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                HARD_DQ: tl.constexpr, ATOMIC_DQ: tl.constexpr, STORE_TEACHER: tl.constexpr):
     """dK and dV of the block over the pairs [first, last), TOK pairs x GQ heads (head-major
     rows) a step, added to ``dk`` and ``dv``. HARD_DQ: each step's hard rows (HARD) also get
     their dQ over the block, ``dS K`` from the step's own dS, stored into their slots of
     DQ_PART [window rows, HI, TOP_K, GQ, D] (unscaled, as the key-outer dQ writes them).
     ATOMIC_DQ: every row's ``dS K`` is added atomically to its row of DQ_SUM [Tq, H, D]
-    (fp32, unscaled)."""
+    (fp32, unscaled). STORE_TEACHER: each pair's KL teacher over the block (the mean of its GQ
+    heads' probabilities, masked) into TEACHER [pairs, BLOCK] (the KL's ``TEACHER_GIVEN``)."""
     dims = tl.arange(0, HEAD_DIM)
     rows = tl.arange(0, ROWS)
     row_head = index_head * GQ + rows // TOK
@@ -183,6 +184,16 @@ def _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, l
             query_pos = row_token - query_base
             probs_t = tl.where(row_valid[None, :] & (key_pos[:, None] <= query_pos[None, :]),
                                probs_t, 0.0)
+        if STORE_TEACHER:
+            # A sum over the head-major rows' heads (an MMA against a 0/1 matrix, as the KL's
+            # query side does it, made ptxas serialize the step's products at 2 stages).
+            # Padding rows' probabilities are not 0 (their lse loads as 0): masked first.
+            teacher_t = tl.sum(tl.reshape(tl.where(row_valid[None, :], probs_t, 0.0),
+                                          (BLOCK, GQ_PAD, TOK)), axis=1) / GQ  # [BLOCK, TOK]
+            step_pairs = first_pair + tl.arange(0, TOK)
+            tl.store(TEACHER + step_pairs[None, :].to(tl.int64) * BLOCK
+                     + tl.arange(0, BLOCK)[:, None], teacher_t.to(TEACHER.dtype.element_ty),
+                     mask=(step_pairs < last)[None, :])
         dv = tl.dot(probs_t.to(dout.dtype), dout, dv, input_precision=PRECISION)
         dprobs_t = tl.dot(v, tl.trans(dout), input_precision=PRECISION)
         dscores_t = probs_t * (dprobs_t - delta[None, :])  # d loss / d (scaled logits)
@@ -213,18 +224,19 @@ def _sparse_attn_dkdv_kernel(
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_do_t, stride_do_h, scale_log2, SKIP, DQ_SUM,
+    stride_do_t, stride_do_h, scale_log2, SKIP, DQ_SUM, TEACHER,
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
     INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
     SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr, WITH_SKIP: tl.constexpr = False,
-    ATOMIC_DQ: tl.constexpr = False,
+    ATOMIC_DQ: tl.constexpr = False, STORE_TEACHER: tl.constexpr = False,
 ):
     """Key-outer dK, dV of one segment: up to SEGMENT_PAIRS (token, index head) pairs that kept
     one key block, TOK pairs x GQ heads (head-major rows) per step; segments run in
     SEGMENT_ORDER (worklists.key_blocks.SEGMENT_ORDERS). Writes fp32 partials (dK unscaled).
     WITH_SKIP: the segments flagged in SKIP are left (another kernel writes them). ATOMIC_DQ:
-    the rows' dQ over the block is added atomically into DQ_SUM (``_dkdv_steps``)."""
+    the rows' dQ over the block is added atomically into DQ_SUM; STORE_TEACHER: each pair's KL
+    teacher into TEACHER (``_dkdv_steps``)."""
     segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
         CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
@@ -241,8 +253,9 @@ def _sparse_attn_dkdv_kernel(
     dv = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
     dk, dv = _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, last,
                          block, index_head, query_base, stride_q_t, stride_q_h, stride_do_t,
-                         stride_do_h, scale_log2, None, None, None, 0, 0, 0, DQ_SUM, HI, GQ,
-                         GQ_PAD, TOK, ROWS, BLOCK, HEAD_DIM, PRECISION, 1, False, ATOMIC_DQ)
+                         stride_do_h, scale_log2, None, None, None, 0, 0, 0, DQ_SUM, TEACHER,
+                         HI, GQ, GQ_PAD, TOK, ROWS, BLOCK, HEAD_DIM, PRECISION, 1, False,
+                         ATOMIC_DQ, STORE_TEACHER)
     offsets = (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * HEAD_DIM \
         + tl.arange(0, HEAD_DIM)[None, :]
     tl.store(DK_PART + offsets, dk)
@@ -255,10 +268,11 @@ def _dkdv_hard_dq_kernel(
     num_bounds, window, window_start, HARD, IDS, DQ_PART,
     SEGMENTS, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
     query_start, stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_do_t, stride_do_h, stride_ids_t, stride_ids_h, scale_log2,
+    stride_do_t, stride_do_h, stride_ids_t, stride_ids_h, scale_log2, TEACHER,
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
     TOK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr, TOP_K: tl.constexpr,
+    STORE_TEACHER: tl.constexpr = False,
 ):
     """dK, dV and the hard rows' dQ partials of the segments that hold a hard pair (the first
     HARD_COUNT of HARD_SEGMENTS), one window of query rows (each segment's pairs
@@ -287,9 +301,9 @@ def _dkdv_hard_dq_kernel(
             dk, dv = _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, low,
                                  high, block, index_head, query_base, stride_q_t, stride_q_h,
                                  stride_do_t, stride_do_h, scale_log2, HARD, IDS, DQ_PART,
-                                 window_start, stride_ids_t, stride_ids_h, None, HI, GQ,
-                                 GQ_PAD, TOK, ROWS, BLOCK, HEAD_DIM, PRECISION, TOP_K, True,
-                                 False)
+                                 window_start, stride_ids_t, stride_ids_h, None, TEACHER, HI,
+                                 GQ, GQ_PAD, TOK, ROWS, BLOCK, HEAD_DIM, PRECISION, TOP_K,
+                                 True, False, STORE_TEACHER)
             tl.store(DK_PART + offsets, dk)
             tl.store(DV_PART + offsets, dv)
 
@@ -327,12 +341,13 @@ def triton_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
 
 def triton_dkdv_parts(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
                       num_warps=DKDV_CONFIG["num_warps"], num_stages=DKDV_CONFIG["num_stages"],
-                      skip=None, parts=None, dq_sum=None):
+                      skip=None, parts=None, dq_sum=None, teacher=None):
     """fp32 dK (unscaled) and dV partials per segment of ``p``'s key-block list, key-outer.
     ``skip``: int32 flags per segment, those set left unwritten (another kernel's); ``parts``:
     the (dk, dv) partials to write into (new ones by default); ``dq_sum``: an fp32
     [Tq, H, D] tensor that each row's unscaled dQ is atomically added to (in steps of
-    ``DKDV_ATOMIC_DQ_ROWS`` rows: the extra product needs the registers)."""
+    ``DKDV_ATOMIC_DQ_ROWS`` rows: the extra product needs the registers); ``teacher``: a
+    [pairs, block] tensor that each pair's KL teacher is stored into."""
     segments = p.block_work.segments.shape[0]
     dk_part, dv_part = parts or (torch.empty(segments * p.block_size, p.head_dim,
                                              dtype=torch.float32, device=q.device)
@@ -342,9 +357,10 @@ def triton_dkdv_parts(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
         tokens, _, rows = _tile_shape(p.gq, DKDV_ATOMIC_DQ_ROWS)
     launch(_sparse_attn_dkdv_kernel, (segments,),
         q, k, v, dout, lse, delta, dk_part, dv_part, *p.key_work_args(),
-        *strides(q, k, v, dout), p.scale * LOG2_E, skip, dq_sum,
+        *strides(q, k, v, dout), p.scale * LOG2_E, skip, dq_sum, teacher,
         **p.key_constants(tokens, rows), WITH_SKIP=skip is not None,
-        ATOMIC_DQ=dq_sum is not None, num_warps=num_warps, num_stages=num_stages)
+        ATOMIC_DQ=dq_sum is not None, STORE_TEACHER=teacher is not None, num_warps=num_warps,
+        num_stages=num_stages)
     return dk_part, dv_part
 
 
@@ -355,15 +371,17 @@ def reduce_dkdv_parts(dk_part, dv_part, k, v, p: SparseAttentionProblem):
                            dv_part, torch.empty_like(v), 1.0)
 
 
-def triton_backward_dq_in_dkdv(q, k, v, out, dout, lse, p: SparseAttentionProblem):
+def triton_backward_dq_in_dkdv(q, k, v, out, dout, lse, p: SparseAttentionProblem,
+                               teacher=None):
     """dq, dk, dv with every row's dQ from the dK/dV pass (``Tuning.dq_pass =
     "dkdv_atomic"``): the deltas, then the Triton dK/dV kernel adding each step's ``dS K``
     atomically into an fp32 sum (zeroed by the deltas' kernel; not bitwise reproducible),
-    scaled and cast into dq in one pass."""
+    scaled and cast into dq in one pass. ``teacher``: as ``triton_dkdv_parts``'."""
     dq_sum = torch.empty(p.total, p.num_heads, p.head_dim, dtype=torch.float32,
                          device=q.device)
     delta = attention_delta(out, dout, p, dq_sum=dq_sum)
-    dk_part, dv_part = triton_dkdv_parts(q, k, v, dout, lse, delta, p, dq_sum=dq_sum)
+    dk_part, dv_part = triton_dkdv_parts(q, k, v, dout, lse, delta, p, dq_sum=dq_sum,
+                                         teacher=teacher)
     dq = torch.empty_like(q)
     rows, programs = _row_programs(p, q.device)
     _dq_from_sum_kernel[(programs,)](dq_sum, dq, dq.stride(0), dq.stride(1), p.scale,

@@ -503,15 +503,16 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
 
 
 def dkdv_with_hard_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: int, dq,
-                      use_hopper: bool | None = None):
+                      use_hopper: bool | None = None, teacher=None):
     """dk and dv (as ``attention_dkdv``), and ``dq``'s rows whose tiles' unions hold more than
     ``limit`` blocks (the walk left them), from the dK/dV pass: the segments of the dK/dV list
     holding a hard pair run on ``_dkdv_hard_dq_kernel`` window by window of query rows (their
     steps add each hard row's ``dS K`` over the block to the row's slot, summed in slot order
     by ``_dq_sum_kernel``; their dK and dV partials carried from one window to the next), the
     others once on the dK/dV kernel that ``attention_dkdv`` would run (Gluon on a Hopper GPU
-    where it takes the inputs, unless ``use_hopper=False``). Deterministic, as the passes it
-    replaces."""
+    where it takes the inputs, unless ``use_hopper=False`` or a ``teacher`` to store: both
+    kernels store each pair's KL teacher then, ``attention_backward``'s). Deterministic, as the
+    passes it replaces."""
     hard = hard_rows(p, limit)
     work = p.block_work
     pairs = work.segment_pairs
@@ -531,11 +532,13 @@ def dkdv_with_hard_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limi
     hard_count = by_order.sum(dtype=torch.int32)
     parts = tuple(torch.empty(segments * p.block_size, p.head_dim, dtype=torch.float32,
                               device=q.device) for _ in range(2))
-    if use_hopper is not False and sm90_backward.supported_key_outer(q, k, v, dout, p):
+    if (use_hopper is not False and teacher is None
+            and sm90_backward.supported_key_outer(q, k, v, dout, p)):
         sm90_backward.attention_dkdv_parts(q, k, v, dout, lse, delta, p, p.scale * LOG2_E,
                                            skip=segment_hard, parts=parts)
     else:
-        triton_dkdv_parts(q, k, v, dout, lse, delta, p, skip=segment_hard, parts=parts)
+        triton_dkdv_parts(q, k, v, dout, lse, delta, p, skip=segment_hard, parts=parts,
+                          teacher=teacher)
     ids = _block_ids(p)
     dq_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
                           dtype=part_dtype, device=q.device)
@@ -548,9 +551,10 @@ def dkdv_with_hard_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limi
                bounds.shape[1], window, start, hard, ids, dq_part, work.segments,
                work.pair_token, work.bucket_start, work.bucket_count, work.block_sequence,
                work.block_local, p.cu_seqlens, p.query_start, *strides(q, k, v, dout, ids),
-               p.scale * LOG2_E, HI=shared["HI"], GQ=shared["GQ"], GQ_PAD=shared["GQ_PAD"],
-               KV_GROUP=shared["KV_GROUP"], TOK=step_tokens, ROWS=step_rows,
-               BLOCK=p.block_size, HEAD_DIM=p.head_dim, SEGMENT_PAIRS=pairs,
-               PRECISION=shared["PRECISION"], TOP_K=p.top_k, **KEY_OUTER_DKDV_CONFIG)
+               p.scale * LOG2_E, teacher, HI=shared["HI"], GQ=shared["GQ"],
+               GQ_PAD=shared["GQ_PAD"], KV_GROUP=shared["KV_GROUP"], TOK=step_tokens,
+               ROWS=step_rows, BLOCK=p.block_size,
+               HEAD_DIM=p.head_dim, SEGMENT_PAIRS=pairs, PRECISION=shared["PRECISION"],
+               TOP_K=p.top_k, STORE_TEACHER=teacher is not None, **KEY_OUTER_DKDV_CONFIG)
         _sum_dq_window(ids, hard, window_hard, window, dq_part, dq, start, end, p)
     return dq, *reduce_dkdv_parts(*parts, k, v, p)

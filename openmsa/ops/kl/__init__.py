@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from ..configs import KL_CONFIG
+from ..configs import KL_CONFIG, KL_TEACHER_CONFIG, KL_TEACHER_PAIRS
 from ..problem import LOG2_E, SparseAttentionProblem
 from ..segments import reduce_segments
 from . import sm90
 from .kernels import kl_query_side, scaled_kl_gradients, triton_key_walk
 
-__all__ = ["index_branch_kl", "kl_key_walk", "kl_query_side", "scaled_kl_gradients"]
+__all__ = ["index_branch_kl", "kl_from_teacher", "kl_key_walk", "kl_query_side",
+           "new_teacher", "scaled_kl_gradients"]
 
 
 def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProblem,
@@ -89,3 +90,26 @@ def index_branch_kl(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionPr
     d_index_k, value_parts, d_index_q = kl_key_walk(q, k, index_q, index_k, lse, lse_index,
                                                     p, query_side=True, with_value=with_value)
     return value_parts, d_index_q, d_index_k
+
+
+def new_teacher(q, p: SparseAttentionProblem) -> torch.Tensor:
+    """The buffer the dK/dV pass stores each pair's KL teacher into (``Tuning.kl_teacher =
+    "from_dkdv"``): [pairs of the key-block list, block], fp16 for 16-bit inputs (11
+    significant bits; the teacher lies in [0, 1]), fp32 for fp32 ones."""
+    dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
+    return torch.empty(p.block_work.pair_token.shape[0], p.block_size, dtype=dtype,
+                       device=q.device)
+
+
+def kl_from_teacher(q, k, index_q, index_k, lse, lse_index, teacher,
+                    p: SparseAttentionProblem):
+    """The unscaled KL gradients of index_q and index_k from the teacher the dK/dV pass stored
+    (``new_teacher``): the key-outer Triton kernel with its student alone (no GQ products of
+    main heads), both gradients by atomic adds, as ``index_branch_kl``'s default pass."""
+    d_index_q = torch.zeros(p.total, p.num_index_heads, p.index_dim, dtype=torch.float32,
+                            device=q.device)
+    d_index_k = torch.zeros(index_k.shape, dtype=torch.float32, device=q.device)
+    triton_key_walk(q, k, index_q, index_k, lse, lse_index, p, d_index_k, d_index_k,
+                    d_index_q, query_side=True, with_value=False, pairs=KL_TEACHER_PAIRS,
+                    teacher=teacher, **KL_TEACHER_CONFIG)
+    return d_index_q, d_index_k

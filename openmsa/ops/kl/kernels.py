@@ -118,11 +118,11 @@ def _kl_kernel(
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_iq_t, stride_iq_h,
-    stride_ik_t, stride_ik_h, scale_log2, index_scale,
+    stride_ik_t, stride_ik_h, scale_log2, index_scale, TEACHER,
     HI: tl.constexpr, GQ: tl.constexpr, KV_GROUP: tl.constexpr, INDEX_GROUP: tl.constexpr,
     PAIRS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     INDEX_DIM: tl.constexpr, SEGMENT_PAIRS: tl.constexpr, QUERY_SIDE: tl.constexpr,
-    WITH_VALUE: tl.constexpr, PRECISION: tl.constexpr,
+    WITH_VALUE: tl.constexpr, PRECISION: tl.constexpr, TEACHER_GIVEN: tl.constexpr = False,
 ):
     """The KL of one segment of the key-block -> queries list (up to SEGMENT_PAIRS (token,
     index head) pairs that kept one key block), PAIRS pairs per step. Per step the teacher
@@ -134,7 +134,8 @@ def _kl_kernel(
     (s - t) index_k into the unscaled gradient of index_q; both by atomic adds (not bitwise
     reproducible: they land in any order), and, with WITH_VALUE, the program's terms of
     KL(t || s), summed in order, into KL_PARTS[program] (0 for padding): one pass gives the
-    whole KL."""
+    whole KL. TEACHER_GIVEN: the teacher is read from TEACHER [pairs, BLOCK] (the dK/dV
+    pass's, masked) instead of rebuilt from GQ products: Q, K and LSE go unread."""
     segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
         CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
@@ -143,8 +144,9 @@ def _kl_kernel(
             tl.store(KL_PARTS + tl.program_id(0), 0.0)
         return
     key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
-    k = _load_rows(K, key_token, key_valid, index_head // KV_GROUP, stride_k_t, stride_k_h,
-                   HEAD_DIM)
+    if not TEACHER_GIVEN:
+        k = _load_rows(K, key_token, key_valid, index_head // KV_GROUP, stride_k_t,
+                       stride_k_h, HEAD_DIM)
     ik = _load_rows(IK, key_token, key_valid, index_head // INDEX_GROUP, stride_ik_t,
                     stride_ik_h, INDEX_DIM)
     dims = tl.arange(0, HEAD_DIM)
@@ -156,21 +158,26 @@ def _kl_kernel(
         # int32 rows (fewer live registers; tokens x Hi < 2^31 is checked on the host), int64
         # only inside the addresses.
         token = tl.load(PAIR_TOKEN + first_pair + tl.arange(0, PAIRS), mask=pair_valid, other=0)
-        teacher_t = tl.zeros((BLOCK, PAIRS), tl.float32)
-        for g in range(GQ):
-            head = index_head * GQ + g
-            q = tl.load(Q + token[:, None].to(tl.int64) * stride_q_t + head * stride_q_h
-                        + dims[None, :], mask=pair_valid[:, None], other=0.0)  # [PAIRS, D]
-            # +inf for padding pairs: their probabilities come out 0, as the teacher needs.
-            lse = tl.load(LSE + token.to(tl.int64) * (HI * GQ) + head, mask=pair_valid,
-                          other=float("inf"))
-            teacher_t += tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
-                                 - lse[None, :])
         query_pos = token - query_base.to(tl.int32)
-        # Only pairs inside the block (the first ones: token order) need the causal mask.
-        if tl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
-            teacher_t = tl.where(key_pos[:, None] <= query_pos[None, :], teacher_t, 0.0)
-        teacher_t = teacher_t / GQ
+        if TEACHER_GIVEN:
+            teacher_t = tl.load(TEACHER + (first_pair + tl.arange(0, PAIRS))[None, :].to(tl.int64)
+                                * BLOCK + tl.arange(0, BLOCK)[:, None],
+                                mask=pair_valid[None, :], other=0.0).to(tl.float32)
+        else:
+            teacher_t = tl.zeros((BLOCK, PAIRS), tl.float32)
+            for g in range(GQ):
+                head = index_head * GQ + g
+                q = tl.load(Q + token[:, None].to(tl.int64) * stride_q_t + head * stride_q_h
+                            + dims[None, :], mask=pair_valid[:, None], other=0.0)  # [PAIRS, D]
+                # +inf for padding pairs: their probabilities come out 0, as the teacher needs.
+                lse = tl.load(LSE + token.to(tl.int64) * (HI * GQ) + head, mask=pair_valid,
+                              other=float("inf"))
+                teacher_t += tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION)
+                                     * scale_log2 - lse[None, :])
+            # Only pairs inside the block (the first ones: token order) need the causal mask.
+            if tl.load(PAIR_TOKEN + first_pair) - query_base < block * BLOCK + BLOCK - 1:
+                teacher_t = tl.where(key_pos[:, None] <= query_pos[None, :], teacher_t, 0.0)
+            teacher_t = teacher_t / GQ
         row = token * HI + index_head.to(tl.int32)  # of the query-side tensors
         index_q = tl.load(IQ + token[:, None].to(tl.int64) * stride_iq_t
                           + index_head * stride_iq_h + index_dims[None, :],
@@ -259,12 +266,13 @@ def kl_query_side(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProb
 def triton_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProblem,
                     d_index_k, value_parts, d_index_q, query_side: bool, with_value: bool,
                     pairs: int, num_warps=KL_CONFIG["num_warps"],
-                    num_stages=KL_CONFIG["num_stages"]):
+                    num_stages=KL_CONFIG["num_stages"], teacher=None):
     """The key-outer KL kernel over ``p``'s key-block list, ``pairs`` pairs a step, into the
-    buffers ``kl.kl_key_walk`` gives (see there)."""
+    buffers ``kl.kl_key_walk`` gives (see there); ``teacher``: each pair's teacher [pairs,
+    block], read instead of rebuilt."""
     launch(_kl_kernel, (p.block_work.segments.shape[0],),
         q, k, index_q, index_k, lse, lse_index, d_index_k, value_parts, d_index_q,
         *p.key_work_args(),
-        *strides(q, k, index_q, index_k), p.scale * LOG2_E, p.index_scale,
+        *strides(q, k, index_q, index_k), p.scale * LOG2_E, p.index_scale, teacher,
         **p.kl_constants(pairs), QUERY_SIDE=query_side, WITH_VALUE=with_value,
-        num_warps=num_warps, num_stages=num_stages)
+        TEACHER_GIVEN=teacher is not None, num_warps=num_warps, num_stages=num_stages)
