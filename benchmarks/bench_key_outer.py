@@ -5,12 +5,13 @@
         [--limits 0,1.5,2,3,4] [--key-outer-kernels gluon,triton] [--partial-gib 2,8]
         [--dq-partials float32,input] [--dq-passes own_pass,in_dkdv] [--index-lse walk,split]
         [--dq-limits same,2] [--dq-routes walk,dkdv_atomic] [--kl-teachers recompute,from_dkdv]
-        [--kernels]
+        [--heads 64,4,4] [--kernels]
         [--launches 8x2,4x2,8x3]
         [--combine-launches 64x4,128x8] [--hopper-stages 3,4,6] [--dkdv-launches 8x1,8x2]
 
 A limit L sends the query tiles whose union holds more than L x top_k blocks key-outer; 0 walks
-every tile (the kernels before). H64/Hkv4/Hi4/Hik1, D = Di = 128, top 16 of 128, bf16, B = 1.
+every tile (the kernels before). H64/Hkv4/Hi4/Hik1 (``--heads H,Hkv,Hi``: others, e.g. 16,2,4
+for the short-context targets' second shape), D = Di = 128, top 16 of 128, bf16, B = 1.
 Per row: the selection's neighbours' Jaccard and 8-token union, the share of rows taken
 key-outer, the main attention's forward and backward (dQ, dK/dV) alone on a problem whose work
 lists are built beforehand, the whole training step (selection, main attention, KL; forward and
@@ -265,9 +266,13 @@ def main() -> None:
                         help="comma-separated Tuning.dq_pass values: walk, dkdv_atomic")
     parser.add_argument("--kl-teachers", default="",
                         help="comma-separated Tuning.kl_teacher values: recompute, from_dkdv")
+    parser.add_argument("--heads", default="64,4,4",
+                        help="H,Hkv,Hi of the problem (one index key head)")
     parser.add_argument("--kernels", action="store_true",
                         help="also record each row's forward and backward kernel times")
     args = parser.parse_args()
+    global HEADS, KV_HEADS, INDEX_HEADS
+    HEADS, KV_HEADS, INDEX_HEADS = (int(x) for x in args.heads.split(","))
     os.makedirs(args.out, exist_ok=True)
     limits = [float(x) for x in args.limits.split(",")]
     rows = []
