@@ -1,5 +1,5 @@
-"""Problem shapes and the kernels-against-reference run that tests/ops/test_attention.py and
-tests/ops/test_kl.py share (CPU interpreter)."""
+"""Problem shapes, the kernels-against-reference run and the monkeypatching helpers that
+tests/ops/test_attention.py and tests/ops/test_kl.py share (CPU interpreter)."""
 
 import torch
 
@@ -38,3 +38,31 @@ def kernel_and_reference(case, dtype, seed=0, tuning=None, **extra_options):
     expected, _ = run_with_grads(openmsa.msa_attention, high, cu_seqlens, out_grad, 1.0,
                                  backend="reference", block_indices=ids, **options)
     return got, expected, ids
+
+
+def poison_new_buffers(monkeypatch):
+    """Fills every tensor torch.empty / empty_like make from now on with NaN (floats) or -7777
+    (ints): an element a kernel should write but does not shows."""
+    original_empty, original_empty_like = torch.empty, torch.empty_like
+
+    def poison(tensor):
+        return tensor.fill_(float("nan") if tensor.is_floating_point() else -7777)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(original_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like",
+                        lambda *a, **kw: poison(original_empty_like(*a, **kw)))
+
+
+def count_calls(monkeypatch, module, kinds: dict) -> list:
+    """Records, in call order, the kind (``kinds[name]``) of each call from now on to the
+    functions ``module`` holds under the names in ``kinds`` (still called through)."""
+    calls = []
+    for name, kind in kinds.items():
+        original = getattr(module, name)
+
+        def counted(*args, original=original, kind=kind, **kwargs):
+            calls.append(kind)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls

@@ -20,7 +20,8 @@ from openmsa.testing import (INPUT_NAMES, QUANTITY_NAMES, MSACase, random_inputs
                              run_query_ranges, run_with_grads, same_block_sets,
                              tuned_msa_attention)
 
-from attention_cases import CASES, TOLERANCE, kernel_and_reference
+from attention_cases import (CASES, TOLERANCE, count_calls, kernel_and_reference,
+                             poison_new_buffers)
 
 pytestmark = pytest.mark.skipif(not msa_module.INTERPRETING,
                                 reason="needs TRITON_INTERPRET=1 (the README's test command)")
@@ -168,24 +169,11 @@ def test_index_log_sum_exp_alone_on_wider_tiles(query_range, index_heads):
     torch.testing.assert_close(running.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def _poison_new_buffers(monkeypatch):
-    """Fills every tensor torch.empty / empty_like make from now on with NaN (floats) or -7777
-    (ints): an element a kernel should write but does not shows."""
-    original_empty, original_empty_like = torch.empty, torch.empty_like
-
-    def poison(tensor):
-        return tensor.fill_(float("nan") if tensor.is_floating_point() else -7777)
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(original_empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like",
-                        lambda *a, **kw: poison(original_empty_like(*a, **kw)))
-
-
 def test_every_output_element_is_written(monkeypatch):
     """All kernel buffers are poisoned before the kernels."""
     case = CASES[1]
     clean, _, _ = kernel_and_reference(case, torch.float32)
-    _poison_new_buffers(monkeypatch)
+    poison_new_buffers(monkeypatch)
     poisoned, _, _ = kernel_and_reference(case, torch.float32)
     monkeypatch.undo()
     for name in QUANTITY_NAMES:
@@ -339,7 +327,7 @@ def test_query_ranges_add_up_to_the_full_run(case, ranges, warmup, monkeypatch):
     options = dict(case.options, warmup=warmup, return_indices=not warmup, backend="triton")
     full, full_ids = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 1.5,
                                     **options)
-    _poison_new_buffers(monkeypatch)
+    poison_new_buffers(monkeypatch)
     parts = run_query_ranges(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 1.5, ranges,
                              **options)
     for (first, end), (part, ids) in zip(ranges, parts):
@@ -410,7 +398,7 @@ def test_key_outer_forward_and_dq_match_reference(case, dtype, tuning, monkeypat
         error = rel_rms_error(got[name], expected[name])
         assert error < TOLERANCE[dtype], (name, error)
     assert passes == [tuning.key_outer_dq], passes
-    _poison_new_buffers(monkeypatch)
+    poison_new_buffers(monkeypatch)
     again, _, _ = kernel_and_reference(case, dtype, seed=4, tuning=tuning)
     for name in QUANTITY_NAMES:
         assert torch.equal(again[name], got[name]), name
@@ -419,16 +407,8 @@ def test_key_outer_forward_and_dq_match_reference(case, dtype, tuning, monkeypat
 def _count_dq_passes(monkeypatch) -> list:
     """Which pass gave the hard rows' dq, once per backward: "own_pass" (``key_outer_dq``)
     or "in_dkdv" (``dkdv_with_hard_dq``)."""
-    passes = []
-    for name, kind in (("key_outer_dq", "own_pass"), ("dkdv_with_hard_dq", "in_dkdv")):
-        original = getattr(attention_module, name)
-
-        def counted(*args, original=original, kind=kind):
-            passes.append(kind)
-            return original(*args)
-
-        monkeypatch.setattr(attention_module, name, counted)
-    return passes
+    return count_calls(monkeypatch, attention_module, {"key_outer_dq": "own_pass",
+                                                       "dkdv_with_hard_dq": "in_dkdv"})
 
 
 def _segment_hard_flags(monkeypatch) -> list:
@@ -559,16 +539,8 @@ DQ_ATOMIC = Tuning(dq_pass="dkdv_atomic")
 def _count_backward_routes(monkeypatch) -> list:
     """Which route each backward took for dq: "walk" (``_walk_dq``) or "dkdv_atomic"
     (``triton_backward_dq_in_dkdv``)."""
-    routes = []
-    for name, kind in (("_walk_dq", "walk"), ("triton_backward_dq_in_dkdv", "dkdv_atomic")):
-        original = getattr(attention_module, name)
-
-        def counted(*args, original=original, kind=kind, **kwargs):
-            routes.append(kind)
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(attention_module, name, counted)
-    return routes
+    return count_calls(monkeypatch, attention_module, {
+        "_walk_dq": "walk", "triton_backward_dq_in_dkdv": "dkdv_atomic"})
 
 
 @pytest.mark.parametrize("case,dtype,tuning", [
@@ -586,7 +558,7 @@ def test_dq_from_dkdv_atomics_matches_reference(case, dtype, tuning, monkeypatch
     the dK/dV steps (32 rows a step: two tokens of 16 heads, eight of three heads padded to
     four); the reference's quantities, every element written (new buffers poisoned)."""
     routes = _count_backward_routes(monkeypatch)
-    _poison_new_buffers(monkeypatch)
+    poison_new_buffers(monkeypatch)
     got, expected, _ = kernel_and_reference(case, dtype, seed=4, tuning=tuning)
     assert routes == ["dkdv_atomic"], routes
     for name in QUANTITY_NAMES:

@@ -11,7 +11,8 @@ from openmsa.ops.configs import Tuning
 from openmsa.testing import (QUANTITY_NAMES, MSACase, random_inputs, rel_rms_error,
                              run_with_grads, tuned_msa_attention)
 
-from attention_cases import CASES, TOLERANCE, kernel_and_reference
+from attention_cases import (CASES, TOLERANCE, count_calls, kernel_and_reference,
+                             poison_new_buffers)
 
 pytestmark = pytest.mark.skipif(not msa_module.INTERPRETING,
                                 reason="needs TRITON_INTERPRET=1 (the README's test command)")
@@ -93,16 +94,8 @@ def test_kl_kernel_with_several_steps_per_segment():
 def _count_kl_routes(monkeypatch) -> list:
     """Which KL pass each forward or backward ran: "kl_passes" (``index_branch_kl``) or
     "teacher" (``kl_from_teacher``, the teachers the dK/dV pass stored)."""
-    routes = []
-    for name, kind in (("index_branch_kl", "kl_passes"), ("kl_from_teacher", "teacher")):
-        original = getattr(pipeline_module, name)
-
-        def counted(*args, original=original, kind=kind, **kwargs):
-            routes.append(kind)
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(pipeline_module, name, counted)
-    return routes
+    return count_calls(monkeypatch, pipeline_module, {"index_branch_kl": "kl_passes",
+                                                      "kl_from_teacher": "teacher"})
 
 
 TEACHER = Tuning(kl_teacher="from_dkdv")
@@ -134,10 +127,7 @@ def test_index_gradients_from_the_dkdv_teachers_match_reference(case, dtype, tun
     reference's, on the plain dK/dV kernel, with the atomic dQ, and on the hard rows'
     windowed kernel."""
     routes = _count_kl_routes(monkeypatch)
-    original_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: original_empty(*a, **kw).fill_(
-        float("nan")) if kw.get("dtype", torch.float32).is_floating_point else
-        original_empty(*a, **kw))
+    poison_new_buffers(monkeypatch)
     got, expected, _ = kernel_and_reference(case, dtype, seed=4, tuning=tuning, kl_value=False)
     assert routes == ["teacher"], routes
     for name in QUANTITY_NAMES:
