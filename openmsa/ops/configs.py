@@ -167,11 +167,12 @@ class Tuning:
         probabilities) comes from when the forward wants no KL value (``kl_value=False``):
         "recompute" (the default: the forward's KL pass rebuilds it, GQ products a pair) or
         "from_dkdv" (the forward runs no KL; the backward's dK/dV steps, which compute those
-        probabilities anyway, store each pair's teacher [pairs, block] in fp16, and a KL pass
-        without the GQ products reads it: the Triton dK/dV kernel, on Hopper GPUs too; atomic
-        adds, so not with ``deterministic=True``, nor with a frozen main branch, where the
-        backward runs the KL passes). The value, when wanted, needs the teacher in the
-        forward: it keeps "recompute". Not yet timed on a GPU (docs/KERNELS.md, section 6).
+        probabilities anyway, store each pair's teacher [pairs, block] in fp16, fp32 for fp32
+        inputs: 2.1 GB at 128k tokens, H64/Hi4, top 16; a KL pass without the GQ products
+        reads it: the Triton dK/dV kernel, on Hopper GPUs too; atomic adds, so not with
+        ``deterministic=True``, nor with a frozen main branch, where the backward runs the KL
+        passes). The value, when wanted, needs the teacher in the forward: it keeps
+        "recompute". Not yet timed on a GPU (docs/KERNELS.md, section 6).
     """
 
     segment_pairs: int = 1024
