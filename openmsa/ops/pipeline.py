@@ -68,7 +68,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Te
     """Returns out, kl (fp32 0-dim: the exact KL, clamped at 0, or 0 with ``kl_value=False``),
     the main lse2 ``[Tq, H]``, the index log-sum-exp ``[Tq, Hi]``, the kept block ids, the
     unscaled KL gradients of index_q (fp32 ``[Tq, Hi, Di]``) and index_k (fp32, index_k's
-    shape) and the packed key-block -> queries list (all three empty unless ``index_grad``),
+    shape) and the packed key-block -> queries list (all three empty unless ``index_grad``,
+    and also where the backward takes the teachers from its dK/dV pass),
     and the query-tile work lists (schedule, union, union members, union count).
 
     ``block_ids``: given kept blocks, or None to select (or, in warmup, keep every causal block
