@@ -187,3 +187,22 @@ def test_kl_teachers_from_dkdv_on_query_ranges_add_up_to_the_full_run():
                                    rtol=1e-5, atol=1e-7)
     total = sum(part["dindex_k"] for part, _ in parts)
     assert rel_rms_error(total, full["dindex_k"]) < 1e-5
+
+
+def test_kl_teachers_from_dkdv_in_warmup_match_the_kl_passes(monkeypatch):
+    """Warmup on the sparse kernels (packed input: every causal block kept, the KL over the
+    whole prefix) with the teachers from the dK/dV pass: the index gradients equal the KL
+    passes' to fp32 rounding."""
+    routes = _count_kl_routes(monkeypatch)
+    case = CASES[1]
+    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=11)
+    out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(12))
+    options = dict(case.options, warmup=True, kl_value=False, backend="triton")
+    from_dkdv, _ = run_with_grads(tuned_msa_attention(TEACHER), inputs, cu_seqlens, out_grad,
+                                  1.0, **options)
+    passes, _ = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 1.0,
+                               **options)
+    assert routes == ["teacher", "kl_passes"], routes
+    for name in ("dindex_q", "dindex_k", "dq", "dk", "dv"):
+        torch.testing.assert_close(from_dkdv[name], passes[name], rtol=1e-5, atol=1e-7,
+                                   msg=name)
