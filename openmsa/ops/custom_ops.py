@@ -61,8 +61,9 @@ def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softm
         slots = top_k
     f32 = dict(dtype=torch.float32, device=q.device)
     i32 = dict(dtype=torch.int32, device=q.device)
-    grad_q_shape = (total, num_index_heads, index_dim) if index_grad else (0,)
-    grad_k_shape = index_k.shape if index_grad else (0,)
+    with_grads = pipeline.forward_index_grads(index_grad, kl_value, deterministic, dense_batch)
+    grad_q_shape = (total, num_index_heads, index_dim) if with_grads else (0,)
+    grad_k_shape = index_k.shape if with_grads else (0,)
     (pairs, blocks, segments), _ = pipeline.block_work_shape(q, k, num_index_heads, cu_seqlens,
                                                               slots, block_size)
     work_size = pairs + 3 * blocks * num_index_heads + 2 * blocks + 3 * segments
@@ -70,7 +71,7 @@ def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softm
             q.new_empty(total, num_index_heads, **f32),
             q.new_empty(total, num_index_heads, slots, **i32), q.new_empty(grad_q_shape, **f32),
             q.new_empty(grad_k_shape, **f32),
-            q.new_empty(work_size if index_grad else 0, **i32),
+            q.new_empty(work_size if with_grads else 0, **i32),
             *_fake_query_work(q, cu_seqlens, num_index_heads, slots, query_start))
 
 

@@ -117,7 +117,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Te
     kl = torch.zeros((), dtype=torch.float32, device=q.device)
     d_index_q, d_index_k = (q.new_empty(0, dtype=torch.float32) for _ in range(2))
     block_work = q.new_empty(0, dtype=torch.int32)
-    if kl_value or (index_grad and not _teacher_from_dkdv(tuning, deterministic, dense_batch)):
+    if kl_value or forward_index_grads(index_grad, kl_value, deterministic, dense_batch, tuning):
         value_parts, grad_q, grad_k = index_branch_kl(q, k, index_q, index_k, lse, lse_index,
                                                       problem, kl_value, index_grad,
                                                       deterministic)
@@ -179,6 +179,15 @@ def backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torch.Te
                                                   problem, False, True, deterministic)
     return (dq, dk, dv) + scaled_kl_gradients(d_index_q, d_index_k, dkl, problem,
                                               index_q.dtype, index_k.dtype)
+
+
+def forward_index_grads(index_grad: bool, kl_value: bool, deterministic: bool,
+                        dense_batch: int, tuning: Tuning = DEFAULT_TUNING) -> bool:
+    """Whether ``forward`` returns the KL's index gradients (and the packed key-block list):
+    where they are wanted, unless the backward takes them from its dK/dV pass's teachers (no
+    value wanted then). The registered operator's fake gives its output shapes by this too."""
+    return index_grad and (kl_value or not _teacher_from_dkdv(tuning, deterministic,
+                                                             dense_batch))
 
 
 def _teacher_from_dkdv(tuning: Tuning, deterministic: bool, dense_batch: int) -> bool:
