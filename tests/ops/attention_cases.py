@@ -4,7 +4,8 @@ tests/ops/test_attention.py and tests/ops/test_kl.py share (CPU interpreter)."""
 import torch
 
 import openmsa
-from openmsa.testing import MSACase, random_inputs, run_with_grads, tuned_msa_attention
+from openmsa.testing import (MSACase, random_inputs, run_query_ranges, run_with_grads,
+                             tuned_msa_attention)
 
 CASES = [
     MSACase("batch2_partial_block", batch=2, seqlen=200, num_heads=4, num_kv_heads=2,
@@ -66,3 +67,14 @@ def count_calls(monkeypatch, module, kinds: dict) -> list:
 
         monkeypatch.setattr(module, name, counted)
     return calls
+
+
+def full_and_ranges(fn, case, seed, ranges, **options):
+    """``fn``'s values and gradients (fp32, CPU) over every query of ``case``'s random problem
+    and over each query range ``(first, end)`` of ``ranges`` (``run_query_ranges``): the full
+    run's and the ranges' ``(values, indices)``."""
+    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=seed)
+    out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(seed + 1))
+    run = dict(case.options, **options)
+    full, _ = run_with_grads(fn, inputs, cu_seqlens, out_grad, 1.0, **run)
+    return full, run_query_ranges(fn, inputs, cu_seqlens, out_grad, 1.0, ranges, **run)

@@ -20,8 +20,8 @@ from openmsa.testing import (INPUT_NAMES, QUANTITY_NAMES, MSACase, random_inputs
                              run_query_ranges, run_with_grads, same_block_sets,
                              tuned_msa_attention)
 
-from attention_cases import (CASES, TOLERANCE, count_calls, kernel_and_reference,
-                             poison_new_buffers)
+from attention_cases import (CASES, TOLERANCE, count_calls, full_and_ranges,
+                             kernel_and_reference, poison_new_buffers)
 
 pytestmark = pytest.mark.skipif(not msa_module.INTERPRETING,
                                 reason="needs TRITON_INTERPRET=1 (the README's test command)")
@@ -607,13 +607,9 @@ def test_key_outer_rows_of_query_ranges_add_up_to_the_full_run(tuning, monkeypat
     dq are the full run's rows, with the hard rows' dQ from either pass, or every row's from
     the dK/dV pass's atomic sums."""
     counts = _count_hard_rows(monkeypatch)
-    inputs, cu_seqlens = random_inputs(KEY_OUTER_CASE, torch.float32, "cpu", seed=8)
-    out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(9))
-    options = dict(KEY_OUTER_CASE.options, return_indices=True)
-    tuned = tuned_msa_attention(tuning)
-    full, _ = run_with_grads(tuned, inputs, cu_seqlens, out_grad, 1.0, **options)
     ranges = ((0, 150), (150, 331))
-    parts = run_query_ranges(tuned, inputs, cu_seqlens, out_grad, 1.0, ranges, **options)
+    full, parts = full_and_ranges(tuned_msa_attention(tuning), KEY_OUTER_CASE, 8, ranges,
+                                  return_indices=True)
     assert all(hard > 0 for hard, _ in counts), counts
     for (first, end), (part, _) in zip(ranges, parts):
         for name in ("out", "dq"):

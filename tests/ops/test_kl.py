@@ -9,10 +9,10 @@ from openmsa.ops import msa as msa_module
 from openmsa.ops import pipeline as pipeline_module
 from openmsa.ops.configs import Tuning
 from openmsa.testing import (QUANTITY_NAMES, MSACase, random_inputs, rel_rms_error,
-                             run_query_ranges, run_with_grads, tuned_msa_attention)
+                             run_with_grads, tuned_msa_attention)
 
-from attention_cases import (CASES, TOLERANCE, count_calls, kernel_and_reference,
-                             poison_new_buffers)
+from attention_cases import (CASES, TOLERANCE, count_calls, full_and_ranges,
+                             kernel_and_reference, poison_new_buffers)
 
 pytestmark = pytest.mark.skipif(not msa_module.INTERPRETING,
                                 reason="needs TRITON_INTERPRET=1 (the README's test command)")
@@ -174,14 +174,9 @@ def test_kl_teachers_from_dkdv_on_query_ranges_add_up_to_the_full_run():
     """Query ranges (context parallelism's building block) with the teachers from the dK/dV
     pass: each range's d index_q rows are the full run's, and the ranges' d index_k add up to
     the full run's (the KL's count of every token, as the ranks pass it)."""
-    case = CASES[1]
-    inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=9)
-    out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(10))
-    options = dict(case.options, kl_value=False)
-    tuned = tuned_msa_attention(TEACHER)
-    full, _ = run_with_grads(tuned, inputs, cu_seqlens, out_grad, 1.0, **options)
     ranges = ((0, 120), (120, 286))
-    parts = run_query_ranges(tuned, inputs, cu_seqlens, out_grad, 1.0, ranges, **options)
+    full, parts = full_and_ranges(tuned_msa_attention(TEACHER), CASES[1], 9, ranges,
+                                  kl_value=False)
     for (first, end), (part, _) in zip(ranges, parts):
         torch.testing.assert_close(part["dindex_q"][first:end], full["dindex_q"][first:end],
                                    rtol=1e-5, atol=1e-7)
