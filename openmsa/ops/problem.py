@@ -130,6 +130,16 @@ class SparseAttentionProblem:
                                 self.query_start, self.num_keys,
                                 self._top_k_segment_order(pairs))
 
+    def block_work_of_rows(self, rows: torch.Tensor) -> BlockWork:
+        """The key-block -> queries list of the pairs of the (query row, index head)s set in
+        ``rows`` ([Tq, Hi], bool or int) alone, each pair with its slot: the key-outer passes
+        over the rows the query-outer walks leave."""
+        pairs = self.segment_pairs()
+        return build_block_work(torch.where(rows[:, :, None] != 0, self.block_ids, -1),
+                                self.cu_seqlens, self.block_size, pairs, self.query_start,
+                                self.num_keys, self._top_k_segment_order(pairs),
+                                with_slots=True)
+
     def segment_pairs(self) -> int:
         """Pairs per segment of this problem's key-block lists."""
         return segment_pairs(self.tuning, self.total, self.num_heads, self.num_index_heads,

@@ -14,6 +14,8 @@ forces the Triton kernels (benchmarks compare the two).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import sm90
@@ -114,24 +116,34 @@ def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
         delta = attention_delta(out, dout, p)
         dq = _walk_dq(q, k, v, dout, lse, delta, p, limit, use_hopper)
     if limit and p.tuning.key_outer_dq == "in_dkdv":
-        return dkdv_with_hard_dq(q, k, v, dout, lse, delta, p, limit, dq, use_hopper, teacher)
+        dkdv_parts = functools.partial(_dkdv_parts, q, k, v, dout, lse, delta, p, use_hopper,
+                                       teacher)
+        return dkdv_with_hard_dq(q, k, v, dout, lse, delta, p, limit, dq, dkdv_parts, teacher)
     if limit:  # after the deltas of its rows, which the Gluon dQ wrote
         key_outer_dq(q, k, v, dout, lse, delta, p, limit, dq, use_hopper)
     return (dq,) + attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=use_hopper,
                                   teacher=teacher)
 
 
-def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
-                   use_hopper: bool | None = None, teacher=None, **launch_options):
-    """dk, dv, key-outer: fp32 partials per segment of pairs, then an in-order sum per key
-    block. The partials come from the Gluon kernel on a Hopper GPU where it supports the inputs
-    (unless ``use_hopper=False`` or a ``teacher`` to store, which the Triton kernel does), else
-    from the Triton kernel (``launch_options``: its num_warps, num_stages)."""
+def _dkdv_parts(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
+                use_hopper: bool | None, teacher=None, skip=None, parts=None, **launch_options):
+    """The fp32 dK (unscaled) and dV partials per segment of the key-block list: from the
+    Gluon kernel on a Hopper GPU where it supports the inputs (unless ``use_hopper=False`` or a
+    ``teacher`` to store, which the Triton kernel does), else from the Triton kernel
+    (``launch_options``: its num_warps, num_stages). ``skip``, ``parts``: as
+    ``backward.triton_dkdv_parts``'."""
     if (use_hopper is not False and teacher is None
             and sm90_backward.supported_key_outer(q, k, v, dout, p)):
-        dk_part, dv_part = sm90_backward.attention_dkdv_parts(q, k, v, dout, lse, delta, p,
-                                                              p.scale * LOG2_E)
-    else:
-        dk_part, dv_part = triton_dkdv_parts(q, k, v, dout, lse, delta, p, teacher=teacher,
-                                             **launch_options)
+        return sm90_backward.attention_dkdv_parts(q, k, v, dout, lse, delta, p,
+                                                  p.scale * LOG2_E, skip=skip, parts=parts)
+    return triton_dkdv_parts(q, k, v, dout, lse, delta, p, skip=skip, parts=parts,
+                             teacher=teacher, **launch_options)
+
+
+def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
+                   use_hopper: bool | None = None, teacher=None, **launch_options):
+    """dk, dv, key-outer: fp32 partials per segment of pairs (``_dkdv_parts``: Gluon or
+    Triton), then an in-order sum per key block."""
+    dk_part, dv_part = _dkdv_parts(q, k, v, dout, lse, delta, p, use_hopper, teacher,
+                                   **launch_options)
     return reduce_dkdv_parts(dk_part, dv_part, k, v, p)

@@ -173,8 +173,9 @@ def _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, l
                     + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
         dout = tl.load(DOUT + row_token[:, None] * stride_do_t + row_head[:, None] * stride_do_h
                        + dims[None, :], mask=row_valid[:, None], other=0.0)
-        lse = tl.load(LSE + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
-        delta = tl.load(DELTA + row_token * (HI * GQ) + row_head, mask=row_valid, other=0.0)
+        row = row_token * (HI * GQ) + row_head  # of the [Tq, H] tensors
+        lse = tl.load(LSE + row, mask=row_valid, other=0.0)
+        delta = tl.load(DELTA + row, mask=row_valid, other=0.0)
         # Transposed products keep the block's keys as the MMA's M dimension.
         scores_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
         probs_t = tl.exp2(scores_t - lse[None, :])  # [BLOCK, ROWS]
@@ -213,8 +214,8 @@ def _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, l
             # serialize the step's asynchronous MMAs at 2 stages. Relaxed atomics: nothing
             # reads the sum before the kernel ends.
             dq_t = tl.dot(tl.trans(k), dscores_t.to(k.dtype), input_precision=PRECISION)
-            tl.atomic_add(DQ_SUM + (row_token * (HI * GQ) + row_head)[None, :] * HEAD_DIM
-                          + dims[:, None], dq_t, mask=row_valid[None, :], sem="relaxed")
+            tl.atomic_add(DQ_SUM + row[None, :] * HEAD_DIM + dims[:, None], dq_t,
+                          mask=row_valid[None, :], sem="relaxed")
     return dk, dv
 
 

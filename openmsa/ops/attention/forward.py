@@ -20,7 +20,6 @@ from ..configs import (FWD_CONFIG, INDEX_ALONE_CONFIG, INDEX_KEY_OUTER_CONFIG,
                        INDEX_KEY_OUTER_PAIRS, INDEX_WALK_LIMIT_PER_SLOT)
 from ..launch import launch, strides
 from ..problem import LOG2_E, SparseAttentionProblem
-from ..worklists import build_block_work
 from ..tiles import (_block_keys, _load_rows, _members, _query_tile, _segment, _walk_block,
                      _walk_list)
 
@@ -245,10 +244,7 @@ def index_log_sum_exp_key_outer(index_q, index_k, index_max, p: SparseAttentionP
     if walk_limit > 0:
         index_log_sum_exp(index_q, index_k, index_max, p, walk_limit, lse_index=walked)
     left = walked.isnan()  # the rows of the tiles the walk left
-    pairs = p.segment_pairs()
-    work = build_block_work(torch.where(left[:, :, None], p.block_ids, -1), p.cu_seqlens,
-                            p.block_size, pairs, p.query_start, p.num_keys,
-                            p._top_k_segment_order(pairs), with_slots=True)
+    work = p.block_work_of_rows(left)
     slot_sums = torch.zeros(p.total, p.num_index_heads, p.top_k, dtype=torch.float32,
                             device=index_q.device)
     launch(_index_sum_key_outer_kernel, (work.segments.shape[0],),
@@ -257,6 +253,6 @@ def index_log_sum_exp_key_outer(index_q, index_k, index_max, p: SparseAttentionP
         work.block_sequence, work.block_local, p.cu_seqlens, p.query_start,
         *strides(index_q, index_k), p.index_scale,
         HI=p.num_index_heads, INDEX_GROUP=p.index_group, PAIRS=INDEX_KEY_OUTER_PAIRS,
-        BLOCK=p.block_size, INDEX_DIM=p.index_dim, SEGMENT_PAIRS=pairs, TOP_K=p.top_k,
-        PRECISION=p.shared["PRECISION"], **INDEX_KEY_OUTER_CONFIG)
+        BLOCK=p.block_size, INDEX_DIM=p.index_dim, SEGMENT_PAIRS=work.segment_pairs,
+        TOP_K=p.top_k, PRECISION=p.shared["PRECISION"], **INDEX_KEY_OUTER_CONFIG)
     return torch.where(left, index_max + slot_sums.sum(-1).log(), walked)

@@ -37,10 +37,9 @@ from ..configs import (KEY_OUTER_COMBINE_ROWS, KEY_OUTER_COMBINE_WARPS, KEY_OUTE
 from ..launch import launch, strides
 from ..problem import LOG2_E, SparseAttentionProblem, _tile_shape, multiprocessors
 from ..tiles import _block_keys, _load_rows, _query_tile, _segment
-from ..worklists import BlockWork, build_block_work
-from . import sm90_backward, sm90_key_outer
-from .backward import (_dkdv_hard_dq_kernel, _over_heads, _pair_rows, reduce_dkdv_parts,
-                       triton_dkdv_parts)
+from ..worklists import BlockWork
+from . import sm90_key_outer
+from .backward import _dkdv_hard_dq_kernel, _over_heads, _pair_rows, reduce_dkdv_parts
 
 __all__ = ["dkdv_with_hard_dq", "key_outer_dq", "key_outer_forward", "walk_limit"]
 
@@ -410,17 +409,14 @@ def _hard_work(p: SparseAttentionProblem, limit: int):
     itself and as the key-outer kernels' arguments and constants: every gathered row then
     computes (no pair of a walked row rides along), at the cost of one more list build."""
     hard = hard_rows(p, limit)
-    pairs = p.segment_pairs()
-    work = build_block_work(torch.where(hard[:, :, None] != 0, p.block_ids, -1), p.cu_seqlens,
-                            p.block_size, pairs, p.query_start, p.num_keys,
-                            p._top_k_segment_order(pairs), with_slots=True)
+    work = p.block_work_of_rows(hard)
     arguments = (work.segments, work.segment_order, work.pair_token, work.pair_slot,
                  work.bucket_start, work.bucket_count, work.block_sequence, work.block_local,
                  p.cu_seqlens, p.query_start)
     shared = p.shared
     constants = dict(HI=shared["HI"], GQ=shared["GQ"], GQ_PAD=shared["GQ_PAD"],
                      KV_GROUP=shared["KV_GROUP"], TOK=p.query_tokens, BLOCK=p.block_size,
-                     HEAD_DIM=p.head_dim, TOP_K=p.top_k, SEGMENT_PAIRS=pairs,
+                     HEAD_DIM=p.head_dim, TOP_K=p.top_k, SEGMENT_PAIRS=work.segment_pairs,
                      PRECISION=shared["PRECISION"])
     return hard, work, arguments, constants
 
@@ -503,16 +499,15 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
 
 
 def dkdv_with_hard_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: int, dq,
-                      use_hopper: bool | None = None, teacher=None):
+                      dkdv_parts, teacher=None):
     """dk and dv (as ``attention_dkdv``), and ``dq``'s rows whose tiles' unions hold more than
     ``limit`` blocks (the walk left them), from the dK/dV pass: the segments of the dK/dV list
     holding a hard pair run on ``_dkdv_hard_dq_kernel`` window by window of query rows (their
     steps add each hard row's ``dS K`` over the block to the row's slot, summed in slot order
     by ``_dq_sum_kernel``; their dK and dV partials carried from one window to the next), the
-    others once on the dK/dV kernel that ``attention_dkdv`` would run (Gluon on a Hopper GPU
-    where it takes the inputs, unless ``use_hopper=False`` or a ``teacher`` to store: both
-    kernels store each pair's KL teacher then, ``attention_backward``'s). Deterministic, as the
-    passes it replaces."""
+    others once through ``dkdv_parts(skip=..., parts=...)``, the dK/dV dispatch
+    ``attention_dkdv`` runs. ``teacher``: each pair's KL teacher is stored there too
+    (``attention_backward``'s). Deterministic, as the passes it replaces."""
     hard = hard_rows(p, limit)
     work = p.block_work
     pairs = work.segment_pairs
@@ -532,13 +527,7 @@ def dkdv_with_hard_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limi
     hard_count = by_order.sum(dtype=torch.int32)
     parts = tuple(torch.empty(segments * p.block_size, p.head_dim, dtype=torch.float32,
                               device=q.device) for _ in range(2))
-    if (use_hopper is not False and teacher is None
-            and sm90_backward.supported_key_outer(q, k, v, dout, p)):
-        sm90_backward.attention_dkdv_parts(q, k, v, dout, lse, delta, p, p.scale * LOG2_E,
-                                           skip=segment_hard, parts=parts)
-    else:
-        triton_dkdv_parts(q, k, v, dout, lse, delta, p, skip=segment_hard, parts=parts,
-                          teacher=teacher)
+    dkdv_parts(skip=segment_hard, parts=parts)
     ids = _block_ids(p)
     dq_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
                           dtype=part_dtype, device=q.device)
