@@ -165,14 +165,19 @@ class Tuning:
         1M, H64, D = 128). Not yet timed on a GPU (docs/KERNELS.md, section 5).
     kl_teacher: where the index gradients' teacher (the mean of each pair's GQ heads'
         probabilities) comes from when the forward wants no KL value (``kl_value=False``):
-        "recompute" (the default: the forward's KL pass rebuilds it, GQ products a pair) or
-        "from_dkdv" (the forward runs no KL; the backward's dK/dV steps, which compute those
-        probabilities anyway, store each pair's teacher [pairs, block] in fp16, fp32 for fp32
-        inputs: 2.1 GB at 128k tokens, H64/Hi4, top 16; a KL pass without the GQ products
-        reads it: the Triton dK/dV kernel, on Hopper GPUs too; atomic adds, so not with
-        ``deterministic=True``, nor with a frozen main branch, where the backward runs the KL
-        passes). The value, when wanted, needs the teacher in the forward: it keeps
-        "recompute". Not yet timed on a GPU (docs/KERNELS.md, section 6).
+        "from_dkdv" (the default: the forward runs no KL; the backward's dK/dV steps, which
+        compute those probabilities anyway, store each pair's teacher [pairs, block] in fp16,
+        fp32 for fp32 inputs, and a KL pass without the GQ products reads it; the Triton dK/dV
+        kernel, on Hopper GPUs too) or "recompute" (the forward's KL pass rebuilds it, GQ
+        products a pair). On the H200 (40519a2, dense in the same run) the step without the
+        value ran 1-8% faster (3-7% in most rows) at 8k, 32k and 128k (H64/Hkv4/Hi4) on
+        coherent, mid and random selections alike, and as fast at 16k (H16/Hkv2/Hi4)
+        (benchmarks/records/key-outer-routes.json, short-routes.json).
+        The teachers' atomic adds rule it out with ``deterministic=True``; a frozen main branch
+        (the backward runs the KL passes) and cuDNN's warmup take "recompute" too, as does a
+        value wanted (it needs the teacher in the forward).
+    kl_teacher_max_bytes: "from_dkdv" runs only where the teachers take at most this much
+        (4 GiB: 256k tokens at Hi4, top 16, blocks of 128; 16 GiB at 1M), else "recompute".
     """
 
     segment_pairs: int = 1024
@@ -190,7 +195,8 @@ class Tuning:
     key_outer_dq: str = "own_pass"
     index_lse_split: bool = False
     dq_pass: str = "walk"
-    kl_teacher: str = "recompute"
+    kl_teacher: str = "from_dkdv"
+    kl_teacher_max_bytes: int = 4 << 30
 
     def __post_init__(self):
         for name, allowed in (("key_outer_dq_partials", KEY_OUTER_DQ_PARTIALS),
@@ -199,6 +205,9 @@ class Tuning:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, "
                                  f"received {getattr(self, name)!r}")
+        if not isinstance(self.kl_teacher_max_bytes, int) or self.kl_teacher_max_bytes < 0:
+            raise ValueError("kl_teacher_max_bytes: expected an int of 0 or more, received "
+                             f"{self.kl_teacher_max_bytes!r}")
 
     def segment_pairs_for(self, num_queries: int, num_index_heads: int, slots: int,
                           heads_per_index_head: int = 1, multiprocessors: int = 1) -> int:

@@ -117,7 +117,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Te
     kl = torch.zeros((), dtype=torch.float32, device=q.device)
     d_index_q, d_index_k = (q.new_empty(0, dtype=torch.float32) for _ in range(2))
     block_work = q.new_empty(0, dtype=torch.int32)
-    if kl_value or forward_index_grads(index_grad, kl_value, deterministic, dense_batch, tuning):
+    teachers = teacher_bytes(q, k, cu_seqlens, ids.shape, block_size, tuning)
+    if kl_value or forward_index_grads(index_grad, kl_value, deterministic, dense_batch, tuning,
+                                       teachers):
         value_parts, grad_q, grad_k = index_branch_kl(q, k, index_q, index_k, lse, lse_index,
                                                       problem, kl_value, index_grad,
                                                       deterministic)
@@ -182,19 +184,32 @@ def backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torch.Te
 
 
 def forward_index_grads(index_grad: bool, kl_value: bool, deterministic: bool,
-                        dense_batch: int, tuning: Tuning = DEFAULT_TUNING) -> bool:
+                        dense_batch: int, tuning: Tuning = DEFAULT_TUNING,
+                        teachers_bytes: int = 0) -> bool:
     """Whether ``forward`` returns the KL's index gradients (and the packed key-block list):
     where they are wanted, unless the backward takes them from its dK/dV pass's teachers (no
-    value wanted then). The registered operator's fake gives its output shapes by this too."""
-    return index_grad and (kl_value or not _teacher_from_dkdv(tuning, deterministic,
-                                                             dense_batch))
+    value wanted then; ``teachers_bytes``: those teachers' size, ``teacher_bytes``). The
+    registered operator's fake gives its output shapes by this too."""
+    return index_grad and (kl_value or not (
+        _teacher_from_dkdv(tuning, deterministic, dense_batch)
+        and teachers_bytes <= tuning.kl_teacher_max_bytes))
+
+
+def teacher_bytes(q, k, cu_seqlens, block_ids_shape, block_size: int,
+                  tuning: Tuning = DEFAULT_TUNING) -> int:
+    """Bytes of the teachers the dK/dV pass would store (``kl.new_teacher``): one per pair of
+    the key-block list and key of its block; ``block_ids_shape``: the kept ids' (or the ids)."""
+    (pairs, _, _), _ = block_work_shape(q, k, block_ids_shape[1], cu_seqlens,
+                                        block_ids_shape[2], block_size, tuning)
+    return pairs * block_size * (4 if q.dtype == torch.float32 else 2)
 
 
 def _teacher_from_dkdv(tuning: Tuning, deterministic: bool, dense_batch: int) -> bool:
-    """Whether the index gradients come from the teachers of the backward's dK/dV pass
+    """Whether the index gradients may come from the teachers of the backward's dK/dV pass
     (``Tuning.kl_teacher``): not with ``deterministic`` (their kernel adds atomically) nor
     with cuDNN's dense backward (no dK/dV pass of ours). Only where the forward wants no KL
-    value, which needs the teacher before any backward."""
+    value, which needs the teacher before any backward, and (``forward_index_grads``) where
+    the teachers fit ``Tuning.kl_teacher_max_bytes``."""
     return tuning.kl_teacher == "from_dkdv" and not deterministic and not dense_batch
 
 

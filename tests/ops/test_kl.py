@@ -8,6 +8,7 @@ import openmsa
 from openmsa.ops import msa as msa_module
 from openmsa.ops import pipeline as pipeline_module
 from openmsa.ops.configs import Tuning
+from openmsa.ops.pipeline import teacher_bytes
 from openmsa.testing import (QUANTITY_NAMES, MSACase, random_inputs, rel_rms_error,
                              run_with_grads, tuned_msa_attention)
 
@@ -99,6 +100,17 @@ def _count_kl_routes(monkeypatch) -> list:
 
 
 TEACHER = Tuning(kl_teacher="from_dkdv")
+RECOMPUTE = Tuning(kl_teacher="recompute")
+
+
+def _teacher_bytes(case, dtype) -> int:
+    """The size of the teachers ``case``'s dK/dV pass would store, from its shapes."""
+    (q, k, *_), cu_seqlens = random_inputs(case, dtype, "cpu")
+    ids_shape = (q.shape[0], case.num_index_heads, case.options["top_k"])
+    return teacher_bytes(q, k, cu_seqlens, ids_shape, case.options["block_size"])
+
+
+TEACHER_BYTES = _teacher_bytes(CASES[1], torch.float32)
 # 16 heads per index head over several windows of hard rows (KEY_OUTER_CASE in
 # test_attention.py): the hard rows' dQ from the dK/dV pass, whose two kernels store teachers.
 SIXTEEN_HEADS = MSACase("sixteen_heads_per_index_head_packed", seqlens=(200, 1, 130),
@@ -168,6 +180,26 @@ def test_kl_teachers_from_dkdv_fall_back_to_the_kl_passes(options, frozen_main, 
 def test_kl_teacher_must_be_named():
     with pytest.raises(ValueError, match="kl_teacher: expected one of"):
         Tuning(kl_teacher="dkdv")
+    for size in (-1, 1.5):
+        with pytest.raises(ValueError, match="kl_teacher_max_bytes: expected an int"):
+            Tuning(kl_teacher_max_bytes=size)
+
+
+@pytest.mark.parametrize("tuning,route", [
+    (None, "teacher"), (RECOMPUTE, "kl_passes"),
+    (Tuning(kl_teacher_max_bytes=TEACHER_BYTES - 1), "kl_passes"),
+    (Tuning(kl_teacher_max_bytes=TEACHER_BYTES), "teacher")],
+    ids=["default", "recompute", "teachers_past_the_bound", "teachers_at_the_bound"])
+def test_kl_teacher_route_by_option_and_size(tuning, route, monkeypatch):
+    """Without the KL value the default takes the teachers from the dK/dV pass; "recompute",
+    or teachers larger than ``kl_teacher_max_bytes``, run the KL passes; either way the
+    gradients are the reference's."""
+    routes = _count_kl_routes(monkeypatch)
+    got, expected, _ = kernel_and_reference(CASES[1], torch.float32, seed=4, tuning=tuning,
+                                            kl_value=False)
+    assert routes == [route], routes
+    for name in QUANTITY_NAMES:
+        assert rel_rms_error(got[name], expected[name]) < TOLERANCE[torch.float32], name
 
 
 def test_kl_teachers_from_dkdv_on_query_ranges_add_up_to_the_full_run():
@@ -195,8 +227,8 @@ def test_kl_teachers_from_dkdv_in_warmup_match_the_kl_passes(monkeypatch):
     options = dict(case.options, warmup=True, kl_value=False, backend="triton")
     from_dkdv, _ = run_with_grads(tuned_msa_attention(TEACHER), inputs, cu_seqlens, out_grad,
                                   1.0, **options)
-    passes, _ = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 1.0,
-                               **options)
+    passes, _ = run_with_grads(tuned_msa_attention(RECOMPUTE), inputs, cu_seqlens, out_grad,
+                               1.0, **options)
     assert routes == ["teacher", "kl_passes"], routes
     for name in ("dindex_q", "dindex_k", "dq", "dk", "dv"):
         torch.testing.assert_close(from_dkdv[name], passes[name], rtol=1e-5, atol=1e-7,
