@@ -3,11 +3,11 @@
 
     python benchmarks/bench_key_outer.py --out DIR [--seqlens 8192,32768,131072]
         [--limits 0,1.5,2,3,4] [--key-outer-kernels gluon,triton] [--partial-gib 2,8]
-        [--dq-partials float32,input] [--dq-passes own_pass,in_dkdv] [--index-lse walk,split]
-        [--dq-limits same,2] [--dq-routes walk,dkdv_atomic] [--kl-teachers recompute,from_dkdv]
+        [--dq-partials float32,input] [--index-lse walk,split]
+        [--dq-routes walk,dkdv_atomic] [--kl-teachers recompute,from_dkdv]
         [--heads 64,4,4] [--kernels]
         [--launches 8x2,4x2,8x3]
-        [--combine-launches 64x4,128x8] [--hopper-stages 3,4,6] [--dkdv-launches 8x1,8x2]
+        [--combine-launches 64x4,128x8] [--hopper-stages 3,4,6]
 
 A limit L sends the query tiles whose union holds more than L x top_k blocks key-outer; 0 walks
 every tile (the kernels before). H64/Hkv4/Hi4/Hik1 (``--heads H,Hkv,Hi``: others, e.g. 16,2,4
@@ -18,14 +18,12 @@ lists are built beforehand, the whole training step (selection, main attention, 
 backward) through ``msa_attention``'s kernels at that limit, dense SDPA's step in the same run,
 and how far out and dq lie from the walk's (relative RMS). Each limit above 0 is timed with the
 key-outer passes on each of ``--key-outer-kernels`` (the Gluon kernels, the Triton ones) and
-each of ``--partial-gib`` (the memory their partials take at once), ``--dq-partials`` (dQ's
-partials in fp32 or bf16) and ``--dq-passes`` (the hard rows' dQ partials from a key-outer
-pass of their own or from the dK/dV pass, ``Tuning.key_outer_dq``); each limit, 0 too, with
-each of ``--index-lse`` (the index log-sum-exp's walk alone, or split with a key-outer pass:
-``Tuning.index_lse_split``, in the step's times only) and of ``--dq-limits`` (dQ's own walk
-limit, ``Tuning.dq_walk_limit_per_slot``; "same": the forward's) and of ``--dq-routes``
-(every row's dQ from the walk, its hard rows as above, or "dkdv_atomic": from the dK/dV
-pass's atomic sums, ``Tuning.dq_pass``; no dQ limit, partials or pass of its own then);
+each of ``--partial-gib`` (the memory their partials take at once) and ``--dq-partials``
+(dQ's partials in fp32 or bf16); each limit, 0 too, with each of ``--index-lse`` (the index
+log-sum-exp's walk alone, or split with a key-outer pass: ``Tuning.index_lse_split``, in the
+step's times only) and of ``--dq-routes`` (every row's dQ from the walk, its hard rows by the
+key-outer dQ, or "dkdv_atomic": from the dK/dV pass's atomic sums, ``Tuning.dq_pass``; no
+partials or key-outer dQ then);
 ``--kl-teachers`` also times each row's step with ``kl_value=False`` (no KL value in the
 forward) under each ``Tuning.kl_teacher`` listed ("recompute": the KL pass rebuilds the
 teachers; "from_dkdv": the backward's dK/dV pass stores them);
@@ -34,10 +32,7 @@ teachers; "from_dkdv": the backward's dK/dV pass stores them);
 the key-outer kernels' launch (warps x stages, ``configs.KEY_OUTER_CONFIG``) at the last limit,
 forward and backward alone; ``--hopper-stages S,...`` the Gluon key-outer kernels' kernel
 times with rings of S steps (``configs.KEY_OUTER_HOPPER_STAGES``; a ring past the shared
-memory is recorded as an error); ``--dkdv-launches WxS,...`` the backward with the hard rows'
-dQ in the dK/dV pass (``in_dkdv``) at the last limit, with that launch of its hard segments'
-kernel (``configs.KEY_OUTER_DKDV_CONFIG``; WxSxR: also R rows a step,
-``KEY_OUTER_DKDV_ROWS``). Prints a table last.
+memory is recorded as an error). Prints a table last.
 """
 
 from __future__ import annotations
@@ -68,8 +63,7 @@ HEADS, KV_HEADS, INDEX_HEADS, DIM, TOP_K, BLOCK = 64, 4, 4, 128, 16, 128
 def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
             key_outer_kernels=("gluon", "triton"), partial_gib=(2.0,),
             profile: bool = False, combine_launches=(), dq_partials=("input",),
-            hopper_stages=(), dq_passes=("own_pass",), dkdv_launches=(),
-            index_lse=("walk",), dq_limits=(None,), dq_routes=("walk",),
+            hopper_stages=(), index_lse=("walk",), dq_routes=("walk",),
             kl_teachers=()) -> list[dict]:
     generator = torch.Generator(device="cuda").manual_seed(seqlen)
     q, k, v = (torch.randn(seqlen, h, DIM, device="cuda", generator=generator).bfloat16()
@@ -87,30 +81,23 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
     if not dense:
         dense.update(dense_baseline(*inputs[:3], dout[None], median_ms))
     rows, walked = [], None
-    # The atomic dQ route has no dQ walk: no dQ limit, partials or hard rows' pass of its own.
-    runs = [(limit, dq_limit, kernel, gib, partials, dq_pass, index_lse_kind, route)
+    # The atomic dQ route has no dQ walk: no key-outer dQ, so no dQ partials.
+    runs = [(limit, kernel, gib, partials, index_lse_kind, route)
             for limit in limits for route in dq_routes
-            for dq_limit in (dq_limits if route == "walk" else [None])
-            for kernel in (key_outer_kernels if limit or dq_limit else ["-"])
-            for gib in (partial_gib if limit or dq_limit else partial_gib[:1])
-            for partials in (dq_partials if (limit or dq_limit) and route == "walk"
-                             else dq_partials[:1])
-            for dq_pass in (dq_passes if (limit or dq_limit) and route == "walk"
-                            else dq_passes[:1])
+            for kernel in (key_outer_kernels if limit else ["-"])
+            for gib in (partial_gib if limit else partial_gib[:1])
+            for partials in (dq_partials if limit and route == "walk" else dq_partials[:1])
             for index_lse_kind in index_lse]
-    for limit, dq_limit, kernel, gib, partials, dq_pass, index_lse_kind, route in runs:
+    for limit, kernel, gib, partials, index_lse_kind, route in runs:
         key_outer.KEY_OUTER_HOPPER = kernel != "triton"
-        tuning = Tuning(main_walk_limit_per_slot=limit, dq_walk_limit_per_slot=dq_limit,
+        tuning = Tuning(main_walk_limit_per_slot=limit,
                         key_outer_partial_bytes=int(gib * (1 << 30)),
-                        key_outer_dq_partials=partials, key_outer_dq=dq_pass,
+                        key_outer_dq_partials=partials,
                         index_lse_split=index_lse_kind == "split", dq_pass=route)
         problem = SparseAttentionProblem(q, k, ids, cu, BLOCK, scale, tuning=tuning)
         problem.block_work  # the step builds it for dK/dV anyway
         blocks = key_outer.walk_limit(problem)
         hard = key_outer.hard_rows(problem, blocks).float().mean().item() if blocks else 0.0
-        dq_blocks = key_outer.walk_limit(problem, backward=True) if route == "walk" else 0
-        dq_hard = (key_outer.hard_rows(problem, dq_blocks).float().mean().item() if dq_blocks
-                   else 0.0)
         out, lse, _ = sparse_attention_fwd(q, k, v, None, None, problem)
         dq = attention_backward(q, k, v, out, dout, lse, problem)[0]
         if walked is None:
@@ -122,9 +109,8 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
             torch.autograd.grad((result, kl), inputs, (dout[None], one))
 
         row = dict(seqlen=seqlen, selection=kind, limit_per_slot=limit, walk_limit_blocks=blocks,
-                   dq_limit_per_slot=dq_limit, dq_hard_row_share=dq_hard,
                    key_outer_kernels=kernel, partial_gib=gib, dq_partials=partials,
-                   key_outer_dq=dq_pass, index_lse=index_lse_kind, dq_route=route,
+                   index_lse=index_lse_kind, dq_route=route,
                    hard_row_share=hard, **statistics,
                    fwd_ms=median_ms(lambda: sparse_attention_fwd(q, k, v, None, None, problem)),
                    bwd_ms=median_ms(lambda: attention_backward(q, k, v, out, dout, lse,
@@ -177,28 +163,6 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
             row.update(_hopper_key_outer_ms(name, run, stages))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    in_dkdv = SparseAttentionProblem(
-        q, k, ids, cu, BLOCK, scale, tuning=Tuning(main_walk_limit_per_slot=limits[-1],
-                                                   key_outer_partial_bytes=int(partial_gib[0]
-                                                                               * (1 << 30)),
-                                                   key_outer_dq="in_dkdv"))
-    for launch in dkdv_launches:
-        warps, stages, *step_rows = map(int, launch.split("x"))
-        shipped = dict(key_outer.KEY_OUTER_DKDV_CONFIG), key_outer.KEY_OUTER_DKDV_ROWS
-        key_outer.KEY_OUTER_DKDV_CONFIG.update(num_warps=warps, num_stages=stages)
-        key_outer.KEY_OUTER_DKDV_ROWS = step_rows[0] if step_rows else shipped[1]
-        try:
-            row = dict(seqlen=seqlen, selection=kind, limit_per_slot=limits[-1],
-                       dkdv_launch=launch,
-                       bwd_ms=median_ms(lambda: attention_backward(q, k, v, out, dout, lse,
-                                                                   in_dkdv)),
-                       bwd_kernels_ms=kernel_times(
-                           lambda: attention_backward(q, k, v, out, dout, lse, in_dkdv), top=8))
-        finally:
-            key_outer.KEY_OUTER_DKDV_CONFIG.update(shipped[0])
-            key_outer.KEY_OUTER_DKDV_ROWS = shipped[1]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
     for launch in launches:
         warps, stages = map(int, launch.split("x"))
         shipped = dict(key_outer.KEY_OUTER_CONFIG)
@@ -244,9 +208,6 @@ def main() -> None:
                         help="at each limit > 0, Tuning.key_outer_partial_bytes (GiB) to time")
     parser.add_argument("--dq-partials", default="input",
                         help="at each limit > 0, Tuning.key_outer_dq_partials to time")
-    parser.add_argument("--dq-passes", default="own_pass",
-                        help="at each limit > 0, Tuning.key_outer_dq to time (own_pass, "
-                        "in_dkdv)")
     parser.add_argument("--combine-launches", default="",
                         help="RxW,...: the combine's and dQ sum's rows and warps a program to "
                         "time (kernel times) at the last limit")
@@ -256,12 +217,6 @@ def main() -> None:
     parser.add_argument("--index-lse", default="walk",
                         help="at each limit, the index log-sum-exp to time in the step: walk, "
                         "split (Tuning.index_lse_split)")
-    parser.add_argument("--dq-limits", default="same",
-                        help="dQ's walk limits per slot to time at each limit (same: the "
-                        "forward's; Tuning.dq_walk_limit_per_slot)")
-    parser.add_argument("--dkdv-launches", default="",
-                        help="WxS[xR],...: the in_dkdv backward's hard-segment kernel launches "
-                        "(warps x stages x rows a step) to time at the last limit")
     parser.add_argument("--dq-routes", default="walk",
                         help="comma-separated Tuning.dq_pass values: walk, dkdv_atomic")
     parser.add_argument("--kl-teachers", default="",
@@ -286,12 +241,7 @@ def main() -> None:
                             [x for x in args.combine_launches.split(",") if x],
                             args.dq_partials.split(","),
                             [int(x) for x in args.hopper_stages.split(",") if x],
-                            args.dq_passes.split(","),
-                            [x for x in args.dkdv_launches.split(",") if x],
-                            args.index_lse.split(","),
-                            [None if x == "same" else float(x)
-                             for x in args.dq_limits.split(",")],
-                            dq_routes=args.dq_routes.split(","),
+                            args.index_lse.split(","), args.dq_routes.split(","),
                             kl_teachers=[x for x in args.kl_teachers.split(",") if x])
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, date=time.strftime("%Y-%m-%d"), args=vars(args),
@@ -300,9 +250,8 @@ def main() -> None:
     with open(os.path.join(args.out, "bench_key_outer.json"), "w") as handle:
         json.dump(result, handle, indent=2)
     print(f"\nkey-outer forward and dQ by walk limit, {result['gpu']}, {result['config']}")
-    print(f"{'S':>7} {'selection':>9} {'Jacc':>5} {'union8':>6} {'limit':>5} {'dQ lim':>6} "
-          f"{'kernels':>7} "
-          f"{'GiB':>4} {'dQ part':>7} {'dQ pass':>8} {'idx lse':>7} {'hard':>5} {'dQ hard':>7} "
+    print(f"{'S':>7} {'selection':>9} {'Jacc':>5} {'union8':>6} {'limit':>5} {'kernels':>7} "
+          f"{'GiB':>4} {'dQ part':>7} {'dQ':>6} {'idx lse':>7} {'hard':>5} "
           f"{'fwd ms':>8} {'bwd ms':>8} {'step ms':>8} {'x dense':>7} {'out/dq vs walk':>16}")
     for r in rows:
         if "hopper_stages" in r:
@@ -313,23 +262,15 @@ def main() -> None:
             print(f"{r['seqlen']:>7} {r['selection']:>9} combine {r['combine_launch']}: "
                   f"combine {r['combine_ms']:.2f} ms, dq sum {r['dq_sum_ms']:.2f} ms")
             continue
-        if "dkdv_launch" in r:
-            print(f"{r['seqlen']:>7} {r['selection']:>9} in_dkdv launch {r['dkdv_launch']}: "
-                  f"bwd {r['bwd_ms']:.2f} ms")
-            continue
         if "launch" in r:
             print(f"{r['seqlen']:>7} {r['selection']:>9} launch {r['launch']}: fwd "
                   f"{r['fwd_ms']:.2f} ms, bwd {r['bwd_ms']:.2f} ms")
             continue
-        dq_limit = "same" if r["dq_limit_per_slot"] is None else f"{r['dq_limit_per_slot']:.1f}"
-        atomic = r.get("dq_route") == "dkdv_atomic"
-        dq_pass = "atomic" if atomic else r["key_outer_dq"]
-        dq_limit = "-" if atomic else dq_limit
+        dq_route = "atomic" if r["dq_route"] == "dkdv_atomic" else "walk"
         print(f"{r['seqlen']:>7} {r['selection']:>9} {r['jaccard']:>5.2f} {r['union_8']:>6.1f} "
-              f"{r['limit_per_slot']:>5.1f} {dq_limit:>6} {r['key_outer_kernels']:>7} "
-              f"{r['partial_gib']:>4g} "
-              f"{r['dq_partials']:>7} {dq_pass:>8} {r['index_lse']:>7} "
-              f"{r['hard_row_share']:>5.2f} {r['dq_hard_row_share']:>7.2f} {r['fwd_ms']:>8.2f} "
+              f"{r['limit_per_slot']:>5.1f} {r['key_outer_kernels']:>7} {r['partial_gib']:>4g} "
+              f"{r['dq_partials']:>7} {dq_route:>6} {r['index_lse']:>7} "
+              f"{r['hard_row_share']:>5.2f} {r['fwd_ms']:>8.2f} "
               f"{r['bwd_ms']:>8.2f} {r['step_ms']:>8.2f} {r.get('step_x_dense', 0):>6.2f}x "
               f"{r['out_vs_walk']:>7.1e}/{r['dq_vs_walk']:>7.1e}")
         no_value = {key[len("step_no_kl_value_"):-len("_ms")]: value for key, value in r.items()

@@ -39,14 +39,8 @@ INDEX_WALK_LIMIT_PER_SLOT = 3
 # The key-outer forward and dQ of the tiles whose walk would be long (attention.key_outer): the
 # launch of their per-segment Triton kernels, and whether the Gluon ones replace them.
 KEY_OUTER_CONFIG = dict(num_warps=8, num_stages=2)
-# The launch of the dK/dV segments that also give the hard rows' dQ (key_outer_dq "in_dkdv")
-# and its rows a step: compiled for sm_90a at 8 warps, steps of 32 rows spill 0 / 28 bytes at 1 /
-# 2 stages, of 64 rows (dK/dV's) 116 / 348 (tools/sm90_compile.py key-outer dkdv-hard-dq); not
-# yet timed.
-KEY_OUTER_DKDV_CONFIG = dict(num_warps=8, num_stages=2)
-KEY_OUTER_DKDV_ROWS = 32
 # Rows a step of the dK/dV kernel that also adds every row's dQ atomically (Tuning.dq_pass
-# "dkdv_atomic"): the fifth product's registers, as for the hard rows' dQ above.
+# "dkdv_atomic"): 64-row steps (dK/dV's) spill at 8 warps on sm_90a (docs/KERNELS.md, section 5).
 DKDV_ATOMIC_DQ_ROWS = 32
 # Rows (query rows x heads) of a combine program and of a dQ-sum program, and their warps:
 # H200, 128k, random selections, H64/Hi4 (docs/BENCHMARKS.md): the combine 10.0 ms at 16 rows
@@ -91,13 +85,9 @@ KEY_OUTER_HOPPER_STAGES = 4  # their steps of gathered rows in shared memory
 # Their persistent grid: programs per SM (the forward's 128 KiB and dQ's 192 KiB of shared
 # memory leave room for one).
 KEY_OUTER_HOPPER_PROGRAMS_PER_SM = 1
-# The persistent grid of the dK/dV segments that also give the hard rows' dQ
-# (``Tuning.key_outer_dq = "in_dkdv"``; 255 registers a thread at 8 warps leave room for one).
-KEY_OUTER_DKDV_PROGRAMS_PER_SM = 1
 
 
 KEY_OUTER_DQ_PARTIALS = ("float32", "input")
-KEY_OUTER_DQ_PASSES = ("own_pass", "in_dkdv")
 DQ_PASSES = ("walk", "dkdv_atomic")
 KL_TEACHERS = ("recompute", "from_dkdv")
 
@@ -132,11 +122,6 @@ class Tuning:
         kernels' persistent grid made those launches one short wave each; the combine's and dQ
         sum's launches and the hard-row list still cost coherent selections 0.7-2.3% of a step
         (benchmarks/records/key-outer-persistent.json), so it stays off.
-    dq_walk_limit_per_slot: the same limit for dQ alone (None: ``main_walk_limit_per_slot``).
-        The forward's and dQ's limits are independent (dQ reads the final log-sum-exps, from
-        whichever pass wrote them), and with ``key_outer_dq = "in_dkdv"`` a hard row's dQ costs
-        one product in a dK/dV step that runs anyway, so dQ may pay at a lower limit than the
-        forward (mid selections); not yet timed.
     key_outer_partial_bytes: the most memory the key-outer forward's or dQ's per-slot
         partials take at once (they run over windows of query rows that fit). At 128k on
         random selections 8 GiB made the step 4% faster than 2 GiB (fewer windows).
@@ -149,20 +134,20 @@ class Tuning:
         over a list of the other rows' pairs (``attention.index_log_sum_exp_key_outer``), given
         selection's row maxima. Off: its first form (the key-outer pass reading every pair's
         row) was slower than the walk on coherent and mid selections (at 128k 4.5 / 3.8 ms
-        against 1.0 / 3.2; random 3.5 against 20.8; kernels alone, index-lse.json); the present form
-        (a list of the left rows' pairs alone, per-slot sums) is not yet timed.
-    key_outer_dq: where the hard rows' dQ partials come from: a key-outer dQ pass of their own
-        ("own_pass", the default) or the dK/dV pass ("in_dkdv": its steps already gather the
-        rows and compute dS; one more product per step, no second gather). With "in_dkdv" the
-        dK/dV segments holding a hard row run window by window on a Triton kernel, on Hopper
-        GPUs too; not yet timed on a GPU (docs/KERNELS.md, section 4).
+        against 1.0 / 3.2; random 3.5 against 20.8; kernels alone, index-lse.json); the present
+        form (a list of the left rows' pairs alone, per-slot sums) made the step 2-8% faster on
+        random selections at 32k and 128k and 0.0-0.9% slower on coherent and mid ones (H200,
+        40519a2, dense in the same run: index-lse-split.json).
     dq_pass: where every row's dQ comes from: "walk" (the default: query-outer over each
-        tile's union, the hard rows as ``key_outer_dq`` says) or "dkdv_atomic" (the dK/dV pass
+        tile's union, the hard rows by the key-outer dQ) or "dkdv_atomic" (the dK/dV pass
         adds each step's ``dS K`` atomically into an fp32 sum: no dQ walk and no key-outer dQ,
         a cost that follows the kept pairs on any selection, on the Triton dK/dV kernel, on
         Hopper GPUs too). Atomic sums are not bitwise reproducible, so ``deterministic=True``
         keeps the walk; the fp32 sum takes twice dq's memory (4.3 GB at 128k tokens, 34 GB at
-        1M, H64, D = 128). Not yet timed on a GPU (docs/KERNELS.md, section 5).
+        1M, H64, D = 128). On the H200 (40519a2, dense in the same run) it made the step
+        8-19% faster on random selections at 32k and 128k and 5-24% slower on coherent and mid
+        ones (benchmarks/records/key-outer-routes.json); with ``main_walk_limit_per_slot=4``
+        and ``index_lse_split`` random selections ran 10.69x dense at 128k.
     kl_teacher: where the index gradients' teacher (the mean of each pair's GQ heads'
         probabilities) comes from when the forward wants no KL value (``kl_value=False``):
         "from_dkdv" (the default: the forward runs no KL; the backward's dK/dV steps, which
@@ -189,10 +174,8 @@ class Tuning:
     rows_order_min_segments_per_sm: int = 6
     kl_pairs: int = 64
     main_walk_limit_per_slot: float = 0.0
-    dq_walk_limit_per_slot: float | None = None
     key_outer_partial_bytes: int = 2 << 30
     key_outer_dq_partials: str = "input"
-    key_outer_dq: str = "own_pass"
     index_lse_split: bool = False
     dq_pass: str = "walk"
     kl_teacher: str = "from_dkdv"
@@ -200,7 +183,7 @@ class Tuning:
 
     def __post_init__(self):
         for name, allowed in (("key_outer_dq_partials", KEY_OUTER_DQ_PARTIALS),
-                              ("key_outer_dq", KEY_OUTER_DQ_PASSES), ("dq_pass", DQ_PASSES),
+                              ("dq_pass", DQ_PASSES),
                               ("kl_teacher", KL_TEACHERS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, "

@@ -107,33 +107,6 @@ def test_bf16_key_outer_within_twice_the_reference_error(case, kernels, dq_parti
     assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
 
 
-@pytest.mark.parametrize("dq_partials,forward_limit", [("float32", 1.0), ("input", 1.0),
-                                                       ("input", 0.0)])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_bf16_dq_in_dkdv_within_twice_the_reference_error(case, dq_partials, forward_limit,
-                                                          monkeypatch):
-    """``Tuning.key_outer_dq = "in_dkdv"``: the hard rows' dQ partials from the (Triton) dK/dV
-    pass, window by window, in fp32 or bf16; the Gluon key-outer forward, or (forward limit
-    0, ``dq_walk_limit_per_slot`` 1) the forward walking every tile."""
-    passes = []
-    original = attention_module.dkdv_with_hard_dq
-    monkeypatch.setattr(attention_module, "dkdv_with_hard_dq",
-                        lambda *args: passes.append(1) or original(*args))
-    launches = _count_gluon_launches(monkeypatch)
-    tuning = dataclasses.replace(TUNING, key_outer_dq="in_dkdv",
-                                 key_outer_dq_partials=dq_partials,
-                                 main_walk_limit_per_slot=forward_limit,
-                                 dq_walk_limit_per_slot=1.0)
-    comparison = compare_with_reference(tuned_msa_attention(tuning), case, torch.bfloat16,
-                                        "cuda")
-    _record("key_outer_dq_in_dkdv_bf16", case, comparison, dq_partials=dq_partials,
-            forward_limit=forward_limit)
-    # The dK/dV pass gave dq's hard rows; the Gluon key-outer kernel ran the forward alone,
-    # where it had a limit.
-    assert passes and set(launches) == ({False} if forward_limit else set()), (passes, launches)
-    assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
-
-
 @pytest.mark.parametrize("forward_limit", [0.0, 1.0])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_bf16_dq_from_dkdv_atomics_within_twice_the_reference_error(case, forward_limit,
@@ -141,8 +114,8 @@ def test_bf16_dq_from_dkdv_atomics_within_twice_the_reference_error(case, forwar
     """``Tuning.dq_pass = "dkdv_atomic"``: no dQ walk, every row's dQ added atomically by the
     (Triton) dK/dV steps; the forward walking every tile, or its hard rows key-outer."""
     routes = []
-    original = attention_module.triton_backward_dq_in_dkdv
-    monkeypatch.setattr(attention_module, "triton_backward_dq_in_dkdv",
+    original = attention_module.triton_backward_atomic_dq
+    monkeypatch.setattr(attention_module, "triton_backward_atomic_dq",
                         lambda *args: routes.append(1) or original(*args))
     tuning = dataclasses.replace(TUNING, dq_pass="dkdv_atomic",
                                  main_walk_limit_per_slot=forward_limit)
@@ -230,13 +203,12 @@ def test_bf16_index_lse_split_within_twice_the_reference_error(case, monkeypatch
 
 
 def test_key_outer_levers_replay_under_a_cuda_graph_bitwise():
-    """The key-outer passes with every lever (the hard rows' dQ in the dK/dV pass at a dQ limit
-    of its own, the index log-sum-exp split) wait on no host value: a training step captured
+    """The key-outer passes with the index log-sum-exp split wait on no host value: a training
+    step captured
     once in a CUDA graph, replayed on new inputs, is bitwise the eager step
     (``deterministic=True``)."""
     case = CASES[1]
-    tuning = dataclasses.replace(TUNING, key_outer_dq="in_dkdv", dq_walk_limit_per_slot=0.75,
-                                 index_lse_split=True)
+    tuning = dataclasses.replace(TUNING, index_lse_split=True)
     attention = tuned_msa_attention(tuning)
     inputs, cu_seqlens = random_inputs(case, torch.bfloat16, "cuda", seed=3)
     static = [t.detach().clone().requires_grad_() for t in inputs]
@@ -259,15 +231,12 @@ def test_key_outer_levers_replay_under_a_cuda_graph_bitwise():
             assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("dq_pass", ["own_pass", "in_dkdv"])
-def test_key_outer_is_bitwise_deterministic(dq_pass):
-    """deterministic=True (d index_k then without atomics): two runs bitwise equal, with the
-    hard rows' dQ from either pass."""
+def test_key_outer_is_bitwise_deterministic():
+    """deterministic=True (d index_k then without atomics): two runs bitwise equal."""
     case = CASES[1]
     inputs, _ = random_inputs(case, torch.bfloat16, "cuda", seed=3)
     out_grad = torch.randn_like(inputs[0])
-    tuning = dataclasses.replace(TUNING, key_outer_dq=dq_pass)
-    runs = [run_with_grads(tuned_msa_attention(tuning), inputs, None, out_grad, 1.0,
+    runs = [run_with_grads(tuned_msa_attention(TUNING), inputs, None, out_grad, 1.0,
                            deterministic=True, **case.options)[0] for _ in range(2)]
     for name, value in runs[0].items():
         assert torch.equal(value, runs[1][name]), name

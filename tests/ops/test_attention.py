@@ -368,127 +368,31 @@ def _count_hard_rows(monkeypatch):
     return counts
 
 
-IN_DKDV = dataclasses.replace(KEY_OUTER_TUNING, key_outer_dq="in_dkdv")
-
-
 @pytest.mark.parametrize("case,dtype,tuning", [
     (KEY_OUTER_CASE, torch.float32, KEY_OUTER_TUNING),
     (KEY_OUTER_CASE, torch.float16, KEY_OUTER_TUNING),
     (CASES[1], torch.float32, Tuning(main_walk_limit_per_slot=0.5)),
-    (KEY_OUTER_CASE, torch.float32, IN_DKDV),
-    (KEY_OUTER_CASE, torch.float16, IN_DKDV),
-    (CASES[1], torch.float32, Tuning(main_walk_limit_per_slot=0.5, key_outer_dq="in_dkdv")),
     # Three heads padded to four, windows of 40 rows.
-    (CASES[2], torch.float32, Tuning(main_walk_limit_per_slot=0.5, key_outer_dq="in_dkdv",
+    (CASES[2], torch.float32, Tuning(main_walk_limit_per_slot=0.5,
                                      key_outer_partial_bytes=40 * 4 * 2 * 256)),
-], ids=["gq16_fp32", "gq16_fp16", "packed_with_sink_fp32", "gq16_fp32_dq_in_dkdv",
-        "gq16_fp16_dq_in_dkdv", "packed_with_sink_fp32_dq_in_dkdv",
-        "three_heads_fp32_dq_in_dkdv"])
+], ids=["gq16_fp32", "gq16_fp16", "packed_with_sink_fp32", "three_heads_fp32"])
 def test_key_outer_forward_and_dq_match_reference(case, dtype, tuning, monkeypatch):
     """Tiles whose union holds more than ``main_walk_limit_per_slot * top_k`` blocks take the
     forward and dQ key-outer (per-slot partials merged by log-sum-exp, summed in slot order),
-    here over several windows of rows, the other tiles walking; their dQ partials from a pass
-    of their own or from the dK/dV pass (``Tuning.key_outer_dq``): the reference's
-    quantities, every element written (new buffers poisoned) and bitwise the same twice."""
-    passes = _count_dq_passes(monkeypatch)
+    here over several windows of rows, the other tiles walking: the reference's quantities,
+    every element written (new buffers poisoned) and bitwise the same twice."""
+    passes = count_calls(monkeypatch, attention_module, {"key_outer_dq": "key_outer_dq"})
     counts = _count_hard_rows(monkeypatch)
     got, expected, _ = kernel_and_reference(case, dtype, seed=4, tuning=tuning)
     assert len(counts) == 2 and all(0 < hard < total for hard, total in counts), counts
     for name in QUANTITY_NAMES:
         error = rel_rms_error(got[name], expected[name])
         assert error < TOLERANCE[dtype], (name, error)
-    assert passes == [tuning.key_outer_dq], passes
+    assert passes == ["key_outer_dq"], passes
     poison_new_buffers(monkeypatch)
     again, _, _ = kernel_and_reference(case, dtype, seed=4, tuning=tuning)
     for name in QUANTITY_NAMES:
         assert torch.equal(again[name], got[name]), name
-
-
-def _count_dq_passes(monkeypatch) -> list:
-    """Which pass gave the hard rows' dq, once per backward: "own_pass" (``key_outer_dq``)
-    or "in_dkdv" (``dkdv_with_hard_dq``)."""
-    return count_calls(monkeypatch, attention_module, {"key_outer_dq": "own_pass",
-                                                       "dkdv_with_hard_dq": "in_dkdv"})
-
-
-def _segment_hard_flags(monkeypatch) -> list:
-    """Each ``dkdv_with_hard_dq`` call's per-segment flags (a hard pair in the segment)."""
-    flags = []
-    kernel = key_outer_module._segment_hard_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            def run(*args, **options):
-                kernel[grid](*args, **options)
-                flags.append(args[0].clone())
-            return run
-
-    monkeypatch.setattr(key_outer_module, "_segment_hard_kernel", Recorded())
-    return flags
-
-
-def _recorded_window_bounds(monkeypatch) -> list:
-    """Every ``window_bounds`` result, in call order."""
-    bounds = []
-    original = key_outer_module.window_bounds
-
-    def recorded(*args):
-        bounds.append(original(*args))
-        return bounds[-1]
-
-    monkeypatch.setattr(key_outer_module, "window_bounds", recorded)
-    return bounds
-
-
-@pytest.mark.parametrize("programs,step_rows", [(1, 32), (3, 64)],
-                         ids=["one_program_32_rows", "three_programs_64_rows"])
-def test_dq_in_dkdv_carries_segments_across_windows(programs, step_rows, monkeypatch):
-    """``key_outer_dq="in_dkdv"`` with segments of 16 pairs over windows of 30 rows: some
-    segments hold hard pairs and run window by window on the persistent kernel (``programs``
-    of them taking turns, steps of ``step_rows`` rows), several of them across windows (their
-    dK/dV partials carried over), some hold none and run once on the dK/dV kernel; dq, dk
-    and dv match the reference and the own-pass run's to fp32 rounding."""
-    monkeypatch.setattr(key_outer_module, "multiprocessors", lambda device: programs)
-    monkeypatch.setattr(key_outer_module, "KEY_OUTER_DKDV_ROWS", step_rows)
-    flags = _segment_hard_flags(monkeypatch)
-    all_bounds = _recorded_window_bounds(monkeypatch)
-    small = dict(segment_pairs=16, short_segment_pairs=16, long_segment_pairs=16,
-                 key_outer_partial_bytes=30 * 16 * 2 * 256)
-    tuning = dataclasses.replace(IN_DKDV, **small)
-    got, expected, _ = kernel_and_reference(KEY_OUTER_CASE, torch.float32, seed=4,
-                                            tuning=tuning)
-    (flag,), bounds = flags, all_bounds[-1]  # the backward's, over the dK/dV list
-    assert bounds.shape[0] == flag.numel() and 0 < int(flag.sum()) < flag.numel(), flag
-    inner = bounds[:, 1:-1]
-    across = ((inner > bounds[:, :1]) & (inner < bounds[:, -1:])).any(1) & (flag != 0)
-    assert int(across.sum()) >= 2, bounds
-    for name in QUANTITY_NAMES:
-        error = rel_rms_error(got[name], expected[name])
-        assert error < TOLERANCE[torch.float32], (name, error)
-    own, _, _ = kernel_and_reference(KEY_OUTER_CASE, torch.float32, seed=4,
-                                     tuning=dataclasses.replace(KEY_OUTER_TUNING, **small))
-    for name in ("dq", "dk", "dv"):
-        torch.testing.assert_close(got[name], own[name], rtol=1e-5, atol=1e-6, msg=name)
-
-
-@pytest.mark.parametrize("forward,backward,dq_pass", [
-    (0.0, 1.0, "in_dkdv"), (0.0, 1.0, "own_pass"), (1.0, 0.0, "own_pass")],
-    ids=["dq_alone_in_dkdv", "dq_alone_own_pass", "forward_alone"])
-def test_dq_walk_limit_apart_from_the_forward(forward, backward, dq_pass, monkeypatch):
-    """``Tuning.dq_walk_limit_per_slot``: dQ's tiles go key-outer by a limit of their own (the
-    forward walking every tile, or the forward alone going key-outer): the reference's
-    quantities, the hard rows picked by the pass that has a limit only."""
-    passes = _count_dq_passes(monkeypatch)
-    counts = _count_hard_rows(monkeypatch)
-    tuning = dataclasses.replace(KEY_OUTER_TUNING, main_walk_limit_per_slot=forward,
-                                 dq_walk_limit_per_slot=backward, key_outer_dq=dq_pass)
-    got, expected, _ = kernel_and_reference(KEY_OUTER_CASE, torch.float32, seed=4,
-                                            tuning=tuning)
-    assert len(counts) == 1 and 0 < counts[0][0] < counts[0][1], counts
-    assert passes == ([dq_pass] if backward else []), passes
-    for name in QUANTITY_NAMES:
-        error = rel_rms_error(got[name], expected[name])
-        assert error < TOLERANCE[torch.float32], (name, error)
 
 
 def _window_bytes(monkeypatch) -> list:
@@ -527,8 +431,6 @@ def test_key_outer_dq_partials_in_the_chosen_precision(dq_partials, dq_bytes, mo
 def test_key_outer_dq_partials_must_be_named():
     with pytest.raises(ValueError, match="key_outer_dq_partials"):
         Tuning(key_outer_dq_partials="bfloat16")
-    with pytest.raises(ValueError, match="key_outer_dq: expected one of"):
-        Tuning(key_outer_dq="dkdv")
     with pytest.raises(ValueError, match="dq_pass: expected one of"):
         Tuning(dq_pass="atomic")
 
@@ -538,9 +440,9 @@ DQ_ATOMIC = Tuning(dq_pass="dkdv_atomic")
 
 def _count_backward_routes(monkeypatch) -> list:
     """Which route each backward took for dq: "walk" (``_walk_dq``) or "dkdv_atomic"
-    (``triton_backward_dq_in_dkdv``)."""
+    (``triton_backward_atomic_dq``)."""
     return count_calls(monkeypatch, attention_module, {
-        "_walk_dq": "walk", "triton_backward_dq_in_dkdv": "dkdv_atomic"})
+        "_walk_dq": "walk", "triton_backward_atomic_dq": "dkdv_atomic"})
 
 
 @pytest.mark.parametrize("case,dtype,tuning", [
@@ -600,12 +502,12 @@ def test_deterministic_keeps_the_dq_walk(monkeypatch):
 
 
 @pytest.mark.parametrize("tuning", [
-    KEY_OUTER_TUNING, IN_DKDV, dataclasses.replace(KEY_OUTER_TUNING, dq_pass="dkdv_atomic")],
-    ids=["own_pass", "in_dkdv", "dq_from_dkdv_atomics"])
+    KEY_OUTER_TUNING, dataclasses.replace(KEY_OUTER_TUNING, dq_pass="dkdv_atomic")],
+    ids=["key_outer_dq", "dq_from_dkdv_atomics"])
 def test_key_outer_rows_of_query_ranges_add_up_to_the_full_run(tuning, monkeypatch):
     """The key-outer passes on query ranges (rows named relative to ``query_start``): out and
-    dq are the full run's rows, with the hard rows' dQ from either pass, or every row's from
-    the dK/dV pass's atomic sums."""
+    dq are the full run's rows, with the hard rows' dQ from the key-outer dQ, or every row's
+    from the dK/dV pass's atomic sums."""
     counts = _count_hard_rows(monkeypatch)
     ranges = ((0, 150), (150, 331))
     full, parts = full_and_ranges(tuned_msa_attention(tuning), KEY_OUTER_CASE, 8, ranges,
@@ -618,8 +520,7 @@ def test_key_outer_rows_of_query_ranges_add_up_to_the_full_run(tuning, monkeypat
 
 
 def test_walk_limit_follows_the_tuning():
-    """0 turns the split off, as does a limit no union can pass or warmup's every block; dQ
-    takes ``dq_walk_limit_per_slot`` where set."""
+    """0 turns the split off, as does a limit no union can pass or warmup's every block."""
     case = CASES[0]
     inputs, cu = random_inputs(case, torch.float32, "cpu", seed=1)
     q, k = (t.detach().reshape(-1, *t.shape[-2:]) for t in inputs[:2])
@@ -635,13 +536,6 @@ def test_walk_limit_follows_the_tuning():
     slots = SparseAttentionProblem(q, k, ids, cu, 64, 0.1).query_work.union.shape[-1]
     assert limit(0.0) == 0 and limit(1.0) == 3 and limit(0.5) == 1
     assert limit(slots / 3) == 0 and limit(1.0, all_causal=True) == 0
-    # dQ's own limit, where set; the forward's otherwise.
-    for per_slot, dq_per_slot, expected in ((1.0, None, 3), (1.0, 0.5, 1), (0.0, 1.0, 3),
-                                            (1.0, 0.0, 0)):
-        problem = SparseAttentionProblem(q, k, ids, cu, 64, 0.1, tuning=Tuning(
-            main_walk_limit_per_slot=per_slot, dq_walk_limit_per_slot=dq_per_slot))
-        assert key_outer_module.walk_limit(problem, backward=True) == expected
-        assert key_outer_module.walk_limit(problem) == limit(per_slot)
 
 
 @pytest.mark.parametrize("window_rows", [1, 7, 64, 1000])

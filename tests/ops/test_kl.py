@@ -111,8 +111,7 @@ def _teacher_bytes(case, dtype) -> int:
 
 
 TEACHER_BYTES = _teacher_bytes(CASES[1], torch.float32)
-# 16 heads per index head over several windows of hard rows (KEY_OUTER_CASE in
-# test_attention.py): the hard rows' dQ from the dK/dV pass, whose two kernels store teachers.
+# 16 heads per index head (KEY_OUTER_CASE in test_attention.py).
 SIXTEEN_HEADS = MSACase("sixteen_heads_per_index_head_packed", seqlens=(200, 1, 130),
                         num_heads=16, num_kv_heads=1, num_index_heads=1,
                         options=dict(top_k=2, block_size=64))
@@ -126,18 +125,17 @@ SIXTEEN_HEADS = MSACase("sixteen_heads_per_index_head_packed", seqlens=(200, 1, 
     (SCALED, torch.float32, TEACHER),
     (CASES[3], torch.float32, TEACHER),
     (CASES[1], torch.float32, Tuning(kl_teacher="from_dkdv", dq_pass="dkdv_atomic")),
-    (SIXTEEN_HEADS, torch.float32, Tuning(kl_teacher="from_dkdv", key_outer_dq="in_dkdv",
-                                          main_walk_limit_per_slot=1.0,
+    (SIXTEEN_HEADS, torch.float32, Tuning(kl_teacher="from_dkdv", main_walk_limit_per_slot=1.0,
                                           key_outer_partial_bytes=120 * 16 * 2 * 256)),
 ], ids=["gq16_fp32", "gq16_fp16", "packed_with_sink_fp32", "three_heads_fp32", "scaled_fp32",
-        "block128_d128_fp32", "with_atomic_dq", "with_hard_rows_dq_in_dkdv"])
+        "block128_d128_fp32", "with_atomic_dq", "with_hard_rows_key_outer"])
 def test_index_gradients_from_the_dkdv_teachers_match_reference(case, dtype, tuning,
                                                                 monkeypatch):
     """``Tuning.kl_teacher = "from_dkdv"`` with ``kl_value=False``: the forward runs no KL,
     the backward's dK/dV kernels store each pair's teacher (new buffers poisoned: every one must
     be written) and the KL pass reads them; out, dq, dk, dv and the index gradients are the
-    reference's, on the plain dK/dV kernel, with the atomic dQ, and on the hard rows'
-    windowed kernel."""
+    reference's, on the plain dK/dV kernel, with the atomic dQ, and with the hard rows'
+    forward and dQ key-outer."""
     routes = _count_kl_routes(monkeypatch)
     poison_new_buffers(monkeypatch)
     got, expected, _ = kernel_and_reference(case, dtype, seed=4, tuning=tuning, kl_value=False)

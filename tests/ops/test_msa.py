@@ -161,7 +161,14 @@ def test_kl_value_false_gives_a_zero_carrier_with_the_kl_gradient(backend):
     assert exact["kl"].item() > 0 and carrier["kl"].item() == 0.0
     for name in ("dq", "dk", "dv", "dindex_q", "dindex_k"):
         assert carrier[name].abs().max() > 0, name
+    for name in ("dq", "dk", "dv"):
         torch.testing.assert_close(carrier[name], exact[name], rtol=1e-6, atol=0, msg=name)
+    # The kernels' index gradients without the value come from the teachers the dK/dV pass
+    # stores (Tuning.kl_teacher): other sums in another order, so fp32 rounding apart.
+    index_tolerance = dict(rtol=1e-4, atol=1e-7) if backend != "reference" else dict(
+        rtol=1e-6, atol=0)
+    for name in ("dindex_q", "dindex_k"):
+        torch.testing.assert_close(carrier[name], exact[name], **index_tolerance, msg=name)
 
 
 @pytest.mark.parametrize("scale", [np.float32(0.3), np.float64(0.3), np.int64(1)],

@@ -14,17 +14,15 @@ forces the Triton kernels (benchmarks compare the two).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import sm90
 from ..problem import LOG2_E, SparseAttentionProblem
 from . import sm90_backward, sm90_forward
-from .backward import (attention_delta, reduce_dkdv_parts, triton_backward_dq_in_dkdv,
+from .backward import (attention_delta, reduce_dkdv_parts, triton_backward_atomic_dq,
                        triton_dkdv_parts, triton_dq)
 from .forward import index_log_sum_exp, index_log_sum_exp_key_outer, triton_forward
-from .key_outer import dkdv_with_hard_dq, key_outer_dq, key_outer_forward, walk_limit
+from .key_outer import key_outer_dq, key_outer_forward, walk_limit
 
 __all__ = ["attention_backward", "attention_delta", "attention_dkdv", "attention_dq",
            "index_log_sum_exp", "index_log_sum_exp_key_outer", "sparse_attention_fwd"]
@@ -85,9 +83,8 @@ def attention_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
                  use_hopper: bool | None = None, **launch_options):
     """dq, query-outer: on a Hopper GPU the Gluon kernel where it supports the inputs, else (or
     with ``use_hopper=False``) the Triton kernel (``launch_options``: its num_warps,
-    num_stages); the rows of tiles past ``key_outer.walk_limit(p, backward=True)``
-    key-outer."""
-    limit = walk_limit(p, backward=True)
+    num_stages); the rows of tiles past ``key_outer.walk_limit(p)`` key-outer."""
+    limit = walk_limit(p)
     dq = _walk_dq(q, k, v, dout, lse, delta, p, limit, use_hopper, **launch_options)
     if limit:
         key_outer_dq(q, k, v, dout, lse, delta, p, limit, dq, use_hopper)
@@ -99,51 +96,38 @@ def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
                        teacher=None):
     """dq, dk, dv of the main attention: delta, the query-outer dQ, the key-outer dK/dV. The
     Gluon dQ computes the deltas itself (one pass over out and dout less), those of the rows
-    it leaves to the key-outer dQ too. With ``Tuning.key_outer_dq = "in_dkdv"`` the rows the
-    walk leaves get their dq from the dK/dV pass (``key_outer.dkdv_with_hard_dq``). With
-    ``Tuning.dq_pass = "dkdv_atomic"`` every row's does, added atomically
-    (``backward.triton_backward_dq_in_dkdv``), unless ``deterministic``. ``teacher``: a
+    it leaves to the key-outer dQ too. With ``Tuning.dq_pass = "dkdv_atomic"`` every row's
+    dq comes from the dK/dV pass, added atomically (``backward.triton_backward_atomic_dq``),
+    unless ``deterministic``. ``teacher``: a
     [pairs, block] tensor the dK/dV pass stores each pair's KL teacher into (on the Triton
     kernels: ``Tuning.kl_teacher = "from_dkdv"``)."""
     dout = dout.contiguous()
     if p.tuning.dq_pass == "dkdv_atomic" and not deterministic:
-        return triton_backward_dq_in_dkdv(q, k, v, out, dout, lse, p, teacher)
-    limit = walk_limit(p, backward=True)
+        return triton_backward_atomic_dq(q, k, v, out, dout, lse, p, teacher)
+    limit = walk_limit(p)
     if _hopper_dq(q, k, v, dout, p, use_hopper) and out.stride(2) == 1:
         delta = torch.empty(p.total, p.num_heads, dtype=torch.float32, device=q.device)
         dq = _walk_dq(q, k, v, dout, lse, delta, p, limit, use_hopper, out=out)
     else:
         delta = attention_delta(out, dout, p)
         dq = _walk_dq(q, k, v, dout, lse, delta, p, limit, use_hopper)
-    if limit and p.tuning.key_outer_dq == "in_dkdv":
-        dkdv_parts = functools.partial(_dkdv_parts, q, k, v, dout, lse, delta, p, use_hopper,
-                                       teacher)
-        return dkdv_with_hard_dq(q, k, v, dout, lse, delta, p, limit, dq, dkdv_parts, teacher)
     if limit:  # after the deltas of its rows, which the Gluon dQ wrote
         key_outer_dq(q, k, v, dout, lse, delta, p, limit, dq, use_hopper)
     return (dq,) + attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=use_hopper,
                                   teacher=teacher)
 
 
-def _dkdv_parts(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
-                use_hopper: bool | None, teacher=None, skip=None, parts=None, **launch_options):
-    """The fp32 dK (unscaled) and dV partials per segment of the key-block list: from the
-    Gluon kernel on a Hopper GPU where it supports the inputs (unless ``use_hopper=False`` or a
-    ``teacher`` to store, which the Triton kernel does), else from the Triton kernel
-    (``launch_options``: its num_warps, num_stages). ``skip``, ``parts``: as
-    ``backward.triton_dkdv_parts``'."""
-    if (use_hopper is not False and teacher is None
-            and sm90_backward.supported_key_outer(q, k, v, dout, p)):
-        return sm90_backward.attention_dkdv_parts(q, k, v, dout, lse, delta, p,
-                                                  p.scale * LOG2_E, skip=skip, parts=parts)
-    return triton_dkdv_parts(q, k, v, dout, lse, delta, p, skip=skip, parts=parts,
-                             teacher=teacher, **launch_options)
-
-
 def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
                    use_hopper: bool | None = None, teacher=None, **launch_options):
-    """dk, dv, key-outer: fp32 partials per segment of pairs (``_dkdv_parts``: Gluon or
-    Triton), then an in-order sum per key block."""
-    dk_part, dv_part = _dkdv_parts(q, k, v, dout, lse, delta, p, use_hopper, teacher,
-                                   **launch_options)
+    """dk, dv, key-outer: fp32 partials per segment of pairs, then an in-order sum per key
+    block. The partials come from the Gluon kernel on a Hopper GPU where it supports the inputs
+    (unless ``use_hopper=False`` or a ``teacher`` to store, which the Triton kernel does), else
+    from the Triton kernel (``launch_options``: its num_warps, num_stages)."""
+    if (use_hopper is not False and teacher is None
+            and sm90_backward.supported_key_outer(q, k, v, dout, p)):
+        dk_part, dv_part = sm90_backward.attention_dkdv_parts(q, k, v, dout, lse, delta, p,
+                                                              p.scale * LOG2_E)
+    else:
+        dk_part, dv_part = triton_dkdv_parts(q, k, v, dout, lse, delta, p, teacher=teacher,
+                                             **launch_options)
     return reduce_dkdv_parts(dk_part, dv_part, k, v, p)

@@ -19,7 +19,7 @@ from ..configs import DKDV_ATOMIC_DQ_ROWS, DKDV_CONFIG, DQ_CONFIG
 from ..launch import launch, strides
 from ..problem import LOG2_E, SparseAttentionProblem, _tile_shape
 from ..segments import reduce_segments
-from ..tiles import (_block_keys, _load_rows, _members, _query_tile, _segment, _segment_at,
+from ..tiles import (_block_keys, _load_rows, _members, _query_tile, _segment,
                      _walk_block, _walk_list)
 
 
@@ -134,32 +134,14 @@ def _over_heads(per_pair, GQ_PAD: tl.constexpr, TOK: tl.constexpr):
 
 
 @triton.jit
-def _hard_pairs(HARD, IDS, pair_token, pair_valid, index_head, block, stride_ids_t,
-                stride_ids_h, HI: tl.constexpr, TOP_K: tl.constexpr):
-    """Per pair: whether its query row is hard (its tile left the walks to key-outer) and its
-    slot (the block's position in the row's ids), found among the ids: the dK/dV list comes
-    from the forward's packed lists, which hold no slots (``BlockWork.pair_slot``)."""
-    hard = pair_valid & (tl.load(HARD + pair_token * HI + index_head, mask=pair_valid,
-                                 other=0) != 0)
-    ids = IDS + pair_token * stride_ids_t + index_head * stride_ids_h
-    slot = tl.zeros_like(pair_token)
-    for s in tl.static_range(TOP_K):
-        slot = tl.where(tl.load(ids + s, mask=hard, other=-1) == block, s, slot)
-    return hard, slot
-
-
-@triton.jit
 def _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, last, block,
                 index_head, query_base, stride_q_t, stride_q_h, stride_do_t, stride_do_h,
-                scale_log2, HARD, IDS, DQ_PART, window_start, stride_ids_t, stride_ids_h,
-                DQ_SUM, TEACHER, HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
-                TOK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, TOP_K: tl.constexpr,
-                HARD_DQ: tl.constexpr, ATOMIC_DQ: tl.constexpr, STORE_TEACHER: tl.constexpr):
+                scale_log2, DQ_SUM, TEACHER, HI: tl.constexpr, GQ: tl.constexpr,
+                GQ_PAD: tl.constexpr, TOK: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+                ATOMIC_DQ: tl.constexpr, STORE_TEACHER: tl.constexpr):
     """dK and dV of the block over the pairs [first, last), TOK pairs x GQ heads (head-major
-    rows) a step, added to ``dk`` and ``dv``. HARD_DQ: each step's hard rows (HARD) also get
-    their dQ over the block, ``dS K`` from the step's own dS, stored into their slots of
-    DQ_PART [window rows, HI, TOP_K, GQ, D] (unscaled, as the key-outer dQ writes them).
+    rows) a step, added to ``dk`` and ``dv``.
     ATOMIC_DQ: every row's ``dS K`` is added atomically to its row of DQ_SUM [Tq, H, D]
     (fp32, unscaled). STORE_TEACHER: each pair's KL teacher over the block (the mean of its GQ
     heads' probabilities, masked) into TEACHER [pairs, BLOCK] (the KL's ``TEACHER_GIVEN``)."""
@@ -167,8 +149,7 @@ def _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, l
     rows = tl.arange(0, ROWS)
     row_head = index_head * GQ + rows // TOK
     for first_pair in range(first, last, TOK):
-        row_token, row_valid, pair_token, pair_valid = _pair_rows(PAIR_TOKEN, first_pair, last,
-                                                                  GQ, GQ_PAD, TOK)
+        row_token, row_valid, _, _ = _pair_rows(PAIR_TOKEN, first_pair, last, GQ, GQ_PAD, TOK)
         q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
                     + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
         dout = tl.load(DOUT + row_token[:, None] * stride_do_t + row_head[:, None] * stride_do_h
@@ -199,16 +180,6 @@ def _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, l
         dprobs_t = tl.dot(v, tl.trans(dout), input_precision=PRECISION)
         dscores_t = probs_t * (dprobs_t - delta[None, :])  # d loss / d (scaled logits)
         dk = tl.dot(dscores_t.to(q.dtype), q, dk, input_precision=PRECISION)
-        if HARD_DQ:
-            pair_hard, pair_slot = _hard_pairs(HARD, IDS, pair_token, pair_valid, index_head,
-                                               block, stride_ids_t, stride_ids_h, HI, TOP_K)
-            if tl.max(pair_hard.to(tl.int32), axis=0) > 0:
-                dq = tl.dot(tl.trans(dscores_t.to(k.dtype)), k, input_precision=PRECISION)
-                slot = (((row_token - window_start) * HI + index_head) * TOP_K
-                        + _over_heads(pair_slot, GQ_PAD, TOK)) * GQ + rows // TOK
-                store = row_valid & _over_heads(pair_hard, GQ_PAD, TOK)
-                tl.store(DQ_PART + slot[:, None] * HEAD_DIM + dims[None, :],
-                         dq.to(DQ_PART.dtype.element_ty), mask=store[:, None])
         if ATOMIC_DQ:
             # Transposed, [D, ROWS]: shaped [ROWS, D] (M = 32 rows) the product made ptxas
             # serialize the step's asynchronous MMAs at 2 stages. Relaxed atomics: nothing
@@ -225,27 +196,23 @@ def _sparse_attn_dkdv_kernel(
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_do_t, stride_do_h, scale_log2, SKIP, DQ_SUM, TEACHER,
+    stride_do_t, stride_do_h, scale_log2, DQ_SUM, TEACHER,
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
     INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
-    SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr, WITH_SKIP: tl.constexpr = False,
-    ATOMIC_DQ: tl.constexpr = False, STORE_TEACHER: tl.constexpr = False,
+    SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr = False,
+    STORE_TEACHER: tl.constexpr = False,
 ):
     """Key-outer dK, dV of one segment: up to SEGMENT_PAIRS (token, index head) pairs that kept
     one key block, TOK pairs x GQ heads (head-major rows) per step; segments run in
     SEGMENT_ORDER (worklists.key_blocks.SEGMENT_ORDERS). Writes fp32 partials (dK unscaled).
-    WITH_SKIP: the segments flagged in SKIP are left (another kernel writes them). ATOMIC_DQ:
-    the rows' dQ over the block is added atomically into DQ_SUM; STORE_TEACHER: each pair's KL
-    teacher into TEACHER (``_dkdv_steps``)."""
+    ATOMIC_DQ: the rows' dQ over the block is added atomically into DQ_SUM; STORE_TEACHER: each
+    pair's KL teacher into TEACHER (``_dkdv_steps``)."""
     segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
         CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
     if segment < 0:
         return
-    if WITH_SKIP:
-        if tl.load(SKIP + segment) != 0:
-            return
     kv_head = index_head // KV_GROUP
     key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
     k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
@@ -254,59 +221,12 @@ def _sparse_attn_dkdv_kernel(
     dv = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
     dk, dv = _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, last,
                          block, index_head, query_base, stride_q_t, stride_q_h, stride_do_t,
-                         stride_do_h, scale_log2, None, None, None, 0, 0, 0, DQ_SUM, TEACHER,
-                         HI, GQ, GQ_PAD, TOK, ROWS, BLOCK, HEAD_DIM, PRECISION, 1, False,
-                         ATOMIC_DQ, STORE_TEACHER)
+                         stride_do_h, scale_log2, DQ_SUM, TEACHER, HI, GQ, GQ_PAD, TOK, ROWS,
+                         BLOCK, HEAD_DIM, PRECISION, ATOMIC_DQ, STORE_TEACHER)
     offsets = (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * HEAD_DIM \
         + tl.arange(0, HEAD_DIM)[None, :]
     tl.store(DK_PART + offsets, dk)
     tl.store(DV_PART + offsets, dv)
-
-
-@triton.jit
-def _dkdv_hard_dq_kernel(
-    Q, K, V, DOUT, LSE, DELTA, DK_PART, DV_PART, HARD_SEGMENTS, HARD_COUNT, BOUNDS,
-    num_bounds, window, window_start, HARD, IDS, DQ_PART,
-    SEGMENTS, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
-    query_start, stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_do_t, stride_do_h, stride_ids_t, stride_ids_h, scale_log2, TEACHER,
-    HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
-    TOK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr, TOP_K: tl.constexpr,
-    STORE_TEACHER: tl.constexpr = False,
-):
-    """dK, dV and the hard rows' dQ partials of the segments that hold a hard pair (the first
-    HARD_COUNT of HARD_SEGMENTS), one window of query rows (each segment's pairs
-    BOUNDS[segment, window .. window + 1]) a launch, on a persistent grid (a launch whose
-    window none of them reaches costs one short wave). A segment's dK and dV partials carry
-    over from the windows before (fp32, in DK_PART and DV_PART)."""
-    for position in range(tl.program_id(0), tl.load(HARD_COUNT), tl.num_programs(0)):
-        segment = tl.load(HARD_SEGMENTS + position).to(tl.int64)
-        _, first, _, index_head, block, seq_start, seq_len, query_base = _segment_at(
-            SEGMENTS, segment, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
-            CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
-        low = tl.load(BOUNDS + segment * num_bounds + window).to(tl.int64)
-        high = tl.load(BOUNDS + segment * num_bounds + window + 1).to(tl.int64)
-        if low < high:
-            offsets = (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * HEAD_DIM \
-                + tl.arange(0, HEAD_DIM)[None, :]
-            # The windows before wrote this segment's partials so far (a masked load: a branch
-            # holding both the zeros and the loads spilled more).
-            resume = (tl.zeros((BLOCK, HEAD_DIM), tl.int32) + (low > first).to(tl.int32)) != 0
-            dk = tl.load(DK_PART + offsets, mask=resume, other=0.0)
-            dv = tl.load(DV_PART + offsets, mask=resume, other=0.0)
-            kv_head = index_head // KV_GROUP
-            key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
-            k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
-            v = _load_rows(V, key_token, key_valid, kv_head, stride_v_t, stride_v_h, HEAD_DIM)
-            dk, dv = _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, low,
-                                 high, block, index_head, query_base, stride_q_t, stride_q_h,
-                                 stride_do_t, stride_do_h, scale_log2, HARD, IDS, DQ_PART,
-                                 window_start, stride_ids_t, stride_ids_h, None, TEACHER, HI,
-                                 GQ, GQ_PAD, TOK, ROWS, BLOCK, HEAD_DIM, PRECISION, TOP_K,
-                                 True, False, STORE_TEACHER)
-            tl.store(DK_PART + offsets, dk)
-            tl.store(DV_PART + offsets, dv)
 
 
 def _row_programs(p: SparseAttentionProblem, device) -> tuple[int, int]:
@@ -342,26 +262,23 @@ def triton_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
 
 def triton_dkdv_parts(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
                       num_warps=DKDV_CONFIG["num_warps"], num_stages=DKDV_CONFIG["num_stages"],
-                      skip=None, parts=None, dq_sum=None, teacher=None):
+                      dq_sum=None, teacher=None):
     """fp32 dK (unscaled) and dV partials per segment of ``p``'s key-block list, key-outer.
-    ``skip``: int32 flags per segment, those set left unwritten (another kernel's); ``parts``:
-    the (dk, dv) partials to write into (new ones by default); ``dq_sum``: an fp32
+    ``dq_sum``: an fp32
     [Tq, H, D] tensor that each row's unscaled dQ is atomically added to (in steps of
     ``DKDV_ATOMIC_DQ_ROWS`` rows: the extra product needs the registers); ``teacher``: a
     [pairs, block] tensor that each pair's KL teacher is stored into."""
     segments = p.block_work.segments.shape[0]
-    dk_part, dv_part = parts or (torch.empty(segments * p.block_size, p.head_dim,
-                                             dtype=torch.float32, device=q.device)
-                                 for _ in range(2))
+    dk_part, dv_part = (torch.empty(segments * p.block_size, p.head_dim, dtype=torch.float32,
+                                    device=q.device) for _ in range(2))
     tokens, rows = p.key_tokens, p.key_rows
     if dq_sum is not None:
         tokens, _, rows = _tile_shape(p.gq, DKDV_ATOMIC_DQ_ROWS)
     launch(_sparse_attn_dkdv_kernel, (segments,),
         q, k, v, dout, lse, delta, dk_part, dv_part, *p.key_work_args(),
-        *strides(q, k, v, dout), p.scale * LOG2_E, skip, dq_sum, teacher,
-        **p.key_constants(tokens, rows), WITH_SKIP=skip is not None,
-        ATOMIC_DQ=dq_sum is not None, STORE_TEACHER=teacher is not None, num_warps=num_warps,
-        num_stages=num_stages)
+        *strides(q, k, v, dout), p.scale * LOG2_E, dq_sum, teacher,
+        **p.key_constants(tokens, rows), ATOMIC_DQ=dq_sum is not None,
+        STORE_TEACHER=teacher is not None, num_warps=num_warps, num_stages=num_stages)
     return dk_part, dv_part
 
 
@@ -372,7 +289,7 @@ def reduce_dkdv_parts(dk_part, dv_part, k, v, p: SparseAttentionProblem):
                            dv_part, torch.empty_like(v), 1.0)
 
 
-def triton_backward_dq_in_dkdv(q, k, v, out, dout, lse, p: SparseAttentionProblem,
+def triton_backward_atomic_dq(q, k, v, out, dout, lse, p: SparseAttentionProblem,
                                teacher=None):
     """dq, dk, dv with every row's dQ from the dK/dV pass (``Tuning.dq_pass =
     "dkdv_atomic"``): the deltas, then the Triton dK/dV kernel adding each step's ``dS K``

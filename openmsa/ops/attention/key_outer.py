@@ -16,13 +16,6 @@ its partial (fp32, or in the inputs' precision: ``Tuning.key_outer_dq_partials``
 adds a row's slots in slot order in fp32. No atomics: both are
 deterministic. The slots of a window of query rows at a time live in memory
 (``Tuning.key_outer_partial_bytes`` bounds them), so the passes run once per window.
-
-With ``Tuning.key_outer_dq = "in_dkdv"`` the hard rows' dQ partials come from the dK/dV pass
-instead (``dkdv_with_hard_dq``): its steps gather the same q and dO rows and compute the same
-dS, so one more product ``dS K`` replaces the key-outer dQ's gathers and two of its three
-products. The dK/dV segments holding a hard pair then run window by window on a Triton
-kernel (no Gluon version yet), their partials carried from one window to the next; the
-others run once on the usual dK/dV kernel (Gluon on Hopper GPUs).
 """
 
 from __future__ import annotations
@@ -32,25 +25,22 @@ import triton
 import triton.language as tl
 
 from ..configs import (KEY_OUTER_COMBINE_ROWS, KEY_OUTER_COMBINE_WARPS, KEY_OUTER_CONFIG,
-                       KEY_OUTER_DKDV_CONFIG, KEY_OUTER_DKDV_PROGRAMS_PER_SM,
-                       KEY_OUTER_DKDV_ROWS, KEY_OUTER_HOPPER, KEY_OUTER_SUM_ROWS)
+                       KEY_OUTER_HOPPER, KEY_OUTER_SUM_ROWS)
 from ..launch import launch, strides
-from ..problem import LOG2_E, SparseAttentionProblem, _tile_shape, multiprocessors
+from ..problem import LOG2_E, SparseAttentionProblem
 from ..tiles import _block_keys, _load_rows, _query_tile, _segment
 from ..worklists import BlockWork
 from . import sm90_key_outer
-from .backward import _dkdv_hard_dq_kernel, _over_heads, _pair_rows, reduce_dkdv_parts
+from .backward import _over_heads, _pair_rows
 
-__all__ = ["dkdv_with_hard_dq", "key_outer_dq", "key_outer_forward", "walk_limit"]
+__all__ = ["key_outer_dq", "key_outer_forward", "walk_limit"]
 
 
-def walk_limit(p: SparseAttentionProblem, backward: bool = False) -> int:
-    """The most blocks a query tile's walk takes before its rows go key-outer; 0: every tile
-    walks (warmup keeps every causal block, so its tiles never go; nor where no union can pass
-    the limit). ``backward``: dQ's (``Tuning.dq_walk_limit_per_slot`` where set)."""
+def walk_limit(p: SparseAttentionProblem) -> int:
+    """The most blocks a query tile's walk (forward and dQ) takes before its rows go key-outer;
+    0: every tile walks (warmup keeps every causal block, so its tiles never go; nor where no
+    union can pass the limit)."""
     per_slot = p.tuning.main_walk_limit_per_slot
-    if backward and p.tuning.dq_walk_limit_per_slot is not None:
-        per_slot = p.tuning.dq_walk_limit_per_slot
     if per_slot <= 0 or p.all_causal:
         return 0
     limit = max(1, int(per_slot * p.top_k))
@@ -119,7 +109,7 @@ def _window_bounds_kernel(BOUNDS, SEGMENTS, PAIR_TOKEN, BUCKET_START, BUCKET_COU
 def window_bounds(work: BlockWork, num_rows: int, window_rows: int,
                   windows: int) -> torch.Tensor:
     """int32 [segments, windows + 1]: each window's pairs of each segment of a key-block list
-    (the hard pairs', or dK/dV's; ``_window_bounds_kernel``), found once a pass for all windows
+    (the hard pairs'; ``_window_bounds_kernel``), found once a pass for all windows
     instead of by each key-outer program."""
     segments = work.segments.shape[0]
     bounds = torch.empty(segments, windows + 1, dtype=torch.int32,
@@ -386,24 +376,6 @@ def _sum_dq_window(ids, hard, window_hard, window: int, dq_part, dq, start: int,
         HEAD_DIM=p.head_dim, TOKENS=tokens, num_warps=KEY_OUTER_COMBINE_WARPS)
 
 
-@triton.jit
-def _segment_hard_kernel(SEGMENT_HARD, HARD, SEGMENTS, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT,
-                         HI: tl.constexpr, SEGMENT_PAIRS: tl.constexpr,
-                         PAIRS_PAD: tl.constexpr):
-    """SEGMENT_HARD[segment] = 1 where a pair of the segment has a hard row, else 0."""
-    segment = tl.program_id(0).to(tl.int64)
-    bucket = tl.load(SEGMENTS + 2 * segment)
-    first = tl.load(SEGMENTS + 2 * segment + 1)
-    valid_bucket = tl.maximum(bucket, 0)
-    bucket_end = tl.load(BUCKET_START + valid_bucket) + tl.load(BUCKET_COUNT + valid_bucket)
-    last = tl.where(bucket < 0, first, tl.minimum(first + SEGMENT_PAIRS, bucket_end))
-    pairs = first + tl.arange(0, PAIRS_PAD)
-    valid = pairs < last
-    token = tl.load(PAIR_TOKEN + pairs, mask=valid, other=0).to(tl.int64)
-    hard = tl.load(HARD + token * HI + valid_bucket % HI, mask=valid, other=0)
-    tl.store(SEGMENT_HARD + segment, tl.max(hard, axis=0).to(tl.int32))
-
-
 def _hard_work(p: SparseAttentionProblem, limit: int):
     """The hard rows (``hard_rows``) and the key-block -> queries list of their pairs alone,
     itself and as the key-outer kernels' arguments and constants: every gathered row then
@@ -496,54 +468,3 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
                    **constants, **KEY_OUTER_CONFIG)
         _sum_dq_window(ids, hard, window_hard, window, dq_part, dq, start, end, p)
     return dq
-
-
-def dkdv_with_hard_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: int, dq,
-                      dkdv_parts, teacher=None):
-    """dk and dv (as ``attention_dkdv``), and ``dq``'s rows whose tiles' unions hold more than
-    ``limit`` blocks (the walk left them), from the dK/dV pass: the segments of the dK/dV list
-    holding a hard pair run on ``_dkdv_hard_dq_kernel`` window by window of query rows (their
-    steps add each hard row's ``dS K`` over the block to the row's slot, summed in slot order
-    by ``_dq_sum_kernel``; their dK and dV partials carried from one window to the next), the
-    others once through ``dkdv_parts(skip=..., parts=...)``, the dK/dV dispatch
-    ``attention_dkdv`` runs. ``teacher``: each pair's KL teacher is stored there too
-    (``attention_backward``'s). Deterministic, as the passes it replaces."""
-    hard = hard_rows(p, limit)
-    work = p.block_work
-    pairs = work.segment_pairs
-    part_dtype = _dq_part_dtype(p, q)
-    rows, windows, window_hard, bounds = _windows(p, part_dtype.itemsize * p.head_dim, hard,
-                                                  work)
-    segments = work.segments.shape[0]
-    segment_hard = torch.empty(segments, dtype=torch.int32, device=q.device)
-    _segment_hard_kernel[(segments,)](
-        segment_hard, hard, work.segments, work.pair_token, work.bucket_start,
-        work.bucket_count, HI=p.num_index_heads, SEGMENT_PAIRS=pairs,
-        PAIRS_PAD=triton.next_power_of_2(pairs))
-    # The hard segments first, each kind in the list's segment order.
-    by_order = segment_hard[work.segment_order.long()]
-    hard_segments = work.segment_order[torch.argsort((by_order == 0).to(torch.int8),
-                                                     stable=True)]
-    hard_count = by_order.sum(dtype=torch.int32)
-    parts = tuple(torch.empty(segments * p.block_size, p.head_dim, dtype=torch.float32,
-                              device=q.device) for _ in range(2))
-    dkdv_parts(skip=segment_hard, parts=parts)
-    ids = _block_ids(p)
-    dq_part = torch.empty(rows * p.num_index_heads * p.top_k * p.gq, p.head_dim,
-                          dtype=part_dtype, device=q.device)
-    programs = min(segments, multiprocessors(q.device) * KEY_OUTER_DKDV_PROGRAMS_PER_SM)
-    step_tokens, _, step_rows = _tile_shape(p.gq, KEY_OUTER_DKDV_ROWS)
-    shared = p.shared
-    for window, (start, end) in enumerate(windows):
-        launch(_dkdv_hard_dq_kernel, (programs,),
-               q, k, v, dout, lse, delta, *parts, hard_segments, hard_count, bounds,
-               bounds.shape[1], window, start, hard, ids, dq_part, work.segments,
-               work.pair_token, work.bucket_start, work.bucket_count, work.block_sequence,
-               work.block_local, p.cu_seqlens, p.query_start, *strides(q, k, v, dout, ids),
-               p.scale * LOG2_E, teacher, HI=shared["HI"], GQ=shared["GQ"],
-               GQ_PAD=shared["GQ_PAD"], KV_GROUP=shared["KV_GROUP"], TOK=step_tokens,
-               ROWS=step_rows, BLOCK=p.block_size,
-               HEAD_DIM=p.head_dim, SEGMENT_PAIRS=pairs, PRECISION=shared["PRECISION"],
-               TOP_K=p.top_k, STORE_TEACHER=teacher is not None, **KEY_OUTER_DKDV_CONFIG)
-        _sum_dq_window(ids, hard, window_hard, window, dq_part, dq, start, end, p)
-    return dq, *reduce_dkdv_parts(*parts, k, v, p)
