@@ -111,6 +111,7 @@ CORRUPTIONS = [
         lambda xs: torch.tensor(xs, dtype=torch.int32))),
     ("kl_value", "kl_value", st.sampled_from([0, 1, "no", None])),
     ("deterministic", "deterministic", st.sampled_from([0, 1, "no", None])),
+    ("tuning", "tuning", st.sampled_from(["fast", "Default", 3, {"dq_pass": "walk"}])),
 ]
 
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from ..context_parallel import (MODES, context_parallel_msa_attention,
                                 context_parallel_sparse_attention, shard_sequence)
+from ..ops.configs import Tuning, resolve_tuning
 from ..ops.msa import msa_attention, sparse_attention
 from ..ops.validate import (check_index_precision, check_local_block_dilation,
                             query_positions_from_offsets)
@@ -40,9 +41,9 @@ class MSAAttention(nn.Module):
     projections. ``warmup = True`` runs dense causal attention (the KL then covers the whole
     prefix); ``MSAWarmupSchedule`` switches every layer of a model by step. ``top_k``,
     ``block_size``, ``num_local_blocks``, ``local_block_dilation``, ``num_sink_blocks``,
-    ``backend``, ``deterministic``
-    and ``index_precision`` (``"fp8"``: selection on fp8 index scores) are passed to
-    ``msa_attention``.
+    ``backend``, ``deterministic``, ``index_precision`` (``"fp8"``: selection on fp8 index
+    scores) and ``tuning`` (``"incoherent"``: routes for selections whose neighbours keep
+    different blocks, as a new index branch makes) are passed to ``msa_attention``.
 
     Index sharing (SPEC section 9): ``share_index_from=layer`` builds a layer without an index
     branch (no index projections) that attends over the blocks ``layer`` (an earlier layer of
@@ -69,7 +70,7 @@ class MSAAttention(nn.Module):
                  index_precision: str = "input", context_parallel_group=None,
                  context_parallel_mode: str = "head",
                  share_index_from: "MSAAttention | None" = None, local_block_dilation: int = 1,
-                 share_index_kl: bool = False):
+                 share_index_kl: bool = False, tuning: Tuning | str | None = None):
         super().__init__()
         # With a process group, hidden_states is this rank's shard of the sequence and the
         # attention runs across the group (openmsa.context_parallel): head mode
@@ -79,6 +80,7 @@ class MSAAttention(nn.Module):
                              f"{context_parallel_mode!r}")
         check_index_precision(index_precision)  # here, not at the first forward
         check_local_block_dilation(local_block_dilation)
+        resolve_tuning(tuning)
         self.context_parallel_group = context_parallel_group
         self.context_parallel_mode = context_parallel_mode
         head_dim = head_dim or hidden_size // num_heads
@@ -90,7 +92,8 @@ class MSAAttention(nn.Module):
         self.options = dict(top_k=top_k, block_size=block_size,
                             num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
                             local_block_dilation=local_block_dilation, backend=backend,
-                            deterministic=deterministic, index_precision=index_precision)
+                            deterministic=deterministic, index_precision=index_precision,
+                            tuning=tuning)
         self.rope_theta = rope_theta
         self.warmup = False
         # The kept ids of the latest forward, kept for the layers that share them.

@@ -207,3 +207,25 @@ class Tuning:
 
 
 DEFAULT_TUNING = Tuning()
+# Selections whose neighbours keep different blocks (a freshly converted or early index
+# branch): tiles of long walks key-outer, every row's dQ by atomic adds in the dK/dV pass, the
+# index log-sum-exp split. On the H200 (40519a2) at 128k random selections ran 10.69x dense
+# (the default: 7.00x), mid ones 11.8x (12.45x), coherent ones 13.3x (16.05x)
+# (docs/BENCHMARKS.md, "Routes by selection kind"); not bitwise reproducible
+# (``deterministic=True`` keeps the dQ walk).
+INCOHERENT_TUNING = Tuning(main_walk_limit_per_slot=4.0, dq_pass="dkdv_atomic",
+                           index_lse_split=True)
+TUNINGS = {"default": DEFAULT_TUNING, "incoherent": INCOHERENT_TUNING}
+
+
+def resolve_tuning(tuning) -> Tuning:
+    """A ``Tuning`` from ``msa_attention``'s ``tuning`` argument: None (the default), a name
+    in ``TUNINGS`` or a ``Tuning``."""
+    if tuning is None:
+        return DEFAULT_TUNING
+    if isinstance(tuning, Tuning):
+        return tuning
+    if isinstance(tuning, str) and tuning in TUNINGS:
+        return TUNINGS[tuning]
+    raise ValueError(f"tuning: expected None, a configs.Tuning or one of {sorted(TUNINGS)}, "
+                     f"received {tuning!r}")

@@ -189,19 +189,30 @@ def tuned_msa_forward(tuning: Tuning):
 eager_msa_forward = tuned_msa_forward(DEFAULT_TUNING)
 
 
-def msa_operator(*inputs: torch.Tensor):
+@functools.lru_cache(maxsize=None)
+def _eager_msa_forward(tuning: Tuning):
+    """One autograd Function per tuning a caller names (``Tuning`` is frozen, so hashable)."""
+    return eager_msa_forward if tuning == DEFAULT_TUNING else tuned_msa_forward(tuning)
+
+
+def msa_operator(*inputs: torch.Tensor, tuning: Tuning = DEFAULT_TUNING):
     """The forward operator ``msa_attention`` runs on ``inputs`` (its tensors): the registered
     ``msa_forward`` wherever a tracer or a mode must see one operator (torch.compile and
     export, fake or meta tensors, a TorchDispatchMode such as FakeTensorMode or
     FlopCounterMode, tensor subclasses), else ``eager_msa_forward``: the same pipeline and
     kernels through a plain autograd Function, which skips the operators' Python dispatch
     (argument defaults, schema and aliasing checks: about 0.1-0.2 ms a call on the host, which
-    short eager steps wait for)."""
+    short eager steps wait for). ``tuning``: eager calls only (the registered operators run
+    the default; a tracer or mode with another raises)."""
     if (torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
             or any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta
                    for t in inputs)):
+        if tuning != DEFAULT_TUNING:
+            raise ValueError("tuning: torch.compile, export, fake or meta tensors and dispatch "
+                             "modes run the registered operators, which take the default "
+                             "tuning only; leave tuning=None there")
         return msa_forward
-    return eager_msa_forward
+    return _eager_msa_forward(tuning)
 
 
 @torch.library.custom_op("openmsa::sparse_forward", mutates_args=())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .configs import Tuning, resolve_tuning
 from .custom_ops import msa_operator, sparse_forward
 from .dense import use_cudnn_dense
 from .interpreter import INTERPRETING, check_interpreter
@@ -58,7 +59,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
                   backend: str = "auto", block_indices: torch.Tensor | None = None,
                   kl_value: bool = True, query_start: int | None = None,
                   kl_num_queries: int | None = None, index_precision: str = "input",
-                  local_block_dilation: int = 1):
+                  local_block_dilation: int = 1, tuning: Tuning | str | None = None):
     """MiniMax Sparse Attention: returns ``(out, kl)`` (``(out, kl, indices)`` with
     ``return_indices=True``).
 
@@ -108,6 +109,12 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
             scale per (token, head) row (SPEC section 8), scored on the fp8 tensor cores
             (compute capability 8.9 on). The KL and its gradients always use the
             input-precision scores; warmup, which selects nothing, ignores it.
+        tuning: the kernels' routes and work-list sizes: None (the default), ``"incoherent"``
+            (for selections whose neighbours keep different blocks, as a new index branch
+            makes: faster there, slower on coherent ones; ``configs.INCOHERENT_TUNING``) or a
+            ``configs.Tuning``. Eager calls only: under torch.compile, export or a dispatch
+            mode the registered operators run the default, and another tuning raises. The
+            reference backend ignores it.
 
     Returns:
         ``out`` with q's shape and dtype; ``kl``, a float32 0-dim tensor holding the exact
@@ -137,15 +144,16 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         return_indices=return_indices, backend=backend, query_start=query_start,
         kl_num_queries=kl_num_queries, kl_value=kl_value, index_precision=index_precision,
         local_block_dilation=local_block_dilation)
+    tuning = resolve_tuning(tuning)
     if block_indices is not None:
         validate_block_indices(block_indices, problem, cu_seqlens, q.device)
     if not _use_kernels(backend, q.device, index_precision):
         out, kl, block_ids = naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens,
                                                block_indices)
         return _return(out, kl if kl_value else kl - kl.detach(), block_ids, return_indices)
-    return msa_kernels(msa_operator(q, k, v, index_q, index_k), q, k, v, index_q, index_k,
-                       problem, cu_seqlens, max_seqlen, block_indices, kl_value, deterministic,
-                       return_indices)
+    return msa_kernels(msa_operator(q, k, v, index_q, index_k, tuning=tuning), q, k, v,
+                       index_q, index_k, problem, cu_seqlens, max_seqlen, block_indices,
+                       kl_value, deterministic, return_indices)
 
 
 def msa_kernels(operator, q, k, v, index_q, index_k, problem, cu_seqlens, max_seqlen,
@@ -318,14 +326,15 @@ def naive_msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
                         backend: str = "reference", block_indices: torch.Tensor | None = None,
                         kl_value: bool = True, query_start: int | None = None,
                         kl_num_queries: int | None = None, index_precision: str = "input",
-                        local_block_dilation: int = 1):
+                        local_block_dilation: int = 1, tuning: Tuning | str | None = None):
     """The eager PyTorch reference of ``msa_attention`` (same signature and results).
 
     Plain autograd over chunked, checkpointed queries: exact, slow, and the test oracle. It
-    accepts every backend name for signature compatibility and always runs the reference;
-    float64 inputs are accepted.
+    accepts every backend name and tuning for signature compatibility and always runs the
+    reference; float64 inputs are accepted.
     """
     check_backend(backend)
+    resolve_tuning(tuning)  # validated, as msa_attention does
     problem = validate_msa_args(
         q, k, v, index_q, index_k, top_k=top_k, block_size=block_size,
         softmax_scale=softmax_scale, index_softmax_scale=index_softmax_scale,

@@ -501,6 +501,62 @@ def test_deterministic_keeps_the_dq_walk(monkeypatch):
         assert torch.equal(got[name], walked[name]), name
 
 
+@pytest.mark.parametrize("tuning,route", [
+    (None, "walk"), ("default", "walk"), ("incoherent", "dkdv_atomic"),
+    (Tuning(dq_pass="dkdv_atomic"), "dkdv_atomic")],
+    ids=["none", "default", "incoherent", "tuning_object"])
+def test_msa_attention_runs_the_tuning_it_is_given(tuning, route, monkeypatch):
+    """``msa_attention(tuning=...)``: a name of ``configs.TUNINGS`` or a ``Tuning`` picks the
+    kernels' routes (the atomic dQ of "incoherent" here); the reference's quantities."""
+    routes = _count_backward_routes(monkeypatch)
+    inputs, cu_seqlens = random_inputs(CASES[1], torch.float32, "cpu", seed=5)
+    out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(6))
+    run = dict(CASES[1].options, return_indices=True, tuning=tuning)
+    got, ids = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 1.0,
+                              backend="triton", **run)
+    expected, _ = run_with_grads(openmsa.msa_attention, [t.double() for t in inputs],
+                                 cu_seqlens, out_grad, 1.0, backend="reference",
+                                 block_indices=ids, **run)
+    assert routes == [route], routes
+    for name in QUANTITY_NAMES:
+        assert rel_rms_error(got[name], expected[name]) < TOLERANCE[torch.float32], name
+
+
+def test_tuning_is_checked_and_eager_only():
+    """A tuning that is neither None, a ``Tuning`` nor a known name fails naming ``tuning``,
+    in ``msa_attention``, its reference and the layer; under a dispatch mode (as under
+    torch.compile) the registered operators run, which take the default tuning only."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from openmsa.layers import MSAAttention
+
+    inputs, cu_seqlens = random_inputs(CASES[1], torch.float32, "cpu", seed=5)
+    run = dict(CASES[1].options, cu_seqlens=cu_seqlens)
+    for fn in (openmsa.msa_attention, msa_module.naive_msa_attention):
+        with pytest.raises(ValueError, match="^tuning: expected None, a configs.Tuning or one"):
+            fn(*inputs, tuning="fast", **run)
+    with pytest.raises(ValueError, match="^tuning: expected"):
+        MSAAttention(64, 4, 2, tuning=Tuning)
+    with FlopCounterMode(display=False):
+        with pytest.raises(ValueError, match="^tuning: torch.compile, export"):
+            openmsa.msa_attention(*inputs, backend="triton", tuning="incoherent", **run)
+        openmsa.msa_attention(*inputs, backend="triton", tuning="default", **run)
+
+
+def test_layer_passes_its_tuning_on(monkeypatch):
+    """``MSAAttention(tuning="incoherent")`` runs that tuning's routes in its steps."""
+    from openmsa.layers import MSAAttention
+
+    routes = _count_backward_routes(monkeypatch)
+    torch.manual_seed(0)
+    layer = MSAAttention(128, 4, 2, head_dim=64, num_index_heads=2, top_k=2, block_size=64,
+                         backend="triton", tuning="incoherent")
+    hidden = torch.randn(1, 200, 128, requires_grad=True)
+    out, kl = layer(hidden)
+    (out.square().sum() + kl).backward()
+    assert routes == ["dkdv_atomic"], routes
+
+
 @pytest.mark.parametrize("tuning", [
     KEY_OUTER_TUNING, dataclasses.replace(KEY_OUTER_TUNING, dq_pass="dkdv_atomic")],
     ids=["key_outer_dq", "dq_from_dkdv_atomics"])
