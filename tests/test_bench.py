@@ -43,7 +43,9 @@ def test_bench_arguments_are_parsed_and_validated(capsys):
     assert "H32/Hkv8/Hi8" in capsys.readouterr().out
     assert cli.main(["bench", "--dry-run", "--selection", "mid", "--index-precision",
                      "fp8"]) == 0
-    assert "selections=mid index_precision=fp8" in capsys.readouterr().out
+    assert "selections=mid index_precision=fp8 tuning=default" in capsys.readouterr().out
+    assert cli.main(["bench", "--dry-run", "--tuning", "incoherent"]) == 0
+    assert "tuning=incoherent" in capsys.readouterr().out
     assert cli.main(["bench", "--dry-run"]) == 0  # every kind unless asked otherwise
     assert "selections=coherent,mid,random" in capsys.readouterr().out
     assert cli.main(["bench", "--dry-run", "--selections", "random,coherent"]) == 0
@@ -52,6 +54,8 @@ def test_bench_arguments_are_parsed_and_validated(capsys):
         cli.main(["bench", "--dry-run", "--selection", "mid,sparse"])
     with pytest.raises(SystemExit):
         cli.main(["bench", "--index-precision", "fp4"])
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--dry-run", "--tuning", "fast"])
     with pytest.raises(SystemExit):
         cli.main(["bench", "--seqlens", "4q"])
     with pytest.raises(SystemExit):
@@ -251,3 +255,18 @@ def test_fla_baseline_passes_msa_ids_in_fla_layout_and_refuses_other_heads(monke
     monkeypatch.setitem(sys.modules, "fla.ops.nsa.parallel", None)
     assert "fla-core is not installed" in fla_baseline(q, k, v, dout, ids, 64, None,
                                                        None)["fla_status"]
+
+
+def test_bench_step_options_carry_the_tuning():
+    """The timed MSA step runs ``--tuning``'s routes; selection alone takes no tuning."""
+    import argparse
+
+    from openmsa.bench.options import msa_options, step_options
+    from openmsa.bench.run import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--tuning", "incoherent"])
+    assert step_options(args) == dict(msa_options(args), tuning="incoherent")
+    assert "tuning" not in msa_options(args)
+    assert parser.parse_args([]).tuning == "default"

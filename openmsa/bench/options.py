@@ -8,3 +8,9 @@ def msa_options(args) -> dict:
                 index_precision=args.index_precision,
                 num_local_blocks=getattr(args, "num_local_blocks", 1),
                 local_block_dilation=getattr(args, "local_block_dilation", 1))
+
+
+def step_options(args) -> dict:
+    """``msa_attention``'s options of a timed training step: the selection options and the
+    kernels' routes (``--tuning``)."""
+    return dict(msa_options(args), tuning=args.tuning)

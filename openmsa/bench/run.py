@@ -22,11 +22,12 @@ import time
 
 import torch
 
+from ..ops.configs import TUNINGS
 from ..ops.msa import GPU_HEAD_DIMS
 from ..ops.quantize import INDEX_PRECISIONS
 from ..ops.validate import MAX_TOP_K, SUPPORTED_BLOCK_SIZES
 from . import flops
-from .options import msa_options
+from .options import msa_options, step_options
 from .selection import SELECTION_KINDS, index_inputs, selection_statistics
 
 PRESETS = {"h64": (64, 4, 4), "h16": (16, 2, 4)}  # (H, Hkv, Hi), Hik = 1
@@ -96,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "a trained index branch), mid (neighbours' Jaccard about 0.5), random")
     parser.add_argument("--index-precision", choices=INDEX_PRECISIONS, default="input",
                         help="selection's index scores: input (bf16) or fp8")
+    parser.add_argument("--tuning", choices=sorted(TUNINGS), default="default",
+                        help="the MSA step's kernel routes (msa_attention's tuning): incoherent "
+                        "for selections whose neighbours keep different blocks")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     parser.add_argument("--no-fla", action="store_true",
                         help="skip flash-linear-attention's NSA kernels (pip install fla-core)")
@@ -197,8 +201,9 @@ def run(args) -> int:
         return run_decode(args)
     rows = plan(args)
     print(f"openmsa bench: top_k={args.top_k} block_size={args.block_size} "
-          f"selections={','.join(args.selections)} index_precision={args.index_precision}; "
-          "FLOPs (TFLOP, forward, at most top_k blocks a token): dense / MSA main / index")
+          f"selections={','.join(args.selections)} index_precision={args.index_precision} "
+          f"tuning={args.tuning}; FLOPs (TFLOP, forward, at most top_k blocks a token): "
+          "dense / MSA main / index")
     for row in rows:
         print(f"  {row['shape']} S={row['seqlen']}: {row['dense_fwd_tflop']:.2f} / "
               f"{row['msa_main_fwd_tflop']:.2f} / {row['index_tflop']:.2f}")
@@ -244,11 +249,11 @@ def measure(row, args, selection: str, dense: dict) -> dict:
     from .timing import median_ms
 
     seqlen = row["seqlen"]
-    options = msa_options(args)
-    result = dict(row, selection=selection)
+    options, step = msa_options(args), step_options(args)
+    result = dict(row, selection=selection, tuning=args.tuning)
     case = MSACase("check", batch=1, seqlen=min(seqlen, CHECK_TOKENS), num_heads=row["heads"],
                    num_kv_heads=row["kv_heads"], num_index_heads=row["index_heads"],
-                   head_dim=row["head_dim"], index_head_dim=row["head_dim"], options=options)
+                   head_dim=row["head_dim"], index_head_dim=row["head_dim"], options=step)
     comparison = compare_with_reference(msa_attention, case, torch.bfloat16, "cuda")
     result["check_errors"] = comparison.errors
     if not comparison.passed(TOLERANCE[torch.bfloat16]):
@@ -263,12 +268,12 @@ def measure(row, args, selection: str, dense: dict) -> dict:
     one = torch.ones((), device="cuda")
 
     def msa_step():
-        out, kl = msa_attention(*inputs, **options)
+        out, kl = msa_attention(*inputs, **step)
         torch.autograd.grad((out, kl), inputs, (dout, one))
 
     def msa_forward():
         with torch.no_grad():
-            msa_attention(*inputs, **options)
+            msa_attention(*inputs, **step)
 
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
