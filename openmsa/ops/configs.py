@@ -20,7 +20,8 @@ KL_QUERY_CONFIG = dict(num_warps=8, num_stages=2)
 KL_CONFIG = dict(num_warps=8, num_stages=2)
 # The KL pass that reads the teachers the dK/dV pass stored (Tuning.kl_teacher "from_dkdv"):
 # compiled for sm_90a (benchmarks/inspect_kernels.py), 2 stages serialize its products at any
-# pair count, and at 1 stage 32 pairs a step spill nothing (64: 88 bytes). Not yet timed.
+# pair count, and at 1 stage 32 pairs a step spill nothing (64: 88 bytes). Timed in this
+# launch only (benchmarks/records/key-outer-routes.json).
 KL_TEACHER_CONFIG = dict(num_warps=8, num_stages=1)
 KL_TEACHER_PAIRS = 32
 # The index log-sum-exp alone (next to the Hopper forward): a light kernel, memory-bound on the
@@ -147,7 +148,8 @@ class Tuning:
         1M, H64, D = 128). On the H200 (40519a2, dense in the same run) it made the step
         8-19% faster on random selections at 32k and 128k and 5-24% slower on coherent and mid
         ones (benchmarks/records/key-outer-routes.json); with ``main_walk_limit_per_slot=4``
-        and ``index_lse_split`` random selections ran 10.69x dense at 128k.
+        and ``index_lse_split`` random selections ran 10.69x dense at 128k (coherent and mid,
+        with the limit but without the split: 13.26x and 11.81x; the default 16.05x, 12.45x).
     kl_teacher: where the index gradients' teacher (the mean of each pair's GQ heads'
         probabilities) comes from when the forward wants no KL value (``kl_value=False``):
         "from_dkdv" (the default: the forward runs no KL; the backward's dK/dV steps, which

@@ -63,8 +63,8 @@ def _(q, k, v, index_q, index_k, cu_seqlens, block_ids, top_k, block_size, softm
     i32 = dict(dtype=torch.int32, device=q.device)
     ids_shape = (total, num_index_heads, slots)
     with_grads = pipeline.forward_index_grads(
-        index_grad, kl_value, deterministic, dense_batch,
-        teachers_bytes=pipeline.teacher_bytes(q, k, cu_seqlens, ids_shape, block_size))
+        index_grad, kl_value, deterministic, dense_batch, DEFAULT_TUNING,
+        lambda: pipeline.teacher_bytes(q, k, cu_seqlens, ids_shape, block_size))
     grad_q_shape = (total, num_index_heads, index_dim) if with_grads else (0,)
     grad_k_shape = index_k.shape if with_grads else (0,)
     (pairs, blocks, segments), _ = pipeline.block_work_shape(q, k, num_index_heads, cu_seqlens,

@@ -19,14 +19,15 @@ queries list the KL walked), so the backward does not build them again.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from .attention import attention_backward, sparse_attention_fwd
 from .configs import DEFAULT_TUNING, Tuning
 from .dense import dense_attention_backward, dense_attention_forward, dense_log_sum_exp
-from .kl import index_branch_kl, kl_from_teacher, new_teacher, scaled_kl_gradients
+from .kl import (index_branch_kl, kl_from_teacher, new_teacher, scaled_kl_gradients,
+                 teacher_dtype)
 from .layout import all_causal_block_ids
 from .problem import SparseAttentionProblem, query_tile_shape, segment_pairs
 from .select import select_blocks_fwd
@@ -117,9 +118,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Te
     kl = torch.zeros((), dtype=torch.float32, device=q.device)
     d_index_q, d_index_k = (q.new_empty(0, dtype=torch.float32) for _ in range(2))
     block_work = q.new_empty(0, dtype=torch.int32)
-    teachers = teacher_bytes(q, k, cu_seqlens, ids.shape, block_size, tuning)
-    if kl_value or forward_index_grads(index_grad, kl_value, deterministic, dense_batch, tuning,
-                                       teachers):
+    if kl_value or forward_index_grads(
+            index_grad, kl_value, deterministic, dense_batch, tuning,
+            lambda: teacher_bytes(q, k, cu_seqlens, ids.shape, block_size, tuning)):
         value_parts, grad_q, grad_k = index_branch_kl(q, k, index_q, index_k, lse, lse_index,
                                                       problem, kl_value, index_grad,
                                                       deterministic)
@@ -184,15 +185,15 @@ def backward(dout: torch.Tensor, dkl: torch.Tensor, q: torch.Tensor, k: torch.Te
 
 
 def forward_index_grads(index_grad: bool, kl_value: bool, deterministic: bool,
-                        dense_batch: int, tuning: Tuning = DEFAULT_TUNING,
-                        teachers_bytes: int = 0) -> bool:
+                        dense_batch: int, tuning: Tuning,
+                        teachers_bytes: Callable[[], int]) -> bool:
     """Whether ``forward`` returns the KL's index gradients (and the packed key-block list):
     where they are wanted, unless the backward takes them from its dK/dV pass's teachers (no
-    value wanted then; ``teachers_bytes``: those teachers' size, ``teacher_bytes``). The
-    registered operator's fake gives its output shapes by this too."""
+    value wanted then; ``teachers_bytes()``: those teachers' size, ``teacher_bytes``, asked
+    only then). The registered operator's fake gives its output shapes by this too."""
     return index_grad and (kl_value or not (
         _teacher_from_dkdv(tuning, deterministic, dense_batch)
-        and teachers_bytes <= tuning.kl_teacher_max_bytes))
+        and teachers_bytes() <= tuning.kl_teacher_max_bytes))
 
 
 def teacher_bytes(q, k, cu_seqlens, block_ids_shape, block_size: int,
@@ -201,7 +202,7 @@ def teacher_bytes(q, k, cu_seqlens, block_ids_shape, block_size: int,
     the key-block list and key of its block; ``block_ids_shape``: the kept ids' (or the ids)."""
     (pairs, _, _), _ = block_work_shape(q, k, block_ids_shape[1], cu_seqlens,
                                         block_ids_shape[2], block_size, tuning)
-    return pairs * block_size * (4 if q.dtype == torch.float32 else 2)
+    return pairs * block_size * teacher_dtype(q.dtype).itemsize
 
 
 def _teacher_from_dkdv(tuning: Tuning, deterministic: bool, dense_batch: int) -> bool:

@@ -98,9 +98,8 @@ def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
     Gluon dQ computes the deltas itself (one pass over out and dout less), those of the rows
     it leaves to the key-outer dQ too. With ``Tuning.dq_pass = "dkdv_atomic"`` every row's
     dq comes from the dK/dV pass, added atomically (``backward.triton_backward_atomic_dq``),
-    unless ``deterministic``. ``teacher``: a
-    [pairs, block] tensor the dK/dV pass stores each pair's KL teacher into (on the Triton
-    kernels: ``Tuning.kl_teacher = "from_dkdv"``)."""
+    unless ``deterministic``. ``teacher``: a [pairs, block] tensor the dK/dV pass stores each
+    pair's KL teacher into (on the Triton kernels: ``Tuning.kl_teacher = "from_dkdv"``)."""
     dout = dout.contiguous()
     if p.tuning.dq_pass == "dkdv_atomic" and not deterministic:
         return triton_backward_atomic_dq(q, k, v, out, dout, lse, p, teacher)

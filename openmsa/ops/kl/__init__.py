@@ -21,7 +21,7 @@ from . import sm90
 from .kernels import kl_query_side, scaled_kl_gradients, triton_key_walk
 
 __all__ = ["index_branch_kl", "kl_from_teacher", "kl_key_walk", "kl_query_side",
-           "new_teacher", "scaled_kl_gradients"]
+           "new_teacher", "scaled_kl_gradients", "teacher_dtype"]
 
 
 def kl_key_walk(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionProblem,
@@ -92,13 +92,17 @@ def index_branch_kl(q, k, index_q, index_k, lse, lse_index, p: SparseAttentionPr
     return value_parts, d_index_q, d_index_k
 
 
+def teacher_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The stored teachers' dtype for inputs of ``dtype``: fp16 for 16-bit inputs (11
+    significant bits; the teacher lies in [0, 1]), fp32 for fp32 ones."""
+    return torch.float32 if dtype == torch.float32 else torch.float16
+
+
 def new_teacher(q, p: SparseAttentionProblem) -> torch.Tensor:
     """The buffer the dK/dV pass stores each pair's KL teacher into (``Tuning.kl_teacher =
-    "from_dkdv"``): [pairs of the key-block list, block], fp16 for 16-bit inputs (11
-    significant bits; the teacher lies in [0, 1]), fp32 for fp32 ones."""
-    dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
-    return torch.empty(p.block_work.pair_token.shape[0], p.block_size, dtype=dtype,
-                       device=q.device)
+    "from_dkdv"``): [pairs of the key-block list, block], ``teacher_dtype``."""
+    return torch.empty(p.block_work.pair_token.shape[0], p.block_size,
+                       dtype=teacher_dtype(q.dtype), device=q.device)
 
 
 def kl_from_teacher(q, k, index_q, index_k, lse, lse_index, teacher,
