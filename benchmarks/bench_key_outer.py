@@ -4,7 +4,7 @@
     python benchmarks/bench_key_outer.py --out DIR [--seqlens 8192,32768,131072]
         [--limits 0,1.5,2,3,4] [--key-outer-kernels gluon,triton] [--partial-gib 2,8]
         [--dq-partials float32,input] [--index-lse walk,split]
-        [--dq-routes walk,dkdv_atomic] [--kl-teachers recompute,from_dkdv]
+        [--dq-routes walk,dkdv_atomic,hard_atomic] [--kl-teachers recompute,from_dkdv]
         [--heads 64,4,4] [--kernels]
         [--launches 8x2,4x2,8x3]
         [--combine-launches 64x4,128x8] [--hopper-stages 3,4,6]
@@ -22,8 +22,9 @@ each of ``--partial-gib`` (the memory their partials take at once) and ``--dq-pa
 (dQ's partials in fp32 or bf16); each limit, 0 too, with each of ``--index-lse`` (the index
 log-sum-exp's walk alone, or split with a key-outer pass: ``Tuning.index_lse_split``, in the
 step's times only) and of ``--dq-routes`` (every row's dQ from the walk, its hard rows by the
-key-outer dQ, or "dkdv_atomic": from the dK/dV pass's atomic sums, ``Tuning.dq_pass``; no
-partials or key-outer dQ then);
+key-outer dQ, "dkdv_atomic": from the dK/dV pass's atomic sums, or "hard_atomic": the hard
+rows' alone from those sums, on the segments holding one, ``Tuning.dq_pass``; no dQ partials
+or key-outer dQ then);
 ``--kl-teachers`` also times each row's step with ``kl_value=False`` (no KL value in the
 forward) under each ``Tuning.kl_teacher`` listed ("recompute": the KL pass rebuilds the
 teachers; "from_dkdv": the backward's dK/dV pass stores them);
@@ -81,9 +82,10 @@ def measure(seqlen: int, kind: str, limits, dense: dict, launches=(),
     if not dense:
         dense.update(dense_baseline(*inputs[:3], dout[None], median_ms))
     rows, walked = [], None
-    # The atomic dQ route has no dQ walk: no key-outer dQ, so no dQ partials.
+    # The atomic dQ routes run no key-outer dQ, so no dQ partials; with no hard rows (limit 0)
+    # "hard_atomic" is the walk.
     runs = [(limit, kernel, gib, partials, index_lse_kind, route)
-            for limit in limits for route in dq_routes
+            for limit in limits for route in dq_routes if limit or route != "hard_atomic"
             for kernel in (key_outer_kernels if limit else ["-"])
             for gib in (partial_gib if limit else partial_gib[:1])
             for partials in (dq_partials if limit and route == "walk" else dq_partials[:1])
@@ -218,7 +220,8 @@ def main() -> None:
                         help="at each limit, the index log-sum-exp to time in the step: walk, "
                         "split (Tuning.index_lse_split)")
     parser.add_argument("--dq-routes", default="walk",
-                        help="comma-separated Tuning.dq_pass values: walk, dkdv_atomic")
+                        help="comma-separated Tuning.dq_pass values: walk, dkdv_atomic, "
+                        "hard_atomic")
     parser.add_argument("--kl-teachers", default="",
                         help="comma-separated Tuning.kl_teacher values: recompute, from_dkdv")
     parser.add_argument("--heads", default="64,4,4",
@@ -266,7 +269,7 @@ def main() -> None:
             print(f"{r['seqlen']:>7} {r['selection']:>9} launch {r['launch']}: fwd "
                   f"{r['fwd_ms']:.2f} ms, bwd {r['bwd_ms']:.2f} ms")
             continue
-        dq_route = "atomic" if r["dq_route"] == "dkdv_atomic" else "walk"
+        dq_route = {"dkdv_atomic": "atomic", "hard_atomic": "hard"}.get(r["dq_route"], "walk")
         print(f"{r['seqlen']:>7} {r['selection']:>9} {r['jaccard']:>5.2f} {r['union_8']:>6.1f} "
               f"{r['limit_per_slot']:>5.1f} {r['key_outer_kernels']:>7} {r['partial_gib']:>4g} "
               f"{r['dq_partials']:>7} {dq_route:>6} {r['index_lse']:>7} "

@@ -35,7 +35,7 @@ SHARED_MEMORY_LIMIT = 227 * 1024  # per block on the H100/H200
 FLOAT_ARGS = {"scale", "scale_log2", "index_scale"}
 INT_POINTERS = {"SCHEDULE", "UNION", "UNION_COUNT", "CU_SEQLENS", "SEGMENTS",
                 "SEGMENT_ORDER", "PAIR_TOKEN", "BUCKET_START", "BUCKET_COUNT", "BLOCK_SEQUENCE",
-                "BLOCK_LOCAL"}
+                "BLOCK_LOCAL", "SEGMENT_HARD"}
 INPUT_POINTERS = {"Q", "K", "V", "IQ", "IK", "DOUT", "OUT", "DQ"}
 
 
@@ -51,6 +51,8 @@ def signature(fn, constants):
             types[name] = "*i32"
         elif name == "UNION_MEMBERS":
             types[name] = "*i64"
+        elif name == "HARD":  # int8 flags per (token, index head) (key_outer.hard_rows)
+            types[name] = "*i8"
         elif name == "TEACHER":  # fp16 for 16-bit inputs (kl.new_teacher)
             types[name] = "*fp16"
         elif name.isupper():
@@ -118,6 +120,9 @@ def main() -> None:
          dict(shared, TOK=4, TOKP=16, ROWS=64, SEGMENT_PAIRS=SEGMENT_PAIRS)),
         ("dK/dV + atomic dQ, 32 rows", _sparse_attn_dkdv_kernel,
          dict(shared, TOK=2, TOKP=16, ROWS=32, SEGMENT_PAIRS=SEGMENT_PAIRS, ATOMIC_DQ=True)),
+        ("dK/dV + hard rows' dQ", _sparse_attn_dkdv_kernel,
+         dict(shared, TOK=2, TOKP=16, ROWS=32, SEGMENT_PAIRS=SEGMENT_PAIRS, ATOMIC_DQ=True,
+              SEGMENTS_RUN=2, HARD_ROWS_DQ=True)),
         ("dK/dV + KL teacher", _sparse_attn_dkdv_kernel,
          dict(shared, TOK=4, TOKP=16, ROWS=64, SEGMENT_PAIRS=SEGMENT_PAIRS,
               STORE_TEACHER=True)),
@@ -139,7 +144,7 @@ def main() -> None:
     kernels.append(("KL key side (ordered)", _kl_kernel,
                     dict(kl, PAIRS=64, SEGMENT_PAIRS=SEGMENT_PAIRS, QUERY_SIDE=False,
                          WITH_VALUE=False)))
-    hopper = [f"Hopper {kernel}" for kernel in ("forward", "dq", "dkdv", "kl")]
+    hopper = [f"Hopper {kernel}" for kernel in ("forward", "dq", "dkdv", "dkdv-skip", "kl")]
     labels = [label for label, _, _ in kernels] + hopper
     unknown = sorted(set(args.kernels or ()) - set(labels))
     if unknown:
@@ -158,7 +163,7 @@ def main() -> None:
                   f"{'serialized' if found['serialized'] else 'async'}", flush=True)
     # The Hopper (Gluon) kernels: their pipelining is written out, so stages do not apply. The
     # warp-specialized dK/dV's registers are its launch limit, redistributed among its warps.
-    for kernel in ("forward", "dq", "dkdv", "kl"):
+    for kernel in ("forward", "dq", "dkdv", "dkdv-skip", "kl"):
         if f"Hopper {kernel}" not in wanted:
             continue
         found = ptxas_report(compile_for_sm90(128, 128, "bf16", kernel=kernel),

@@ -2,9 +2,10 @@
 and what ptxas says of them (registers, spills, whether it serialized the asynchronous
 tensor-core products). Used by tests/ops/test_sm90.py and benchmarks/inspect_kernels.py.
 
-    python tools/sm90_compile.py [forward|dq|dkdv|kl] [HEAD_DIM BLOCK DTYPE HEADS]
+    python tools/sm90_compile.py [forward|dq|dkdv|dkdv-skip|kl] [HEAD_DIM BLOCK DTYPE HEADS]
     python tools/sm90_compile.py select [input|fp8] [TILE_ROWS WARPS STAGES IMPRECISE_ACC|none]
-    python tools/sm90_compile.py key-outer [forward|dq|dkdv|dkdv-atomic-dq|kl-teacher][+teacher]
+    python tools/sm90_compile.py key-outer [forward|dq|dkdv|dkdv-atomic-dq|dkdv-hard-atomic-dq|
+        kl-teacher][+teacher]
         [STAGES ...]
 """
 
@@ -35,8 +36,8 @@ from openmsa.ops.sm90 import NUM_WARPS, ROWS, _maxnreg, key_step_tokens
 def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "bf16",
                      kernel: str = "forward", heads_per_token: int = 16):
     """The ``kernel`` ("forward", "dq", "dq-walk-limit": leaving long walks to the key-outer dQ,
-    "dkdv", "kl",
-    "key-outer-forward", "key-outer-dq" or "key-outer-dq-16bit": its partials in the inputs'
+    "dkdv", "dkdv-skip": leaving the segments another launch writes (``Tuning.dq_pass =
+    "hard_atomic"``), "kl", "key-outer-forward", "key-outer-dq" or "key-outer-dq-16bit": its partials in the inputs'
     precision) compiled for sm_90a on any machine, GPU or not (nothing runs): the compiled
     kernel, whose ``asm["ptx"]`` ``ptxas_report`` reports on (benchmarks/inspect_kernels.py,
     tests/ops/test_sm90.py)."""
@@ -44,7 +45,7 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
     layout = gl.NVMMASharedLayout.get_default_for([block_size, head_dim], element)
     fn = {"forward": _sparse_attn_fwd_hopper_kernel, "dq": _sparse_attn_dq_hopper_kernel,
           "dq-walk-limit": _sparse_attn_dq_hopper_kernel,
-          "dkdv": _sparse_attn_dkdv_hopper_kernel,
+          "dkdv": _sparse_attn_dkdv_hopper_kernel, "dkdv-skip": _sparse_attn_dkdv_hopper_kernel,
           "kl": _kl_hopper_kernel,
           "key-outer-forward": _key_outer_hopper_kernel,
           "key-outer-dq": _key_outer_hopper_kernel,
@@ -66,7 +67,8 @@ def compile_for_sm90(head_dim: int = 128, block_size: int = 128, dtype: str = "b
         constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1,
                          TOK=key_step_tokens(heads_per_token), BLOCK=block_size,
                          HEAD_DIM=head_dim, SEGMENT_PAIRS=2048, STAGES=KEY_STEP_STAGES,
-                         CONSUMER_REGS=consumer, GATHER_REGS=gather)
+                         CONSUMER_REGS=consumer, GATHER_REGS=gather,
+                         WITH_SKIP=kernel == "dkdv-skip")
         options = dict(num_warps=4, maxnreg=_dkdv_maxnreg(block_size, KEY_STEP_REGISTERS))
     if kernel == "kl":  # with its query side and value
         constants = dict(HI=4, GQ=heads_per_token, KV_GROUP=1, INDEX_GROUP=4, PAIRS=64,
@@ -204,7 +206,8 @@ def compile_key_outer_for_sm90(kernel: str = "forward", num_stages: int = 2,
     (``attention.key_outer``; whether Triton's pipeliner turns its gathers into asynchronous
     copies, and the shared memory that costs: a launch past the GPU's shared memory falls
     back to one stage, ``launch``), or dK/dV ("dkdv"; "dkdv-atomic-dq": with every row's dQ added
-    atomically, ``Tuning.dq_pass = "dkdv_atomic"``; a "+teacher" suffix: storing each pair's
+    atomically, ``Tuning.dq_pass = "dkdv_atomic"``; "dkdv-hard-atomic-dq": the hard rows' dQ
+    only, on the segments flagged as holding one, ``"hard_atomic"``; a "+teacher" suffix: storing each pair's
     KL teacher too, ``Tuning.kl_teacher = "from_dkdv"``) as ``attention.backward`` launches
     it, or the KL pass that reads those teachers ("kl-teacher", ``kl.kl_from_teacher``)."""
     from triton.compiler import ASTSource
@@ -218,6 +221,7 @@ def compile_key_outer_for_sm90(kernel: str = "forward", num_stages: int = 2,
     kernel, teacher = kernel.removesuffix("+teacher"), kernel.endswith("+teacher")
     fn = {"forward": _fwd_key_outer_kernel, "dq": _dq_key_outer_kernel,
           "dkdv": _sparse_attn_dkdv_kernel, "dkdv-atomic-dq": _sparse_attn_dkdv_kernel,
+          "dkdv-hard-atomic-dq": _sparse_attn_dkdv_kernel,
           "kl-teacher": _kl_kernel}[kernel]
     constants = dict(HI=4, GQ=16, GQ_PAD=16, KV_GROUP=1, TOK=8, BLOCK=128, HEAD_DIM=128,
                      TOP_K=16, SEGMENT_PAIRS=1024, PRECISION="tf32")
@@ -225,13 +229,15 @@ def compile_key_outer_for_sm90(kernel: str = "forward", num_stages: int = 2,
         del constants["TOP_K"]
         constants.update(INDEX_GROUP=4, TOK=4, TOKP=16, ROWS=64, INDEX_DIM=128,
                          ATOMIC_DQ=False)
-    if kernel == "dkdv-atomic-dq":  # steps of DKDV_ATOMIC_DQ_ROWS rows
+    if kernel in ("dkdv-atomic-dq", "dkdv-hard-atomic-dq"):  # DKDV_ATOMIC_DQ_ROWS-row steps
         del constants["TOP_K"]
         tokens, _, rows = _tile_shape(16, DKDV_ATOMIC_DQ_ROWS)
         constants.update(INDEX_GROUP=4, TOK=tokens, TOKP=16, ROWS=rows, INDEX_DIM=128,
                          ATOMIC_DQ=True)
     if kernel.startswith("dkdv"):
-        constants["STORE_TEACHER"] = teacher
+        hard = kernel == "dkdv-hard-atomic-dq"
+        constants.update(STORE_TEACHER=teacher, SEGMENTS_RUN=2 if hard else 0,
+                         HARD_ROWS_DQ=hard)
     if kernel == "kl-teacher":
         constants = dict(HI=4, GQ=16, KV_GROUP=1, INDEX_GROUP=4, PAIRS=KL_TEACHER_PAIRS,
                          BLOCK=128, HEAD_DIM=128, INDEX_DIM=128, SEGMENT_PAIRS=1024,
@@ -292,8 +298,8 @@ if __name__ == "__main__" and sys.argv[1:2] == ["select"]:
           f"of shared memory, products "
           f"{'serialized' if report['serialized'] else 'asynchronous'}")
 elif __name__ == "__main__" and sys.argv[1:2] == ["key-outer"]:
-    # python tools/sm90_compile.py key-outer [forward|dq|dkdv|dkdv-atomic-dq|kl-teacher]
-    # [+teacher] [STAGES ...]
+    # python tools/sm90_compile.py key-outer [forward|dq|dkdv|dkdv-atomic-dq|
+    # dkdv-hard-atomic-dq|kl-teacher][+teacher] [STAGES ...]
     kernel = sys.argv[2] if len(sys.argv) > 2 else "forward"
     for stages in map(int, sys.argv[3:] or ["1", "2", "3"]):
         compiled = compile_key_outer_for_sm90(kernel, stages)

@@ -99,7 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="selection's index scores: input (bf16) or fp8")
     parser.add_argument("--tuning", choices=sorted(TUNINGS), default="default",
                         help="the MSA step's kernel routes (msa_attention's tuning): incoherent "
-                        "for selections whose neighbours keep different blocks")
+                        "for selections whose neighbours keep different blocks, adaptive: each "
+                        "query tile's route by its union")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     parser.add_argument("--no-fla", action="store_true",
                         help="skip flash-linear-attention's NSA kernels (pip install fla-core)")

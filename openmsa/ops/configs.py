@@ -89,7 +89,7 @@ KEY_OUTER_HOPPER_PROGRAMS_PER_SM = 1
 
 
 KEY_OUTER_DQ_PARTIALS = ("float32", "input")
-DQ_PASSES = ("walk", "dkdv_atomic")
+DQ_PASSES = ("walk", "dkdv_atomic", "hard_atomic")
 KL_TEACHERS = ("recompute", "from_dkdv")
 
 
@@ -150,6 +150,14 @@ class Tuning:
         ones (benchmarks/records/key-outer-routes.json); with ``main_walk_limit_per_slot=4``
         and ``index_lse_split`` random selections ran 10.69x dense at 128k (coherent and mid,
         with the limit but without the split: 13.26x and 11.81x; the default 16.05x, 12.45x).
+        "hard_atomic": the walk for the tiles that walk, and the rows it leaves
+        (``main_walk_limit_per_slot``'s hard tiles; with the limit at 0, none) from the dK/dV
+        pass's atomic adds instead of the key-outer dQ: only the dK/dV segments holding such
+        a row run on the Triton kernel that adds them, the others keep the usual dK/dV kernel
+        (Gluon on Hopper GPUs), so the atomic dQ's cost goes where the walk's would be long
+        (``key_outer.dkdv_with_hard_atomic_dq``). Not bitwise reproducible where rows are
+        hard (``deterministic=True`` takes the key-outer dQ); up to ``hard_atomic_max_bytes``
+        of fp32 sum, beyond which the key-outer dQ runs.
     kl_teacher: where the index gradients' teacher (the mean of each pair's GQ heads'
         probabilities) comes from when the forward wants no KL value (``kl_value=False``):
         "from_dkdv" (the default: the forward runs no KL; the backward's dK/dV steps, which
@@ -165,6 +173,9 @@ class Tuning:
         value wanted (it needs the teacher in the forward).
     kl_teacher_max_bytes: "from_dkdv" runs only where the teachers take at most this much
         (4 GiB: 256k tokens at Hi4, top 16, blocks of 128; 16 GiB at 1M), else "recompute".
+    hard_atomic_max_bytes: ``dq_pass = "hard_atomic"`` runs only where its fp32 dQ sum
+        ([Tq, H, D], allocated whole: how many rows are hard is known on the device alone)
+        takes at most this much (8 GiB: 256k tokens at H64, D = 128), else the key-outer dQ.
     """
 
     segment_pairs: int = 1024
@@ -182,6 +193,7 @@ class Tuning:
     dq_pass: str = "walk"
     kl_teacher: str = "from_dkdv"
     kl_teacher_max_bytes: int = 4 << 30
+    hard_atomic_max_bytes: int = 8 << 30
 
     def __post_init__(self):
         for name, allowed in (("key_outer_dq_partials", KEY_OUTER_DQ_PARTIALS),
@@ -190,9 +202,10 @@ class Tuning:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, "
                                  f"received {getattr(self, name)!r}")
-        if not isinstance(self.kl_teacher_max_bytes, int) or self.kl_teacher_max_bytes < 0:
-            raise ValueError("kl_teacher_max_bytes: expected an int of 0 or more, received "
-                             f"{self.kl_teacher_max_bytes!r}")
+        for name in ("kl_teacher_max_bytes", "hard_atomic_max_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}: expected an int of 0 or more, received {value!r}")
 
     def segment_pairs_for(self, num_queries: int, num_index_heads: int, slots: int,
                           heads_per_index_head: int = 1, multiprocessors: int = 1) -> int:
@@ -217,7 +230,13 @@ DEFAULT_TUNING = Tuning()
 # (``deterministic=True`` keeps the dQ walk).
 INCOHERENT_TUNING = Tuning(main_walk_limit_per_slot=4.0, dq_pass="dkdv_atomic",
                            index_lse_split=True)
-TUNINGS = {"default": DEFAULT_TUNING, "incoherent": INCOHERENT_TUNING}
+# Each query tile's route by its union: the tiles of long walks key-outer in the forward and
+# their rows' dQ from the dK/dV pass's atomic adds (the rest as the default: the walks, the
+# Gluon dK/dV), and the index log-sum-exp split.
+ADAPTIVE_TUNING = Tuning(main_walk_limit_per_slot=4.0, dq_pass="hard_atomic",
+                         index_lse_split=True)
+TUNINGS = {"default": DEFAULT_TUNING, "incoherent": INCOHERENT_TUNING,
+           "adaptive": ADAPTIVE_TUNING}
 
 
 def resolve_tuning(tuning) -> Tuning:

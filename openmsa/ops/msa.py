@@ -111,8 +111,10 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
             input-precision scores; warmup, which selects nothing, ignores it.
         tuning: the kernels' routes and work-list sizes: None (the default), ``"incoherent"``
             (for selections whose neighbours keep different blocks, as a new index branch
-            makes: faster there, slower on coherent ones; ``configs.INCOHERENT_TUNING``) or a
-            ``configs.Tuning``. Eager calls only: under torch.compile, export or a dispatch
+            makes: faster there, slower on coherent ones; ``configs.INCOHERENT_TUNING``),
+            ``"adaptive"`` (each query tile's route by its union: the long walks' rows
+            key-outer, their dQ by the dK/dV pass's atomic adds; ``configs.ADAPTIVE_TUNING``)
+            or a ``configs.Tuning``. Eager calls only: under torch.compile, export or a dispatch
             mode the registered operators run the default, and another tuning raises. The
             reference backend ignores it.
 

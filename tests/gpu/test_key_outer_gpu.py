@@ -11,7 +11,8 @@ import torch
 
 from openmsa.bench.timing import captured as captured_graph
 from openmsa.ops import attention as attention_module
-from openmsa.ops.attention import attention_backward, key_outer, sm90_key_outer
+from openmsa.ops.attention import (attention_backward, key_outer, sm90_backward,
+                                    sm90_key_outer)
 from openmsa.ops.attention import sparse_attention_fwd
 from openmsa.ops.configs import Tuning
 from openmsa.testing import (TOLERANCE, MSACase, compare_with_reference, random_inputs,
@@ -82,8 +83,8 @@ def test_bf16_key_outer_within_twice_the_reference_error(case, kernels, dq_parti
     counts = []
     original = key_outer.hard_rows
 
-    def counted(p, limit):
-        hard = original(p, limit)
+    def counted(p, limit, **options):
+        hard = original(p, limit, **options)
         counts.append(hard.float().mean().item())
         return hard
 
@@ -126,6 +127,40 @@ def test_bf16_dq_from_dkdv_atomics_within_twice_the_reference_error(case, forwar
     assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
 
 
+@pytest.mark.parametrize("kl_value", [True, False])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_bf16_hard_rows_dq_from_dkdv_atomics_within_twice_the_reference_error(case, kl_value,
+                                                                              monkeypatch):
+    """``Tuning.dq_pass = "hard_atomic"``: the walk's rows get their dq from the (Gluon) dQ
+    walk, the hard rows' from the atomic adds of the Triton dK/dV steps over the segments
+    holding a hard pair; the other segments from the Gluon dK/dV kernel told to skip the
+    flagged ones (with ``kl_value=False`` every segment on the Triton kernel, which stores the
+    KL teachers)."""
+    routes = []
+    original = attention_module.dkdv_with_hard_atomic_dq
+    monkeypatch.setattr(attention_module, "dkdv_with_hard_atomic_dq",
+                        lambda *args: routes.append(1) or original(*args))
+    skips = []
+    gluon_parts = sm90_backward.attention_dkdv_parts
+
+    def recorded(*args, skip=None, **options):
+        skips.append(skip is not None)
+        return gluon_parts(*args, skip=skip, **options)
+
+    monkeypatch.setattr(sm90_backward, "attention_dkdv_parts", recorded)
+    tuning = dataclasses.replace(TUNING, dq_pass="hard_atomic")
+    comparison = compare_with_reference(tuned_msa_attention(tuning), case, torch.bfloat16,
+                                        "cuda", kl_value=kl_value)
+    _record("hard_rows_dq_from_dkdv_atomics_bf16", case, comparison, kl_value=kl_value)
+    assert routes, "the hard rows' dq did not come from the dK/dV pass"
+    # Every Gluon dK/dV launch left the atomic kernel's segments; on Hopper one ran when no
+    # teacher was stored (the 128-dim cases).
+    assert all(skips), skips
+    if kl_value and case.head_dim == 128 and torch.cuda.get_device_capability()[0] == 9:
+        assert skips, "the Gluon dK/dV kernel did not run"
+    assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
+
+
 @pytest.mark.parametrize("dq_pass", ["walk", "dkdv_atomic"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_bf16_kl_teachers_from_dkdv_within_twice_the_reference_error(case, dq_pass,
@@ -147,12 +182,13 @@ def test_bf16_kl_teachers_from_dkdv_within_twice_the_reference_error(case, dq_pa
     assert comparison.passed(TOLERANCE[torch.bfloat16]), comparison.errors
 
 
-def test_dq_from_dkdv_atomics_under_a_cuda_graph():
-    """``dq_pass = "dkdv_atomic"`` waits on no host value: a step captured in a CUDA graph and
-    replayed on new inputs gives the eager step's values up to the atomic sums' order (dq
-    within bf16 rounding, everything else bitwise)."""
+@pytest.mark.parametrize("dq_pass", ["dkdv_atomic", "hard_atomic"])
+def test_dq_from_dkdv_atomics_under_a_cuda_graph(dq_pass):
+    """``dq_pass = "dkdv_atomic"`` and ``"hard_atomic"`` wait on no host value: a step
+    captured in a CUDA graph and replayed on new inputs gives the eager step's values up to the
+    atomic sums' order (dq within bf16 rounding, everything else bitwise)."""
     case = CASES[1]
-    attention = tuned_msa_attention(dataclasses.replace(TUNING, dq_pass="dkdv_atomic"))
+    attention = tuned_msa_attention(dataclasses.replace(TUNING, dq_pass=dq_pass))
     inputs, cu_seqlens = random_inputs(case, torch.bfloat16, "cuda", seed=3)
     static = [t.detach().clone().requires_grad_() for t in inputs]
     out_grad = torch.randn_like(inputs[0])

@@ -359,8 +359,8 @@ def _count_hard_rows(monkeypatch):
     counts = []
     original = key_outer_module.hard_rows
 
-    def counted(p, limit):
-        hard = original(p, limit)
+    def counted(p, limit, **options):
+        hard = original(p, limit, **options)
         counts.append((int(hard.sum()), hard.numel()))
         return hard
 
@@ -501,10 +501,185 @@ def test_deterministic_keeps_the_dq_walk(monkeypatch):
         assert torch.equal(got[name], walked[name]), name
 
 
+HARD_ATOMIC_TUNING = dataclasses.replace(KEY_OUTER_TUNING, dq_pass="hard_atomic",
+                                         segment_pairs=16)
+
+
+def _count_hard_atomic_routes(monkeypatch) -> dict:
+    """What each backward ran for the rows the walk leaves: "key_outer_dq" or "hard_atomic"
+    (``dkdv_with_hard_atomic_dq``), and the segment flags each hard-atomic pass made."""
+    seen = dict(routes=count_calls(monkeypatch, attention_module, {
+        "key_outer_dq": "key_outer_dq", "dkdv_with_hard_atomic_dq": "hard_atomic"}), flags=[])
+    original = key_outer_module.segment_hard
+
+    def recorded(p, hard):
+        flags = original(p, hard)
+        seen["flags"].append(flags.clone())
+        return flags
+
+    monkeypatch.setattr(key_outer_module, "segment_hard", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("case,dtype,tuning", [
+    (KEY_OUTER_CASE, torch.float32, HARD_ATOMIC_TUNING),
+    (KEY_OUTER_CASE, torch.float16, HARD_ATOMIC_TUNING),
+    (CASES[1], torch.float32, Tuning(main_walk_limit_per_slot=0.5, dq_pass="hard_atomic",
+                                     segment_pairs=8)),
+    # Three heads padded to four: 32-row atomic steps of eight tokens.
+    (CASES[2], torch.float32, Tuning(main_walk_limit_per_slot=0.5, dq_pass="hard_atomic",
+                                     segment_pairs=8)),
+    (CASES[3], torch.float32, Tuning(main_walk_limit_per_slot=0.5, dq_pass="hard_atomic",
+                                     segment_pairs=8)),
+], ids=["gq16_fp32", "gq16_fp16", "packed_with_sink_fp32", "three_heads_fp32",
+        "block128_d128_fp32"])
+def test_hard_rows_dq_from_dkdv_atomics_matches_reference(case, dtype, tuning, monkeypatch):
+    """``Tuning.dq_pass = "hard_atomic"``: the rows the walk leaves get their dq from the
+    dK/dV pass's atomic adds (no key-outer dQ); only the segments holding such a row run on
+    the atomic kernel, the others on the plain one, and the walk keeps the other rows: the
+    reference's quantities, every element written (new buffers poisoned), with hard and easy
+    rows, flagged and unflagged segments."""
+    seen = _count_hard_atomic_routes(monkeypatch)
+    counts = _count_hard_rows(monkeypatch)
+    launches = []
+    triton_parts = attention_module.triton_dkdv_parts
+
+    def recorded(*args, segment_hard=None, hard_segments_only=False, **options):
+        launches.append((segment_hard is not None, hard_segments_only))
+        return triton_parts(*args, segment_hard=segment_hard,
+                            hard_segments_only=hard_segments_only, **options)
+
+    monkeypatch.setattr(attention_module, "triton_dkdv_parts", recorded)
+    poison_new_buffers(monkeypatch)
+    got, expected, _ = kernel_and_reference(case, dtype, seed=4, tuning=tuning)
+    assert seen["routes"] == ["hard_atomic"], seen["routes"]
+    # The plain pass left the flagged segments, the atomic pass ran them alone.
+    assert launches == [(True, False), (True, True)], launches
+    assert all(0 < hard < total for hard, total in counts), counts
+    (flags,) = seen["flags"]
+    assert 0 < int(flags.sum()) < flags.numel(), flags
+    for name in QUANTITY_NAMES:
+        error = rel_rms_error(got[name], expected[name])
+        assert error < TOLERANCE[dtype], (name, error)
+
+
+def _mixed_segments(p, hard) -> int:
+    """The segments of ``p``'s key-block list holding pairs of both hard and easy rows."""
+    work, mixed = p.block_work, 0
+    for bucket, first in work.segments.tolist():
+        if bucket < 0:
+            continue
+        end = int(work.bucket_start[bucket] + work.bucket_count[bucket])
+        tokens = work.pair_token[first:min(first + work.segment_pairs, end)].long()
+        flags = hard[tokens, bucket % p.num_index_heads]
+        mixed += bool(flags.any() and not flags.all())
+    return mixed
+
+
+def test_segment_hard_flags_the_segments_holding_a_flagged_row():
+    """``key_outer.segment_hard``: 1 for a segment of the key-block list holding a pair whose
+    (token, index head) is set, else 0 (padding segments too); random flags over four index
+    heads, buckets numbered ``global block x Hi + index head``."""
+    case = CASES[1]
+    inputs, cu = random_inputs(case, torch.float32, "cpu", seed=2)
+    q, k, _, index_q, index_k = (t.detach().reshape(-1, *t.shape[-2:]) for t in inputs)
+    ids = select_module.select_blocks_fwd(index_q, index_k, cu, top_k=3, block_size=64,
+                                          index_softmax_scale=0.3, num_local_blocks=1,
+                                          num_sink_blocks=1, return_max=True)[0]
+    problem = SparseAttentionProblem(q, k, ids, cu, 64, 64 ** -0.5,
+                                     tuning=Tuning(segment_pairs=8))
+    hard = (torch.rand(q.shape[0], 4, generator=torch.Generator().manual_seed(3)) < 0.1)
+    flags = key_outer_module.segment_hard(problem, hard.to(torch.int8))
+    work = problem.block_work
+    expected = []
+    for bucket, first in work.segments.tolist():
+        end = int(work.bucket_start[max(bucket, 0)] + work.bucket_count[max(bucket, 0)])
+        tokens = work.pair_token[first:min(first + work.segment_pairs, end)].long()
+        expected.append(bucket >= 0 and bool(hard[tokens, bucket % 4].any()))
+    assert 0 < sum(expected) < len(expected), expected
+    assert flags.tolist() == [int(e) for e in expected]
+
+
+def test_hard_rows_dq_adds_into_the_hard_rows_alone(monkeypatch):
+    """``dq_pass = "hard_atomic"``: the atomic dK/dV steps add into the fp32 dQ sum at the
+    hard rows only (the easy rows' adds would be wasted atomics, their sum never read): the
+    easy rows, zeroed here before the pass, stay zero, also in segments of both kinds of row
+    (segments of 12 pairs here, across the tiles' 8 tokens)."""
+    seen = dict(sums=[])
+    original_hard_rows = key_outer_module.hard_rows
+    original_dq_from_sum = key_outer_module.dq_from_sum
+
+    def zeroing_easy_rows(p, limit, dq_sum=None):
+        hard = original_hard_rows(p, limit, dq_sum=dq_sum)
+        if dq_sum is not None:  # the backward's call (the forward's gives none)
+            dq_sum.view(p.total, p.num_index_heads, p.gq, p.head_dim)[hard == 0] = 0
+        return hard
+
+    def recorded(dq_sum, dq, p, hard=None):
+        seen["sums"].append((dq_sum.clone(), hard.clone(), p.gq, _mixed_segments(p, hard)))
+        return original_dq_from_sum(dq_sum, dq, p, hard=hard)
+
+    monkeypatch.setattr(key_outer_module, "hard_rows", zeroing_easy_rows)
+    monkeypatch.setattr(key_outer_module, "dq_from_sum", recorded)
+    kernel_and_reference(KEY_OUTER_CASE, torch.float32, seed=4,
+                         tuning=dataclasses.replace(HARD_ATOMIC_TUNING, segment_pairs=12))
+    ((dq_sum, hard, gq, mixed),) = seen["sums"]
+    rows = dq_sum.view(hard.shape[0], hard.shape[1], gq, -1)
+    assert 0 < int(hard.sum()) < hard.numel() and mixed > 0, (hard, mixed)
+    assert torch.count_nonzero(rows[hard == 0]) == 0
+    assert torch.count_nonzero(rows[hard != 0]) > 0
+
+
+def test_hard_rows_dq_from_dkdv_atomics_with_kl_teachers(monkeypatch):
+    """``dq_pass = "hard_atomic"`` with ``kl_value=False`` (the teachers stored by the dK/dV
+    pass, both launches of it here): the reference's gradients."""
+    from openmsa.ops import pipeline
+
+    seen = _count_hard_atomic_routes(monkeypatch)
+    teachers = count_calls(monkeypatch, pipeline, {"kl_from_teacher": "teacher"})
+    poison_new_buffers(monkeypatch)
+    got, expected, _ = kernel_and_reference(KEY_OUTER_CASE, torch.float32, seed=4,
+                                            tuning=HARD_ATOMIC_TUNING, kl_value=False)
+    assert seen["routes"] == ["hard_atomic"] and teachers == ["teacher"], (seen, teachers)
+    for name in ("out", "dq", "dk", "dv", "dindex_q", "dindex_k"):
+        error = rel_rms_error(got[name], expected[name])
+        assert error < TOLERANCE[torch.float32], (name, error)
+
+
+@pytest.mark.parametrize("options,route", [
+    (dict(deterministic=True), "key_outer_dq"), (dict(), "key_outer_dq")],
+    ids=["deterministic", "sum_past_its_bound"])
+def test_hard_rows_dq_falls_back_to_the_key_outer_dq(options, route, monkeypatch):
+    """``dq_pass = "hard_atomic"`` with ``deterministic=True`` (atomic sums vary in order), or
+    with a dQ sum larger than ``hard_atomic_max_bytes``: the key-outer dQ runs, the gradients
+    bitwise those of the walk tuning's."""
+    seen = _count_hard_atomic_routes(monkeypatch)
+    tuning = HARD_ATOMIC_TUNING
+    if not options:
+        tuning = dataclasses.replace(tuning, hard_atomic_max_bytes=331 * 16 * 64 * 4 - 1)
+    got, _, _ = kernel_and_reference(KEY_OUTER_CASE, torch.float32, seed=4, tuning=tuning,
+                                     **options)
+    walked, _, _ = kernel_and_reference(
+        KEY_OUTER_CASE, torch.float32, seed=4,
+        tuning=dataclasses.replace(HARD_ATOMIC_TUNING, dq_pass="walk"), **options)
+    assert seen["routes"] == [route, route], seen["routes"]
+    for name in ("dq", "dk", "dv"):
+        assert torch.equal(got[name], walked[name]), name
+    at_bound = dataclasses.replace(HARD_ATOMIC_TUNING, hard_atomic_max_bytes=331 * 16 * 64 * 4)
+    kernel_and_reference(KEY_OUTER_CASE, torch.float32, seed=4, tuning=at_bound)
+    assert seen["routes"][-1] == "hard_atomic", seen["routes"]
+
+
+def test_hard_atomic_max_bytes_is_checked():
+    for value in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="^hard_atomic_max_bytes: expected an int"):
+            Tuning(hard_atomic_max_bytes=value)
+
+
 @pytest.mark.parametrize("tuning,route", [
     (None, "walk"), ("default", "walk"), ("incoherent", "dkdv_atomic"),
-    (Tuning(dq_pass="dkdv_atomic"), "dkdv_atomic")],
-    ids=["none", "default", "incoherent", "tuning_object"])
+    ("adaptive", "walk"), (Tuning(dq_pass="dkdv_atomic"), "dkdv_atomic")],
+    ids=["none", "default", "incoherent", "adaptive", "tuning_object"])
 def test_msa_attention_runs_the_tuning_it_is_given(tuning, route, monkeypatch):
     """``msa_attention(tuning=...)``: a name of ``configs.TUNINGS`` or a ``Tuning`` picks the
     kernels' routes (the atomic dQ of "incoherent" here); the reference's quantities."""
@@ -558,8 +733,8 @@ def test_layer_passes_its_tuning_on(monkeypatch):
 
 
 @pytest.mark.parametrize("tuning", [
-    KEY_OUTER_TUNING, dataclasses.replace(KEY_OUTER_TUNING, dq_pass="dkdv_atomic")],
-    ids=["key_outer_dq", "dq_from_dkdv_atomics"])
+    KEY_OUTER_TUNING, dataclasses.replace(KEY_OUTER_TUNING, dq_pass="dkdv_atomic"),
+    HARD_ATOMIC_TUNING], ids=["key_outer_dq", "dq_from_dkdv_atomics", "hard_rows_atomic_dq"])
 def test_key_outer_rows_of_query_ranges_add_up_to_the_full_run(tuning, monkeypatch):
     """The key-outer passes on query ranges (rows named relative to ``query_start``): out and
     dq are the full run's rows, with the hard rows' dQ from the key-outer dQ, or every row's

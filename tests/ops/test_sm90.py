@@ -23,7 +23,7 @@ SHARED_MEMORY_LIMIT = 227 * 1024  # per block on the H100/H200
 # spills up to 20 bytes at D = 128 (0 at D = 64); its bound stays at the 64 it once needed.
 # The persistent key-outer forward spills up to 64 bytes at D = 128 (4 or 16 heads a pair):
 # scalars of its segment loop (pairs, block, step counts), read from the L1 cache.
-SPILL_BYTES = {"forward": 0, "dq": 0, "dq-walk-limit": 0, "dkdv": 0, "kl": 64,
+SPILL_BYTES = {"forward": 0, "dq": 0, "dq-walk-limit": 0, "dkdv": 0, "dkdv-skip": 0, "kl": 64,
                "key-outer-forward": 64, "key-outer-dq": 0, "key-outer-dq-16bit": 0}
 # Compiled in a process of its own: with TRITON_INTERPRET=1 (the README's test command) Triton
 # swaps its language functions for interpreted ones, which the Gluon compiler then refuses.
@@ -47,7 +47,7 @@ def _compile(kernel, head_dim, block_size, dtype, heads_per_token):
     return report, int(shared)
 
 
-@pytest.mark.parametrize("kernel", ["forward", "dq", "dq-walk-limit", "dkdv", "kl",
+@pytest.mark.parametrize("kernel", ["forward", "dq", "dq-walk-limit", "dkdv", "dkdv-skip", "kl",
                                     "key-outer-forward", "key-outer-dq", "key-outer-dq-16bit"])
 @pytest.mark.parametrize("head_dim,block_size,dtype,heads_per_token", [
     (128, 128, "bf16", 16), (128, 128, "bf16", 4), (64, 64, "fp16", 4), (128, 64, "bf16", 3),
@@ -131,11 +131,13 @@ print(json.dumps([report["spill_bytes"], report["serialized"], kernel.metadata.s
 
 
 @pytest.mark.parametrize("kernel,launch,spill_bytes", [
-    ("dkdv-atomic-dq", "DKDV_CONFIG", 0), ("dkdv+teacher", "DKDV_CONFIG", 60),
+    ("dkdv-atomic-dq", "DKDV_CONFIG", 0), ("dkdv-hard-atomic-dq", "DKDV_CONFIG", 0),
+    ("dkdv+teacher", "DKDV_CONFIG", 60), ("dkdv-hard-atomic-dq+teacher", "DKDV_CONFIG", 0),
     ("dkdv-atomic-dq+teacher", "DKDV_CONFIG", 0), ("kl-teacher", "KL_TEACHER_CONFIG", 0)])
 def test_key_outer_lever_kernels_compile_for_sm90(kernel, launch, spill_bytes):
     """The Triton key-outer kernels behind the levers, at their launch and step sizes:
-    dK/dV with every row's dQ added atomically (``Tuning.dq_pass = "dkdv_atomic"``), storing
+    dK/dV with every row's dQ added atomically (``Tuning.dq_pass = "dkdv_atomic"``) or the
+    hard rows' alone on the segments holding one (``"hard_atomic"``), storing
     the KL teachers (``kl_teacher = "from_dkdv"``; "+teacher"), and the KL pass reading them,
     compile for sm_90a with their products asynchronous (a dQ product shaped ``[rows, D]``, a
     teacher made by an MMA, the teacher pass at 2 stages: each serialized them) and at most

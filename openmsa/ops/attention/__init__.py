@@ -14,6 +14,8 @@ forces the Triton kernels (benchmarks compare the two).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import sm90
@@ -22,7 +24,8 @@ from . import sm90_backward, sm90_forward
 from .backward import (attention_delta, reduce_dkdv_parts, triton_backward_atomic_dq,
                        triton_dkdv_parts, triton_dq)
 from .forward import index_log_sum_exp, index_log_sum_exp_key_outer, triton_forward
-from .key_outer import key_outer_dq, key_outer_forward, walk_limit
+from .key_outer import (dkdv_with_hard_atomic_dq, hard_atomic_bytes, key_outer_dq,
+                        key_outer_forward, walk_limit)
 
 __all__ = ["attention_backward", "attention_delta", "attention_dkdv", "attention_dq",
            "index_log_sum_exp", "index_log_sum_exp_key_outer", "sparse_attention_fwd"]
@@ -98,8 +101,12 @@ def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
     Gluon dQ computes the deltas itself (one pass over out and dout less), those of the rows
     it leaves to the key-outer dQ too. With ``Tuning.dq_pass = "dkdv_atomic"`` every row's
     dq comes from the dK/dV pass, added atomically (``backward.triton_backward_atomic_dq``),
-    unless ``deterministic``. ``teacher``: a [pairs, block] tensor the dK/dV pass stores each
-    pair's KL teacher into (on the Triton kernels: ``Tuning.kl_teacher = "from_dkdv"``)."""
+    unless ``deterministic``. With ``"hard_atomic"`` the rows the walk leaves (tiles past
+    ``key_outer.walk_limit(p)``) get theirs that way (``key_outer.dkdv_with_hard_atomic_dq``)
+    instead of from the key-outer dQ, unless ``deterministic`` or the fp32 sum would take more
+    than ``Tuning.hard_atomic_max_bytes``. ``teacher``: a [pairs, block] tensor the dK/dV pass
+    stores each pair's KL teacher into (on the Triton kernels: ``Tuning.kl_teacher =
+    "from_dkdv"``)."""
     dout = dout.contiguous()
     if p.tuning.dq_pass == "dkdv_atomic" and not deterministic:
         return triton_backward_atomic_dq(q, k, v, out, dout, lse, p, teacher)
@@ -110,23 +117,46 @@ def attention_backward(q, k, v, out, dout, lse, p: SparseAttentionProblem,
     else:
         delta = attention_delta(out, dout, p)
         dq = _walk_dq(q, k, v, dout, lse, delta, p, limit, use_hopper)
+    if limit and _hard_rows_atomic(p, deterministic):
+        parts = functools.partial(_dkdv_parts, q, k, v, dout, lse, delta, p, use_hopper,
+                                  teacher)
+        atomic_parts = functools.partial(triton_dkdv_parts, q, k, v, dout, lse, delta, p,
+                                         teacher=teacher, hard_segments_only=True)
+        return dkdv_with_hard_atomic_dq(q, k, v, dout, lse, delta, p, limit, dq, parts,
+                                        atomic_parts)
     if limit:  # after the deltas of its rows, which the Gluon dQ wrote
         key_outer_dq(q, k, v, dout, lse, delta, p, limit, dq, use_hopper)
     return (dq,) + attention_dkdv(q, k, v, dout, lse, delta, p, use_hopper=use_hopper,
                                   teacher=teacher)
 
 
-def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
-                   use_hopper: bool | None = None, teacher=None, **launch_options):
-    """dk, dv, key-outer: fp32 partials per segment of pairs, then an in-order sum per key
-    block. The partials come from the Gluon kernel on a Hopper GPU where it supports the inputs
-    (unless ``use_hopper=False`` or a ``teacher`` to store, which the Triton kernel does), else
-    from the Triton kernel (``launch_options``: its num_warps, num_stages)."""
+def _hard_rows_atomic(p: SparseAttentionProblem, deterministic: bool) -> bool:
+    """Whether the rows the dQ walk leaves get their dq from the dK/dV pass's atomic adds
+    (``Tuning.dq_pass = "hard_atomic"``) rather than from the key-outer dQ."""
+    return (p.tuning.dq_pass == "hard_atomic" and not deterministic
+            and hard_atomic_bytes(p) <= p.tuning.hard_atomic_max_bytes)
+
+
+def _dkdv_parts(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
+                use_hopper: bool | None, teacher=None, skip=None, parts=None, **launch_options):
+    """The fp32 dK (unscaled) and dV partials per segment of the key-block list: from the
+    Gluon kernel on a Hopper GPU where it supports the inputs (unless ``use_hopper=False`` or a
+    ``teacher`` to store, which the Triton kernel does), else from the Triton kernel
+    (``launch_options``: its num_warps, num_stages). ``skip`` (int32 per segment): the
+    flagged segments are left (another launch writes them); ``parts``: the partials to write
+    into (new ones by default)."""
     if (use_hopper is not False and teacher is None
             and sm90_backward.supported_key_outer(q, k, v, dout, p)):
-        dk_part, dv_part = sm90_backward.attention_dkdv_parts(q, k, v, dout, lse, delta, p,
-                                                              p.scale * LOG2_E)
-    else:
-        dk_part, dv_part = triton_dkdv_parts(q, k, v, dout, lse, delta, p, teacher=teacher,
-                                             **launch_options)
+        return sm90_backward.attention_dkdv_parts(q, k, v, dout, lse, delta, p,
+                                                  p.scale * LOG2_E, skip=skip, parts=parts)
+    return triton_dkdv_parts(q, k, v, dout, lse, delta, p, teacher=teacher, segment_hard=skip,
+                             parts=parts, **launch_options)
+
+
+def attention_dkdv(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
+                   use_hopper: bool | None = None, teacher=None, **launch_options):
+    """dk, dv, key-outer: fp32 partials per segment of pairs (``_dkdv_parts``: Gluon or
+    Triton), then an in-order sum per key block."""
+    dk_part, dv_part = _dkdv_parts(q, k, v, dout, lse, delta, p, use_hopper, teacher,
+                                   **launch_options)
     return reduce_dkdv_parts(dk_part, dv_part, k, v, p)

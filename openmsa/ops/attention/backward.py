@@ -6,7 +6,10 @@ kept it (``worklists.key_blocks``), ``TOK x GQ`` rows at a time, and writes fp32
 ``segments.reduce_segments`` sums per block in a fixed order: no atomics, deterministic.
 With ``ATOMIC_DQ`` (``Tuning.dq_pass = "dkdv_atomic"``) each step also adds its rows' dQ over
 the block, ``dS K``, atomically into an fp32 sum: no dQ walk, a cost that follows the kept
-pairs, but an order of additions that varies from run to run.
+pairs, but an order of additions that varies from run to run. With ``HARD_ROWS_DQ``
+(``Tuning.dq_pass = "hard_atomic"``) only the rows the dQ walk leaves (``key_outer.hard_rows``)
+are added, and one launch runs only the segments that hold such a row (the others run on the
+plain kernel, which skips them).
 """
 
 from __future__ import annotations
@@ -98,13 +101,18 @@ def _delta_kernel(OUT, DOUT, DELTA, DQ_SUM, stride_o_t, stride_o_h, stride_do_t,
 
 
 @triton.jit
-def _dq_from_sum_kernel(DQ_SUM, DQ, stride_dq_t, stride_dq_h, scale, NUM_ROWS,
-                        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+def _dq_from_sum_kernel(DQ_SUM, DQ, HARD, stride_dq_t, stride_dq_h, scale, NUM_ROWS,
+                        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+                        GQ: tl.constexpr = 1, HARD_ROWS: tl.constexpr = False):
     """DQ[t, h] = scale * DQ_SUM[t, h] in DQ's dtype: the atomic sums scaled and cast in one
-    pass; rows are (t, h)."""
+    pass; rows are (t, h). HARD_ROWS: only the rows whose (t, index head h // GQ) is set in
+    HARD [Tq, H / GQ] (int8; the walk wrote the others)."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     valid = row < NUM_ROWS
     token, head = row // NUM_HEADS, row % NUM_HEADS
+    if HARD_ROWS:
+        valid &= tl.load(HARD + token * (NUM_HEADS // GQ) + head // GQ, mask=valid,
+                         other=0) != 0
     dims = tl.arange(0, HEAD_DIM)
     total = tl.load(DQ_SUM + row[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None],
                     other=0.0)
@@ -136,20 +144,23 @@ def _over_heads(per_pair, GQ_PAD: tl.constexpr, TOK: tl.constexpr):
 @triton.jit
 def _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, last, block,
                 index_head, query_base, stride_q_t, stride_q_h, stride_do_t, stride_do_h,
-                scale_log2, DQ_SUM, TEACHER, HI: tl.constexpr, GQ: tl.constexpr,
+                scale_log2, DQ_SUM, TEACHER, HARD, HI: tl.constexpr, GQ: tl.constexpr,
                 GQ_PAD: tl.constexpr, TOK: tl.constexpr, ROWS: tl.constexpr,
                 BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-                ATOMIC_DQ: tl.constexpr, STORE_TEACHER: tl.constexpr):
+                ATOMIC_DQ: tl.constexpr, STORE_TEACHER: tl.constexpr,
+                HARD_ROWS_DQ: tl.constexpr = False):
     """dK and dV of the block over the pairs [first, last), TOK pairs x GQ heads (head-major
     rows) a step, added to ``dk`` and ``dv``.
     ATOMIC_DQ: every row's ``dS K`` is added atomically to its row of DQ_SUM [Tq, H, D]
-    (fp32, unscaled). STORE_TEACHER: each pair's KL teacher over the block (the mean of its GQ
+    (fp32, unscaled); with HARD_ROWS_DQ only the rows whose (token, index head) is set in
+    HARD [Tq, HI] (int8). STORE_TEACHER: each pair's KL teacher over the block (the mean of its GQ
     heads' probabilities, masked) into TEACHER [pairs, BLOCK] (the KL's ``TEACHER_GIVEN``)."""
     dims = tl.arange(0, HEAD_DIM)
     rows = tl.arange(0, ROWS)
     row_head = index_head * GQ + rows // TOK
     for first_pair in range(first, last, TOK):
-        row_token, row_valid, _, _ = _pair_rows(PAIR_TOKEN, first_pair, last, GQ, GQ_PAD, TOK)
+        row_token, row_valid, pair_token, pair_valid = _pair_rows(PAIR_TOKEN, first_pair, last,
+                                                                  GQ, GQ_PAD, TOK)
         q = tl.load(Q + row_token[:, None] * stride_q_t + row_head[:, None] * stride_q_h
                     + dims[None, :], mask=row_valid[:, None], other=0.0)  # [ROWS, D]
         dout = tl.load(DOUT + row_token[:, None] * stride_do_t + row_head[:, None] * stride_do_h
@@ -185,8 +196,13 @@ def _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, l
             # serialize the step's asynchronous MMAs at 2 stages. Relaxed atomics: nothing
             # reads the sum before the kernel ends.
             dq_t = tl.dot(tl.trans(k), dscores_t.to(k.dtype), input_precision=PRECISION)
+            adds = row_valid
+            if HARD_ROWS_DQ:
+                pair_hard = tl.load(HARD + pair_token * HI + index_head, mask=pair_valid,
+                                    other=0) != 0
+                adds &= _over_heads(pair_hard, GQ_PAD, TOK)
             tl.atomic_add(DQ_SUM + row[None, :] * HEAD_DIM + dims[:, None], dq_t,
-                          mask=row_valid[None, :], sem="relaxed")
+                          mask=adds[None, :], sem="relaxed")
     return dk, dv
 
 
@@ -196,23 +212,29 @@ def _sparse_attn_dkdv_kernel(
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_do_t, stride_do_h, scale_log2, DQ_SUM, TEACHER,
+    stride_do_t, stride_do_h, scale_log2, DQ_SUM, TEACHER, SEGMENT_HARD, HARD,
     HI: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, KV_GROUP: tl.constexpr,
     INDEX_GROUP: tl.constexpr, TOK: tl.constexpr, TOKP: tl.constexpr, ROWS: tl.constexpr,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
     SEGMENT_PAIRS: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr = False,
-    STORE_TEACHER: tl.constexpr = False,
+    STORE_TEACHER: tl.constexpr = False, SEGMENTS_RUN: tl.constexpr = 0,
+    HARD_ROWS_DQ: tl.constexpr = False,
 ):
     """Key-outer dK, dV of one segment: up to SEGMENT_PAIRS (token, index head) pairs that kept
     one key block, TOK pairs x GQ heads (head-major rows) per step; segments run in
     SEGMENT_ORDER (worklists.key_blocks.SEGMENT_ORDERS). Writes fp32 partials (dK unscaled).
-    ATOMIC_DQ: the rows' dQ over the block is added atomically into DQ_SUM; STORE_TEACHER: each
-    pair's KL teacher into TEACHER (``_dkdv_steps``)."""
+    ATOMIC_DQ: the rows' dQ over the block is added atomically into DQ_SUM (HARD_ROWS_DQ: the
+    rows set in HARD only); STORE_TEACHER: each pair's KL teacher into TEACHER
+    (``_dkdv_steps``). SEGMENTS_RUN: 0 every segment, 1 those not flagged in SEGMENT_HARD
+    (int32 per segment), 2 the flagged ones only."""
     segment, first, last, index_head, block, seq_start, seq_len, query_base = _segment(
         SEGMENTS, SEGMENT_ORDER, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL,
         CU_SEQLENS, query_start, HI, SEGMENT_PAIRS)
     if segment < 0:
         return
+    if SEGMENTS_RUN != 0:
+        if (tl.load(SEGMENT_HARD + segment) != 0) != (SEGMENTS_RUN == 2):
+            return
     kv_head = index_head // KV_GROUP
     key_pos, key_valid, key_token = _block_keys(seq_start, seq_len, block, BLOCK)
     k = _load_rows(K, key_token, key_valid, kv_head, stride_k_t, stride_k_h, HEAD_DIM)
@@ -221,8 +243,9 @@ def _sparse_attn_dkdv_kernel(
     dv = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
     dk, dv = _dkdv_steps(dk, dv, k, v, key_pos, Q, DOUT, LSE, DELTA, PAIR_TOKEN, first, last,
                          block, index_head, query_base, stride_q_t, stride_q_h, stride_do_t,
-                         stride_do_h, scale_log2, DQ_SUM, TEACHER, HI, GQ, GQ_PAD, TOK, ROWS,
-                         BLOCK, HEAD_DIM, PRECISION, ATOMIC_DQ, STORE_TEACHER)
+                         stride_do_h, scale_log2, DQ_SUM, TEACHER, HARD, HI, GQ, GQ_PAD, TOK,
+                         ROWS, BLOCK, HEAD_DIM, PRECISION, ATOMIC_DQ, STORE_TEACHER,
+                         HARD_ROWS_DQ)
     offsets = (segment * BLOCK + tl.arange(0, BLOCK))[:, None] * HEAD_DIM \
         + tl.arange(0, HEAD_DIM)[None, :]
     tl.store(DK_PART + offsets, dk)
@@ -260,25 +283,37 @@ def triton_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
     return dq
 
 
+def new_dkdv_parts(q, p: SparseAttentionProblem):
+    """Empty fp32 dK and dV partials, [segments * block, D] each."""
+    segments = p.block_work.segments.shape[0]
+    return tuple(torch.empty(segments * p.block_size, p.head_dim, dtype=torch.float32,
+                             device=q.device) for _ in range(2))
+
+
 def triton_dkdv_parts(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
                       num_warps=DKDV_CONFIG["num_warps"], num_stages=DKDV_CONFIG["num_stages"],
-                      dq_sum=None, teacher=None):
+                      dq_sum=None, teacher=None, segment_hard=None, hard_segments_only=False,
+                      hard=None, parts=None):
     """fp32 dK (unscaled) and dV partials per segment of ``p``'s key-block list, key-outer.
     ``dq_sum``: an fp32
     [Tq, H, D] tensor that each row's unscaled dQ is atomically added to (in steps of
-    ``DKDV_ATOMIC_DQ_ROWS`` rows: the extra product needs the registers); ``teacher``: a
-    [pairs, block] tensor that each pair's KL teacher is stored into."""
+    ``DKDV_ATOMIC_DQ_ROWS`` rows: the extra product needs the registers), or with ``hard``
+    (int8 [Tq, Hi]) only the rows set there; ``teacher``: a [pairs, block] tensor that each
+    pair's KL teacher is stored into. ``segment_hard`` (int32 per segment): the segments
+    flagged there are left (another launch writes them), or with ``hard_segments_only`` they
+    alone run; ``parts``: the (dk, dv) partials to write into (new ones by default)."""
     segments = p.block_work.segments.shape[0]
-    dk_part, dv_part = (torch.empty(segments * p.block_size, p.head_dim, dtype=torch.float32,
-                                    device=q.device) for _ in range(2))
+    dk_part, dv_part = parts or new_dkdv_parts(q, p)
     tokens, rows = p.key_tokens, p.key_rows
     if dq_sum is not None:
         tokens, _, rows = _tile_shape(p.gq, DKDV_ATOMIC_DQ_ROWS)
+    segments_run = 0 if segment_hard is None else 2 if hard_segments_only else 1
     launch(_sparse_attn_dkdv_kernel, (segments,),
         q, k, v, dout, lse, delta, dk_part, dv_part, *p.key_work_args(),
-        *strides(q, k, v, dout), p.scale * LOG2_E, dq_sum, teacher,
+        *strides(q, k, v, dout), p.scale * LOG2_E, dq_sum, teacher, segment_hard, hard,
         **p.key_constants(tokens, rows), ATOMIC_DQ=dq_sum is not None,
-        STORE_TEACHER=teacher is not None, num_warps=num_warps, num_stages=num_stages)
+        STORE_TEACHER=teacher is not None, SEGMENTS_RUN=segments_run,
+        HARD_ROWS_DQ=hard is not None, num_warps=num_warps, num_stages=num_stages)
     return dk_part, dv_part
 
 
@@ -301,8 +336,15 @@ def triton_backward_atomic_dq(q, k, v, out, dout, lse, p: SparseAttentionProblem
     dk_part, dv_part = triton_dkdv_parts(q, k, v, dout, lse, delta, p, dq_sum=dq_sum,
                                          teacher=teacher)
     dq = torch.empty_like(q)
-    rows, programs = _row_programs(p, q.device)
-    _dq_from_sum_kernel[(programs,)](dq_sum, dq, dq.stride(0), dq.stride(1), p.scale,
-                                     p.total * p.num_heads, NUM_HEADS=p.num_heads,
-                                     HEAD_DIM=p.head_dim, ROWS=rows)
+    dq_from_sum(dq_sum, dq, p)
     return (dq,) + reduce_dkdv_parts(dk_part, dv_part, k, v, p)
+
+
+def dq_from_sum(dq_sum, dq, p: SparseAttentionProblem, hard=None) -> None:
+    """``dq`` = the softmax scale x ``dq_sum`` (fp32 [Tq, H, D]) in dq's dtype, one pass; with
+    ``hard`` (int8 [Tq, Hi]) only the rows of the (token, index head)s set there."""
+    rows, programs = _row_programs(p, dq.device)
+    _dq_from_sum_kernel[(programs,)](dq_sum, dq, hard, dq.stride(0), dq.stride(1), p.scale,
+                                     p.total * p.num_heads, NUM_HEADS=p.num_heads,
+                                     HEAD_DIM=p.head_dim, ROWS=rows, GQ=p.gq,
+                                     HARD_ROWS=hard is not None)

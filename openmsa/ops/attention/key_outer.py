@@ -16,6 +16,16 @@ its partial (fp32, or in the inputs' precision: ``Tuning.key_outer_dq_partials``
 adds a row's slots in slot order in fp32. No atomics: both are
 deterministic. The slots of a window of query rows at a time live in memory
 (``Tuning.key_outer_partial_bytes`` bounds them), so the passes run once per window.
+
+With ``Tuning.dq_pass = "hard_atomic"`` the hard rows' dQ comes from the dK/dV pass instead
+(``dkdv_with_hard_atomic_dq``): its steps gather the same q and dO rows and compute the same
+dS, so one more product ``dS K``, added atomically into an fp32 sum, replaces the key-outer
+dQ's gathers, two of its three products, its partials and their sum. The dK/dV segments that
+hold a hard pair run on the Triton kernel that adds them; the others on the usual dK/dV
+kernel (Gluon on Hopper GPUs), which skips the flagged ones: coherent selections, with few or
+no hard rows, keep their dK/dV pass, and random ones run the atomic dQ of ``dq_pass =
+"dkdv_atomic"`` on the rows that need it. Not bitwise reproducible (``deterministic=True``
+keeps the key-outer dQ).
 """
 
 from __future__ import annotations
@@ -31,9 +41,10 @@ from ..problem import LOG2_E, SparseAttentionProblem
 from ..tiles import _block_keys, _load_rows, _query_tile, _segment
 from ..worklists import BlockWork
 from . import sm90_key_outer
-from .backward import _over_heads, _pair_rows
+from .backward import (_over_heads, _pair_rows, dq_from_sum, new_dkdv_parts,
+                       reduce_dkdv_parts)
 
-__all__ = ["key_outer_dq", "key_outer_forward", "walk_limit"]
+__all__ = ["dkdv_with_hard_atomic_dq", "key_outer_dq", "key_outer_forward", "walk_limit"]
 
 
 def walk_limit(p: SparseAttentionProblem) -> int:
@@ -48,11 +59,14 @@ def walk_limit(p: SparseAttentionProblem) -> int:
 
 
 @triton.jit
-def _hard_rows_kernel(HARD, SCHEDULE, UNION_COUNT, CU_SEQLENS, query_start, query_end, limit,
-                      HI: tl.constexpr, GQ: tl.constexpr, TOK: tl.constexpr,
-                      TOKP: tl.constexpr, ROWS: tl.constexpr):
+def _hard_rows_kernel(HARD, DQ_SUM, SCHEDULE, UNION_COUNT, CU_SEQLENS, query_start, query_end,
+                      limit, HI: tl.constexpr, GQ: tl.constexpr, TOK: tl.constexpr,
+                      TOKP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr = 16,
+                      ZERO_DQ_SUM: tl.constexpr = False):
     """HARD[row, index head] = 1 for the rows of each (query tile, index head) whose union holds
-    more than ``limit`` blocks, 0 for the others."""
+    more than ``limit`` blocks, 0 for the others. ZERO_DQ_SUM: the hard rows' GQ heads of
+    DQ_SUM [Tq, HI * GQ, HEAD_DIM] (fp32) zeroed too (the atomic adds' sum, zeroed where
+    they go only)."""
     entry = tl.program_id(0).to(tl.int64)
     index_head = tl.program_id(1).to(tl.int64)
     if tl.load(SCHEDULE + 2 * entry) < 0:  # padding entry
@@ -62,17 +76,26 @@ def _hard_rows_kernel(HARD, SCHEDULE, UNION_COUNT, CU_SEQLENS, query_start, quer
     hard = tl.load(UNION_COUNT + entry * HI + index_head) > limit
     tl.store(HARD + tok_token * HI + index_head,
              tl.zeros((TOKP,), tl.int8) + hard.to(tl.int8), mask=tok_valid)
+    if ZERO_DQ_SUM:
+        if hard:
+            dims = tl.arange(0, HEAD_DIM)
+            for g in range(GQ):
+                row = tok_token * (HI * GQ) + index_head * GQ + g
+                tl.store(DQ_SUM + row[:, None] * HEAD_DIM + dims[None, :],
+                         tl.zeros((TOKP, HEAD_DIM), tl.float32), mask=tok_valid[:, None])
 
 
-def hard_rows(p: SparseAttentionProblem, limit: int) -> torch.Tensor:
-    """int8 [Tq, Hi]: 1 where a row's tile goes key-outer at walk limit ``limit``."""
+def hard_rows(p: SparseAttentionProblem, limit: int, dq_sum=None) -> torch.Tensor:
+    """int8 [Tq, Hi]: 1 where a row's tile goes key-outer at walk limit ``limit``; ``dq_sum``
+    (fp32 [Tq, H, D]): those rows zeroed there."""
     hard = torch.zeros(p.total, p.num_index_heads, dtype=torch.int8,
                        device=p.block_ids.device)
     constants = p.query_constants()
     _hard_rows_kernel[p.query_grid()](
-        hard, p.query_work.schedule, p.query_work.union_count, p.cu_seqlens, p.query_start,
-        p.query_start + p.total, limit, HI=p.num_index_heads, GQ=p.gq, TOK=constants["TOK"],
-        TOKP=constants["TOKP"], ROWS=constants["ROWS"])
+        hard, dq_sum, p.query_work.schedule, p.query_work.union_count, p.cu_seqlens,
+        p.query_start, p.query_start + p.total, limit, HI=p.num_index_heads, GQ=p.gq,
+        TOK=constants["TOK"], TOKP=constants["TOKP"], ROWS=constants["ROWS"],
+        HEAD_DIM=p.head_dim, ZERO_DQ_SUM=dq_sum is not None)
     return hard
 
 
@@ -468,3 +491,59 @@ def key_outer_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem, limit: in
                    **constants, **KEY_OUTER_CONFIG)
         _sum_dq_window(ids, hard, window_hard, window, dq_part, dq, start, end, p)
     return dq
+
+
+@triton.jit
+def _segment_hard_kernel(SEGMENT_HARD, HARD, SEGMENTS, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT,
+                         HI: tl.constexpr, SEGMENT_PAIRS: tl.constexpr,
+                         PAIRS_PAD: tl.constexpr):
+    """SEGMENT_HARD[segment] = 1 where a pair of the segment has a hard row, else 0."""
+    segment = tl.program_id(0).to(tl.int64)
+    bucket = tl.load(SEGMENTS + 2 * segment)
+    first = tl.load(SEGMENTS + 2 * segment + 1)
+    valid_bucket = tl.maximum(bucket, 0)
+    bucket_end = tl.load(BUCKET_START + valid_bucket) + tl.load(BUCKET_COUNT + valid_bucket)
+    last = tl.where(bucket < 0, first, tl.minimum(first + SEGMENT_PAIRS, bucket_end))
+    pairs = first + tl.arange(0, PAIRS_PAD)
+    valid = pairs < last
+    token = tl.load(PAIR_TOKEN + pairs, mask=valid, other=0).to(tl.int64)
+    hard = tl.load(HARD + token * HI + valid_bucket % HI, mask=valid, other=0)
+    tl.store(SEGMENT_HARD + segment, tl.max(hard, axis=0).to(tl.int32))
+
+
+def segment_hard(p: SparseAttentionProblem, hard: torch.Tensor) -> torch.Tensor:
+    """int32 per segment of ``p``'s key-block list: 1 where the segment holds a pair of a row
+    set in ``hard`` (int8 [Tq, Hi])."""
+    work = p.block_work
+    segments = work.segments.shape[0]
+    flags = torch.empty(segments, dtype=torch.int32, device=hard.device)
+    _segment_hard_kernel[(segments,)](
+        flags, hard, work.segments, work.pair_token, work.bucket_start, work.bucket_count,
+        HI=p.num_index_heads, SEGMENT_PAIRS=work.segment_pairs,
+        PAIRS_PAD=triton.next_power_of_2(work.segment_pairs))
+    return flags
+
+
+def hard_atomic_bytes(p: SparseAttentionProblem) -> int:
+    """The bytes of ``dkdv_with_hard_atomic_dq``'s fp32 dQ sum: [Tq, H, D]."""
+    return p.total * p.num_heads * p.head_dim * 4
+
+
+def dkdv_with_hard_atomic_dq(q, k, v, dout, lse, delta, p: SparseAttentionProblem,
+                             limit: int, dq, dkdv_parts, atomic_dkdv_parts):
+    """dk and dv (as ``attention_dkdv``), and ``dq``'s rows whose tiles' unions hold more than
+    ``limit`` blocks (the walk left them) from the dK/dV pass: the segments holding a pair of
+    such a row run through ``atomic_dkdv_parts(dq_sum, hard, segment_hard, parts)`` (the
+    Triton kernel adding those rows' ``dS K`` atomically into an fp32 sum, zeroed at those
+    rows alone), the others through ``dkdv_parts(skip, parts)`` (the dK/dV dispatch's kernel,
+    leaving the flagged segments); then the sum, scaled and cast, fills the hard rows of dq.
+    ``delta`` must hold every row's (the walk's dQ writes them)."""
+    dq_sum = torch.empty(p.total, p.num_heads, p.head_dim, dtype=torch.float32,
+                         device=q.device)
+    hard = hard_rows(p, limit, dq_sum=dq_sum)
+    flags = segment_hard(p, hard)
+    parts = new_dkdv_parts(q, p)
+    dkdv_parts(skip=flags, parts=parts)
+    atomic_dkdv_parts(dq_sum=dq_sum, hard=hard, segment_hard=flags, parts=parts)
+    dq_from_sum(dq_sum, dq, p, hard=hard)
+    return (dq,) + reduce_dkdv_parts(*parts, k, v, p)

@@ -385,15 +385,17 @@ def _sparse_attn_dkdv_hopper_kernel(
     Q, DOUT, LSE, DELTA, DK_PART, DV_PART, k_desc, v_desc,
     SEGMENTS, SEGMENT_ORDER, PAIR_TOKEN, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE,
     BLOCK_LOCAL, CU_SEQLENS, query_start,
-    stride_q_t, stride_q_h, stride_do_t, stride_do_h, scale_log2,
+    stride_q_t, stride_q_h, stride_do_t, stride_do_h, scale_log2, SKIP,
     HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, TOK: gl.constexpr,
     BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, SEGMENT_PAIRS: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, GATHER_REGS: gl.constexpr,
+    WITH_SKIP: gl.constexpr = False,
 ):
     """Key-outer dK, dV of one segment, warp-specialized: one warp gathers the steps' rows
     (``_dkdv_gather``) and each warpgroup computes 64 keys of the block (``_dkdv_key_rows``;
     the first is the launch's 4 warps, the second a worker partition) with no barrier between
-    the two, so that one's products run while the other's exponentials do."""
+    the two, so that one's products run while the other's exponentials do. WITH_SKIP: the
+    segments flagged in SKIP (int32 per segment) are left (another kernel writes them)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = 32
     io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
@@ -404,6 +406,9 @@ def _sparse_attn_dkdv_hopper_kernel(
     bucket = gl.load(SEGMENTS + 2 * segment)
     if bucket < 0:  # padding segment
         return
+    if WITH_SKIP:
+        if gl.load(SKIP + segment) != 0:
+            return
     first, last, index_head, block, seq_start, query_base = _segment_of(
         SEGMENTS, BUCKET_START, BUCKET_COUNT, BLOCK_SEQUENCE, BLOCK_LOCAL, CU_SEQLENS,
         query_start, segment, bucket, HI, SEGMENT_PAIRS)
@@ -463,22 +468,26 @@ def _dkdv_maxnreg(block_size: int, registers: tuple) -> int:
 
 
 def attention_dkdv_parts(q, k, v, dout, lse, delta, p, scale_log2: float,
-                         stages: int = KEY_STEP_STAGES, registers: tuple = KEY_STEP_REGISTERS):
+                         stages: int = KEY_STEP_STAGES, registers: tuple = KEY_STEP_REGISTERS,
+                         skip=None, parts=None):
     """fp32 dK (unscaled) and dV partials per segment of ``p``'s key-block list, as the Triton
-    kernel writes them; ``supported_key_outer(q, k, v, dout, p)`` must hold."""
+    kernel writes them; ``supported_key_outer(q, k, v, dout, p)`` must hold. ``skip``: int32
+    flags per segment, those set left unwritten (another kernel's); ``parts``: the (dk, dv)
+    partials to write into (new ones by default)."""
     work = p.block_work
     segments = work.segments.shape[0]
-    dk_part, dv_part = (torch.empty(segments * p.block_size, p.head_dim, dtype=torch.float32,
-                                    device=q.device) for _ in range(2))
+    dk_part, dv_part = parts or (torch.empty(segments * p.block_size, p.head_dim,
+                                             dtype=torch.float32, device=q.device)
+                                 for _ in range(2))
     shared = p.shared
     _sparse_attn_dkdv_hopper_kernel[(segments,)](
         q, dout, lse, delta, dk_part, dv_part, _block_descriptor(k, p.block_size),
         _block_descriptor(v, p.block_size), work.segments, work.segment_order, work.pair_token,
         work.bucket_start, work.bucket_count, work.block_sequence, work.block_local,
         p.cu_seqlens, p.query_start, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1),
-        scale_log2, HI=shared["HI"], GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"],
+        scale_log2, skip, HI=shared["HI"], GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"],
         TOK=key_step_tokens(p.gq), BLOCK=p.block_size, HEAD_DIM=p.head_dim,
         SEGMENT_PAIRS=work.segment_pairs, STAGES=stages, CONSUMER_REGS=registers[0],
-        GATHER_REGS=registers[1], num_warps=4,
+        GATHER_REGS=registers[1], WITH_SKIP=skip is not None, num_warps=4,
         maxnreg=_dkdv_maxnreg(p.block_size, registers))
     return dk_part, dv_part
