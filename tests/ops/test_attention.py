@@ -475,7 +475,8 @@ def test_dq_from_dkdv_atomics_matches_reference(case, dtype, tuning, monkeypatch
 def test_dq_from_dkdv_atomics_matches_the_walk(case, options, monkeypatch):
     """More shapes for ``dq_pass = "dkdv_atomic"`` (one head per index head: 32 tokens a step;
     local windows; blocks of 128 and D = 128; warmup's every causal block): dq, dk, dv equal
-    the walk's to fp32 rounding."""
+    the walk's to fp32 rounding. The atomic adds sum in another order, so the allowed error
+    scales with each tensor's largest element (a few ulps of it); a wrong term is O(1)."""
     routes = _count_backward_routes(monkeypatch)
     inputs, cu_seqlens = random_inputs(case, torch.float32, "cpu", seed=21)
     out_grad = torch.randn(*inputs[0].shape, generator=torch.Generator().manual_seed(22))
@@ -485,7 +486,8 @@ def test_dq_from_dkdv_atomics_matches_the_walk(case, options, monkeypatch):
     walked, _ = run_with_grads(openmsa.msa_attention, inputs, cu_seqlens, out_grad, 1.0, **run)
     assert routes == ["dkdv_atomic", "walk"], routes
     for name in ("dq", "dk", "dv"):
-        torch.testing.assert_close(atomic[name], walked[name], rtol=1e-5, atol=1e-6, msg=name)
+        ulps = 4e-6 * walked[name].abs().max().item()
+        torch.testing.assert_close(atomic[name], walked[name], rtol=1e-5, atol=ulps, msg=name)
 
 
 def test_deterministic_keeps_the_dq_walk(monkeypatch):
