@@ -270,3 +270,24 @@ def test_bench_step_options_carry_the_tuning():
     assert step_options(args) == dict(msa_options(args), tuning="incoherent")
     assert "tuning" not in msa_options(args)
     assert parser.parse_args([]).tuning == "default"
+
+
+@pytest.mark.parametrize("tuning", ["adaptive", "incoherent"])
+def test_bench_correctness_check_runs_with_each_tuning(tuning):
+    """``measure``'s check before timing: ``compare_with_reference`` on the timed step's
+    options, ``--tuning`` among them (the references take a tuning and run no routes)."""
+    import argparse
+
+    from openmsa import msa_attention
+    from openmsa.bench.options import step_options
+    from openmsa.bench.run import add_arguments
+    from openmsa.testing import TOLERANCE, MSACase, compare_with_reference
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--tuning", tuning, "--top-k", "2", "--block-size", "64"])
+    case = MSACase("check", batch=1, seqlen=200, num_heads=4, num_kv_heads=1,
+                   num_index_heads=1, head_dim=64, index_head_dim=64,
+                   options=step_options(args))
+    comparison = compare_with_reference(msa_attention, case, torch.float32, "cpu")
+    assert comparison.passed(TOLERANCE[torch.float32]), comparison.errors
