@@ -195,7 +195,7 @@ def tuned_msa_attention(tuning: Tuning):
         return msa_kernels(operator, q, k, v, index_q, index_k, problem,
                            arguments["cu_seqlens"], arguments["max_seqlen"], block_indices,
                            arguments["kl_value"], arguments["deterministic"],
-                           arguments["return_indices"])
+                           arguments["return_indices"], tuning)
 
     return run
 

@@ -144,16 +144,6 @@ def test_plots_are_written_when_no_baseline_ran(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
-def test_kl_share_is_derived_only_where_the_main_attention_ran_the_steps_routes():
-    from openmsa.bench.run import kl_share
-
-    times = dict(msa_fwd_bwd_ms=40.0, selection_ms=1.0, main_attention_fwd_bwd_ms=30.0)
-    assert kl_share(times, "default") == dict(kl_fwd_bwd_ms=9.0)
-    for tuning in ("adaptive", "incoherent"):
-        assert "kl_fwd_bwd_ms" not in kl_share(times, tuning)
-        assert "default routes" in kl_share(times, tuning)["kl_status"]
-
-
 def test_selection_statistics_count_neighbours_overlap_and_unions():
     from openmsa.bench.selection import selection_statistics
 

@@ -242,16 +242,6 @@ def make_inputs(row, seqlen, selection, device="cuda", seed=0):
     return [t.requires_grad_() for t in (q, k, v, index_q[None], index_k[None])]
 
 
-def kl_share(result: dict, tuning: str) -> dict:
-    """The KL's share of the step: the step less selection and the main attention alone. The
-    main attention alone (``sparse_attention``) takes no tuning, so under another tuning the
-    difference mixes the routes' gains into the KL's time and is not reported."""
-    if tuning != "default":
-        return dict(kl_status="not derived: the main attention alone runs the default routes")
-    return dict(kl_fwd_bwd_ms=result["msa_fwd_bwd_ms"] - result["selection_ms"]
-                - result["main_attention_fwd_bwd_ms"])
-
-
 def measure(row, args, selection: str, dense: dict) -> dict:
     """One row: ``row``'s shape on ``selection``'s index inputs. ``dense``: the dense baseline's
     figures at this length, filled by the first kind that times them."""
@@ -298,11 +288,12 @@ def measure(row, args, selection: str, dense: dict) -> dict:
     result["selection_ms"] = bench(lambda: select_blocks(index_q, index_k, **options))
 
     def attention_step():
-        out = sparse_attention(q, k, v, ids, block_size=args.block_size)
+        out = sparse_attention(q, k, v, ids, block_size=args.block_size, tuning=args.tuning)
         torch.autograd.grad(out, (q, k, v), dout)
 
     result["main_attention_fwd_bwd_ms"] = bench(attention_step)
-    result.update(kl_share(result, args.tuning))
+    result["kl_fwd_bwd_ms"] = (result["msa_fwd_bwd_ms"] - result["selection_ms"]
+                               - result["main_attention_fwd_bwd_ms"])
     result.update(selection_statistics(ids[0].permute(1, 0, 2)))
     triples = flops.kept_triples(ids[0].permute(1, 0, 2), args.block_size,
                                  row["heads"] // row["index_heads"])

@@ -42,8 +42,9 @@ class MSAAttention(nn.Module):
     prefix); ``MSAWarmupSchedule`` switches every layer of a model by step. ``top_k``,
     ``block_size``, ``num_local_blocks``, ``local_block_dilation``, ``num_sink_blocks``,
     ``backend``, ``deterministic``, ``index_precision`` (``"fp8"``: selection on fp8 index
-    scores) and ``tuning`` (``"incoherent"``: routes for selections whose neighbours keep
-    different blocks, as a new index branch makes) are passed to ``msa_attention``.
+    scores) and ``tuning`` (``"adaptive"``, ``"incoherent"``: routes for selections whose
+    neighbours keep different blocks, as a new index branch makes) are passed to
+    ``msa_attention`` (``tuning`` also to a sharing layer's ``sparse_attention``).
 
     Index sharing (SPEC section 9): ``share_index_from=layer`` builds a layer without an index
     branch (no index projections) that attends over the blocks ``layer`` (an earlier layer of
@@ -230,7 +231,8 @@ class MSAAttention(nn.Module):
             return out, kl, ids
         kl = torch.zeros((), dtype=torch.float32, device=q.device)
         options = dict(block_size=self.options["block_size"], cu_seqlens=cu_seqlens,
-                       max_seqlen=max_seqlen, backend=self.options["backend"])
+                       max_seqlen=max_seqlen, backend=self.options["backend"],
+                       tuning=self.options["tuning"])
         if self.warmup:
             options.update(warmup=True, num_index_heads=self.num_index_heads,
                            deterministic=self.options["deterministic"])

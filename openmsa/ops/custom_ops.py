@@ -297,3 +297,56 @@ def _sparse_backward_formula(ctx, dout, *_):
 
 
 sparse_forward.register_autograd(_sparse_backward_formula, setup_context=_sparse_setup_context)
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_sparse_forward(tuning: Tuning):
+    """``sparse_forward`` (same inputs and outputs) on another tuning's routes, through a plain
+    autograd Function: the registered operators take the default tuning only."""
+
+    def forward_of(q, k, v, cu_seqlens, block_ids, num_index_heads, block_size, softmax_scale,
+                   warmup, max_seqlen, query_start=0, dense_batch=0, schedule=None, union=None,
+                   union_members=None, union_count=None, block_work=None):
+        given = None
+        if schedule is not None:
+            given = QueryTileWork(schedule, union, union_members, union_count,
+                                  tile_tokens=query_tile_shape(q.shape[1] // num_index_heads)[0])
+        out, lse, ids, *work = pipeline.sparse_forward(
+            q, k, v, cu_seqlens, block_ids, num_index_heads, block_size, softmax_scale, warmup,
+            max_seqlen, query_start, dense_batch, given, tuning=tuning)
+        if given is not None:  # as the operator's: the given lists are saved from the inputs
+            work = [q.new_empty(0, dtype=t.dtype) for t in work]
+        return (out, lse, ids, *work)
+
+    class TunedSparseForward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = forward_of(*inputs)
+            _sparse_setup_context(ctx, inputs, output)
+            ctx.mark_non_differentiable(*output[1:])
+            return output
+
+        @staticmethod
+        def backward(ctx, dout, *_):
+            q, k, v, out, lse, ids, *work, cu_seqlens, block_work = ctx.saved_tensors
+            dq, dk, dv = pipeline.sparse_backward(
+                dout.contiguous(), q, k, v, out, lse, ids, *work, cu_seqlens, *ctx.options,
+                block_work, tuning=tuning)
+            return (dq, dk, dv) + (None,) * 14
+
+    return TunedSparseForward.apply
+
+
+def sparse_operator(*inputs: torch.Tensor, tuning: Tuning = DEFAULT_TUNING):
+    """The forward operator ``sparse_attention`` runs: the registered ``sparse_forward`` for
+    the default tuning, else ``tuned_sparse_forward`` (eager calls only, as
+    ``msa_operator``'s tunings)."""
+    if tuning == DEFAULT_TUNING:
+        return sparse_forward
+    if (torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
+            or any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta
+                   for t in inputs)):
+        raise ValueError("tuning: torch.compile, export, fake or meta tensors and dispatch "
+                         "modes run the registered operators, which take the default "
+                         "tuning only; leave tuning=None there")
+    return tuned_sparse_forward(tuning)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .configs import Tuning, resolve_tuning
-from .custom_ops import msa_operator, sparse_forward
+from .custom_ops import msa_operator, sparse_operator
 from .dense import use_cudnn_dense
 from .interpreter import INTERPRETING, check_interpreter
 from .layout import (ids_from_token_major, ids_to_token_major,
@@ -155,14 +155,15 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         return _return(out, kl if kl_value else kl - kl.detach(), block_ids, return_indices)
     return msa_kernels(msa_operator(q, k, v, index_q, index_k, tuning=tuning), q, k, v,
                        index_q, index_k, problem, cu_seqlens, max_seqlen, block_indices,
-                       kl_value, deterministic, return_indices)
+                       kl_value, deterministic, return_indices, tuning)
 
 
 def msa_kernels(operator, q, k, v, index_q, index_k, problem, cu_seqlens, max_seqlen,
-                block_indices, kl_value: bool, deterministic: bool, return_indices: bool):
+                block_indices, kl_value: bool, deterministic: bool, return_indices: bool,
+                tuning: Tuning):
     """``msa_attention`` on validated inputs, on the kernels of ``operator``
     (``custom_ops.msa_operator``'s choice, or a ``custom_ops.tuned_msa_forward`` for
-    tests)."""
+    tests) running ``tuning``."""
     _check_gpu_head_dims(q.device, q=problem.head_dim, index_q=problem.index_head_dim)
     cu = packed_offsets(cu_seqlens, problem.batch, problem.num_keys, q.device)
     ids = None if block_indices is None else ids_to_token_major(block_indices, problem.packed)
@@ -183,7 +184,7 @@ def msa_kernels(operator, q, k, v, index_q, index_k, problem, cu_seqlens, max_se
                                                          problem.batch, problem.seqlen)
     if return_indices and block_ids is not None and not torch.compiler.is_compiling():
         HandedOnSelection.attach(block_ids, token_major_ids, query_work, block_work, q, k,
-                                 cu_seqlens, problem)
+                                 cu_seqlens, problem, tuning)
     return _return(out.view(q.shape), kl, block_ids, return_indices)
 
 
@@ -207,20 +208,22 @@ class HandedOnSelection:
                                                                   block_work)
 
     @staticmethod
-    def _key(q, k, num_heads, block_size, query_start):
+    def _key(q, k, num_heads, block_size, query_start, tuning):
         # The lists depend on the packing (cu_seqlens, compared apart), the query range, the
-        # tile shape (heads per index head) and the block size.
-        return tuple(q.shape[:-2]), tuple(k.shape[:-2]), num_heads, block_size, query_start
+        # tile shape (heads per index head), the block size and the tuning (segment sizes).
+        return (tuple(q.shape[:-2]), tuple(k.shape[:-2]), num_heads, block_size, query_start,
+                tuning)
 
     @classmethod
     def attach(cls, block_ids, token_major_ids, query_work, block_work, q, k, cu_seqlens,
-               problem):
-        key = cls._key(q, k, problem.num_heads, problem.block_size, problem.query_start)
+               problem, tuning):
+        key = cls._key(q, k, problem.num_heads, problem.block_size, problem.query_start,
+                       tuning)
         setattr(block_ids, cls.ATTRIBUTE, cls(block_ids._version, key, cu_seqlens,
                                               token_major_ids, query_work, block_work))
 
     @classmethod
-    def of(cls, block_ids, q, k, cu_seqlens, num_heads, block_size, query_start):
+    def of(cls, block_ids, q, k, cu_seqlens, num_heads, block_size, query_start, tuning):
         """The handed-on selection of ``block_ids`` if it still holds for this problem."""
         if torch.compiler.is_compiling():
             return None
@@ -228,7 +231,8 @@ class HandedOnSelection:
         if (selection is None or selection.version != block_ids._version
                 or selection.cu_seqlens is not cu_seqlens
                 or (cu_seqlens is not None and cu_seqlens._version != selection.cu_version)
-                or selection.key != cls._key(q, k, num_heads, block_size, query_start)):
+                or selection.key != cls._key(q, k, num_heads, block_size, query_start,
+                                             tuning)):
             return None
         return selection
 
@@ -269,7 +273,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      softmax_scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
                      max_seqlen: int | None = None, backend: str = "auto", warmup: bool = False,
                      num_index_heads: int | None = None, deterministic: bool = False,
-                     query_start: int | None = None) -> torch.Tensor:
+                     query_start: int | None = None,
+                     tuning: Tuning | str | None = None) -> torch.Tensor:
     """The main attention alone, over given kept blocks (SPEC section 3, steps 5-6): what a
     layer that shares another layer's selection runs (SPEC section 9).
 
@@ -283,16 +288,19 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     deterministic by construction; ``deterministic=True`` keeps warmup off cuDNN, whose backward
     is not. ``query_start``: a query range, as ``msa_attention``'s (context parallelism). The
     kernels run as the custom operators ``openmsa::sparse_forward`` / ``sparse_backward``, so
-    ``torch.compile`` traces them. Ids that ``msa_attention(..., return_indices=True)`` returned
+    ``torch.compile`` traces them. ``tuning``: the kernels' routes, as ``msa_attention``'s
+    (another than the default runs eagerly, outside the operators, and raises under a tracer
+    or mode). Ids that ``msa_attention(..., return_indices=True)`` returned
     on the kernels, unchanged since and used on the same problem, come with the work lists that
     forward built: they are reused and the ids' values not checked again
     (``HandedOnSelection``); other ids are checked, which synchronizes the host (skipped under
     CUDA-graph capture and torch.compile).
     """
+    tuning = resolve_tuning(tuning)
     handed_on = None
     if isinstance(block_indices, torch.Tensor) and not warmup:
         handed_on = HandedOnSelection.of(block_indices, q, k, cu_seqlens, q.shape[-2],
-                                         block_size, query_start or 0)
+                                         block_size, query_start or 0, tuning)
     problem = validate_sparse_args(q, k, v, block_indices, block_size=block_size,
                                    softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                                    max_seqlen=max_seqlen, backend=backend, warmup=warmup,
@@ -303,18 +311,17 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return naive_msa_forward(q, k, v, None, None, problem, cu_seqlens, block_indices)[0]
     _check_gpu_head_dims(q.device, q=problem.head_dim)
     cu = packed_offsets(cu_seqlens, problem.batch, problem.num_keys, q.device)
-    lists = {}
+    lists = (None,) * 5  # schedule, union, union_members, union_count, block_work
     if handed_on is not None:
         ids = handed_on.token_major_ids
-        lists = dict(zip(("schedule", "union", "union_members", "union_count"),
-                         handed_on.query_work), block_work=handed_on.block_work)
+        lists = (*handed_on.query_work, handed_on.block_work)
     else:
         ids = None if warmup else ids_to_token_major(block_indices, problem.packed)
     dense_batch = problem.batch if warmup and use_cudnn_dense(q, problem, deterministic) else 0
-    out, *_ = sparse_forward(packed_tokens(q), packed_tokens(k), packed_tokens(v), cu, ids,
-                             problem.num_index_heads, block_size, problem.softmax_scale, warmup,
-                             max_seqlen or problem.num_keys, problem.query_start, dense_batch,
-                             **lists)
+    tokens = [packed_tokens(t) for t in (q, k, v)]
+    out, *_ = sparse_operator(*tokens, tuning=tuning)(
+        *tokens, cu, ids, problem.num_index_heads, block_size, problem.softmax_scale, warmup,
+        max_seqlen or problem.num_keys, problem.query_start, dense_batch, *lists)
     return out.view(q.shape)
 
 

@@ -231,7 +231,8 @@ def _causal_ids_and_work(q, k, cu_seqlens, num_index_heads: int, block_size: int
 def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                    block_ids: Optional[torch.Tensor], num_index_heads: int, block_size: int,
                    softmax_scale: float, warmup: bool, max_seqlen: int, query_start: int = 0,
-                   dense_batch: int = 0, query_work: Optional[QueryTileWork] = None):
+                   dense_batch: int = 0, query_work: Optional[QueryTileWork] = None,
+                   tuning: Tuning = DEFAULT_TUNING):
     """The main attention alone (no index branch, no KL) over ``block_ids`` (token-major
     ``[Tq, Hi, k]``) or, with ``warmup``, over every causal block (``num_index_heads`` then
     shapes the work lists; ``dense_batch`` > 0: on cuDNN over that many equal batch rows).
@@ -245,7 +246,7 @@ def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
         ids = block_ids.clone()  # outputs may not alias inputs
     problem = SparseAttentionProblem(q, k, ids, cu_seqlens, block_size, softmax_scale,
                                      query_start=query_start, query_work=query_work,
-                                     all_causal=warmup)
+                                     all_causal=warmup, tuning=tuning)
     if dense_batch:
         out, lse = dense_attention_forward(q, k, v, dense_batch, softmax_scale)
     else:
@@ -259,16 +260,17 @@ def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     schedule: torch.Tensor, union: torch.Tensor, union_members: torch.Tensor,
                     union_count: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
                     softmax_scale: float, query_start: int = 0, dense_batch: int = 0,
-                    block_work: Optional[torch.Tensor] = None):
+                    block_work: Optional[torch.Tensor] = None,
+                    tuning: Tuning = DEFAULT_TUNING):
     """dq, dk, dv of ``sparse_forward``'s attention, on its work lists; ``block_work``: the
     packed key-block list of ``block_ids`` when a forward built it already (the selecting
-    layer's KL), else None or empty to build it here."""
+    layer's KL), else None or empty to build it here. ``tuning`` must be the forward's."""
     if dense_batch:
         return dense_attention_backward(dout, q, k, v, out, lse, dense_batch, softmax_scale)
     work = QueryTileWork(schedule, union, union_members, union_count,
                          tile_tokens=query_tile_shape(q.shape[1] // block_ids.shape[1])[0])
-    blocks = unpacked_block_work(block_work, q, k, block_ids, cu_seqlens, block_size)
+    blocks = unpacked_block_work(block_work, q, k, block_ids, cu_seqlens, block_size, tuning)
     problem = SparseAttentionProblem(q, k, block_ids, cu_seqlens, block_size, softmax_scale,
                                      query_work=work, block_work=blocks,
-                                     query_start=query_start)
+                                     query_start=query_start, tuning=tuning)
     return attention_backward(q, k, v, out, dout, lse, problem)

@@ -804,3 +804,43 @@ def test_window_bounds_cut_each_segment_at_the_windows_rows(window_rows):
         expected = first + torch.searchsorted(tokens, rows, right=False)
         assert torch.equal(bounds[segment].long(), expected), segment
     assert segments - padding > 10
+
+
+@pytest.mark.parametrize("tuning,route", [
+    ("incoherent", ["dkdv_atomic"]), (HARD_ATOMIC_TUNING, ["walk"])],
+    ids=["incoherent", "hard_rows_atomic_dq"])
+def test_sparse_attention_runs_the_tuning_it_is_given(tuning, route, monkeypatch):
+    """``sparse_attention(tuning=...)`` (a sharing layer's main attention): the tuning's dQ
+    route, the reference's gradients; a selection handed on under another tuning is not
+    reused (its key-block list's segments follow the tuning), one under the same is."""
+    routes = _count_backward_routes(monkeypatch)
+    inputs, cu_seqlens = random_inputs(KEY_OUTER_CASE, torch.float32, "cpu", seed=7)
+    q, k, v = (t.detach().requires_grad_() for t in inputs[:3])
+    run = dict(KEY_OUTER_CASE.options, return_indices=True, cu_seqlens=cu_seqlens)
+    _, _, ids = openmsa.msa_attention(q, k, v, *inputs[3:], backend="triton", **run)
+    block_size = run["block_size"]
+    sparse = dict(block_size=block_size, cu_seqlens=cu_seqlens)
+    resolved = msa_module.resolve_tuning(tuning)
+    assert msa_module.HandedOnSelection.of(ids, q, k, cu_seqlens, q.shape[-2], block_size, 0,
+                                           resolved) is None
+    assert msa_module.HandedOnSelection.of(ids, q, k, cu_seqlens, q.shape[-2], block_size, 0,
+                                           DEFAULT_TUNING) is not None
+    out = openmsa.sparse_attention(q, k, v, ids, **sparse, backend="triton",
+                                   tuning=tuning)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    assert routes == route, routes
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected_out = openmsa.sparse_attention(qd, kd, vd, ids, **sparse,
+                                            backend="reference")
+    expected = torch.autograd.grad(expected_out, (qd, kd, vd), dout.double())
+    assert rel_rms_error(out, expected_out) < TOLERANCE[torch.float32]
+    for name, a, b in zip("qkv", got, expected):
+        assert rel_rms_error(a, b) < TOLERANCE[torch.float32], name
+    with pytest.raises(ValueError, match="^tuning: expected None"):
+        openmsa.sparse_attention(q, k, v, ids, **sparse, tuning="fast")
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False):
+        with pytest.raises(ValueError, match="^tuning: torch.compile, export"):
+            openmsa.sparse_attention(q, k, v, ids, **sparse, backend="triton",
+                                     tuning=tuning)
