@@ -204,15 +204,23 @@ def msa_operator(*inputs: torch.Tensor, tuning: Tuning = DEFAULT_TUNING):
     (argument defaults, schema and aliasing checks: about 0.1-0.2 ms a call on the host, which
     short eager steps wait for). ``tuning``: eager calls only (the registered operators run
     the default; a tracer or mode with another raises)."""
-    if (torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
-            or any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta
-                   for t in inputs)):
-        if tuning != DEFAULT_TUNING:
-            raise ValueError("tuning: torch.compile, export, fake or meta tensors and dispatch "
-                             "modes run the registered operators, which take the default "
-                             "tuning only; leave tuning=None there")
+    if _needs_registered_operators(inputs, tuning):
         return msa_forward
     return _eager_msa_forward(tuning)
+
+
+def _needs_registered_operators(inputs, tuning: Tuning) -> bool:
+    """Whether a tracer or a mode must see the registered operators (torch.compile and export,
+    fake or meta tensors, a dispatch mode, tensor subclasses); they run the default tuning
+    only, so another raises."""
+    traced = (torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
+              or any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta
+                     for t in inputs))
+    if traced and tuning != DEFAULT_TUNING:
+        raise ValueError("tuning: torch.compile, export, fake or meta tensors and dispatch "
+                         "modes run the registered operators, which take the default "
+                         "tuning only; leave tuning=None there")
+    return traced
 
 
 @torch.library.custom_op("openmsa::sparse_forward", mutates_args=())
@@ -230,6 +238,16 @@ def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     query-tile lists of ``block_ids`` that the selecting forward built (a sharing layer), then
     returned as empty tensors (outputs may not alias inputs) and saved from the inputs;
     ``block_work``: that forward's packed key-block list, for the backward alone."""
+    return _run_sparse_forward(q, k, v, cu_seqlens, block_ids, num_index_heads, block_size,
+                               softmax_scale, warmup, max_seqlen, query_start, dense_batch,
+                               schedule, union, union_members, union_count)
+
+
+def _run_sparse_forward(q, k, v, cu_seqlens, block_ids, num_index_heads, block_size,
+                        softmax_scale, warmup, max_seqlen, query_start=0, dense_batch=0,
+                        schedule=None, union=None, union_members=None, union_count=None,
+                        block_work=None, tuning: Tuning = DEFAULT_TUNING):
+    """``sparse_forward``'s body on ``tuning``'s routes (``block_work`` is the backward's)."""
     given = None
     if schedule is not None:
         given = QueryTileWork(schedule, union, union_members, union_count,
@@ -237,8 +255,8 @@ def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     out, lse, ids, *work = pipeline.sparse_forward(q, k, v, cu_seqlens, block_ids,
                                                    num_index_heads, block_size, softmax_scale,
                                                    warmup, max_seqlen, query_start, dense_batch,
-                                                   given)
-    if given is not None:
+                                                   given, tuning=tuning)
+    if given is not None:  # outputs may not alias inputs: the given lists are saved from those
         work = [q.new_empty(0, dtype=t.dtype) for t in work]
     return (out, lse, ids, *work)
 
@@ -289,50 +307,40 @@ def _sparse_setup_context(ctx, inputs, output):
     ctx.options = (block_size, softmax_scale, query_start, dense_batch)
 
 
-def _sparse_backward_formula(ctx, dout, *_):
-    q, k, v, out, lse, ids, *work, cu_seqlens, block_work = ctx.saved_tensors
-    dq, dk, dv = sparse_backward(dout.contiguous(), q, k, v, out, lse, ids, *work, cu_seqlens,
-                                 *ctx.options, block_work)
-    return (dq, dk, dv) + (None,) * 14
+def _sparse_backward_with(backward):
+    """The autograd formula of a sparse forward whose backward is ``backward``
+    (``sparse_backward``'s arguments)."""
+
+    def formula(ctx, dout, *_):
+        q, k, v, out, lse, ids, *work, cu_seqlens, block_work = ctx.saved_tensors
+        dq, dk, dv = backward(dout.contiguous(), q, k, v, out, lse, ids, *work, cu_seqlens,
+                              *ctx.options, block_work)
+        return (dq, dk, dv) + (None,) * 14
+
+    return formula
 
 
-sparse_forward.register_autograd(_sparse_backward_formula, setup_context=_sparse_setup_context)
+sparse_forward.register_autograd(_sparse_backward_with(sparse_backward),
+                                 setup_context=_sparse_setup_context)
 
 
 @functools.lru_cache(maxsize=None)
 def tuned_sparse_forward(tuning: Tuning):
     """``sparse_forward`` (same inputs and outputs) on another tuning's routes, through a plain
     autograd Function: the registered operators take the default tuning only."""
-
-    def forward_of(q, k, v, cu_seqlens, block_ids, num_index_heads, block_size, softmax_scale,
-                   warmup, max_seqlen, query_start=0, dense_batch=0, schedule=None, union=None,
-                   union_members=None, union_count=None, block_work=None):
-        given = None
-        if schedule is not None:
-            given = QueryTileWork(schedule, union, union_members, union_count,
-                                  tile_tokens=query_tile_shape(q.shape[1] // num_index_heads)[0])
-        out, lse, ids, *work = pipeline.sparse_forward(
-            q, k, v, cu_seqlens, block_ids, num_index_heads, block_size, softmax_scale, warmup,
-            max_seqlen, query_start, dense_batch, given, tuning=tuning)
-        if given is not None:  # as the operator's: the given lists are saved from the inputs
-            work = [q.new_empty(0, dtype=t.dtype) for t in work]
-        return (out, lse, ids, *work)
+    formula = _sparse_backward_with(functools.partial(pipeline.sparse_backward, tuning=tuning))
 
     class TunedSparseForward(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *inputs):
-            output = forward_of(*inputs)
+            output = _run_sparse_forward(*inputs, tuning=tuning)
             _sparse_setup_context(ctx, inputs, output)
             ctx.mark_non_differentiable(*output[1:])
             return output
 
         @staticmethod
-        def backward(ctx, dout, *_):
-            q, k, v, out, lse, ids, *work, cu_seqlens, block_work = ctx.saved_tensors
-            dq, dk, dv = pipeline.sparse_backward(
-                dout.contiguous(), q, k, v, out, lse, ids, *work, cu_seqlens, *ctx.options,
-                block_work, tuning=tuning)
-            return (dq, dk, dv) + (None,) * 14
+        def backward(ctx, *grads):
+            return formula(ctx, *grads)
 
     return TunedSparseForward.apply
 
@@ -341,12 +349,6 @@ def sparse_operator(*inputs: torch.Tensor, tuning: Tuning = DEFAULT_TUNING):
     """The forward operator ``sparse_attention`` runs: the registered ``sparse_forward`` for
     the default tuning, else ``tuned_sparse_forward`` (eager calls only, as
     ``msa_operator``'s tunings)."""
-    if tuning == DEFAULT_TUNING:
+    if tuning == DEFAULT_TUNING or _needs_registered_operators(inputs, tuning):
         return sparse_forward
-    if (torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
-            or any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta
-                   for t in inputs)):
-        raise ValueError("tuning: torch.compile, export, fake or meta tensors and dispatch "
-                         "modes run the registered operators, which take the default "
-                         "tuning only; leave tuning=None there")
     return tuned_sparse_forward(tuning)
