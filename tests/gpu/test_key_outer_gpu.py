@@ -324,3 +324,40 @@ def test_gluon_key_outer_matches_the_triton_kernels(case, programs, monkeypatch)
         error = rel_rms_error(gluon_value, triton_value)
         print(case.name, name, f"{error:.2e}")
         assert error < 1e-2, (name, error)
+
+
+# The named tunings' dQ routes with a limit low enough that 4k-token tiles go key-outer.
+NAMED_TUNING_ROUTES = [dataclasses.replace(TUNING, dq_pass=dq_pass, index_lse_split=True)
+                       for dq_pass in ("hard_atomic", "dkdv_atomic")]
+
+
+@pytest.mark.parametrize("tuning", ["adaptive", *NAMED_TUNING_ROUTES],
+                         ids=["adaptive", "hard_atomic", "dkdv_atomic"])
+@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c.name)
+def test_bf16_sparse_attention_under_a_named_tuning_within_twice_the_default_error(case,
+                                                                                  tuning):
+    """``sparse_attention(tuning=...)`` (a sharing layer's main attention) in bf16 on random
+    selections, whose tiles take the tuning's key-outer routes: out, dq, dk and dv against the
+    fp32 reference, within twice the error of the default routes (or bf16's tolerance)."""
+    import openmsa
+    inputs, cu = random_inputs(case, torch.bfloat16, "cuda", seed=3)
+    q, k, v = (t.detach().requires_grad_() for t in inputs[:3])
+    run = dict(case.options, return_indices=True, cu_seqlens=cu)
+    with torch.no_grad():
+        _, _, ids = openmsa.msa_attention(q, k, v, *inputs[3:], **run)
+    sparse = dict(block_size=case.options["block_size"], cu_seqlens=cu)
+    dout = torch.randn_like(q)
+
+    def run_sparse(dtype, **options):
+        qr, kr, vr = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+        out = openmsa.sparse_attention(qr, kr, vr, ids, **sparse, **options)
+        return (out, *torch.autograd.grad(out, (qr, kr, vr), dout.to(dtype)))
+
+    exact = run_sparse(torch.float32, backend="reference")
+    default = run_sparse(torch.bfloat16)
+    tuned = run_sparse(torch.bfloat16, tuning=tuning)
+    for name, value, baseline, expected in zip(("out", "dq", "dk", "dv"), tuned, default, exact):
+        error, default_error = rel_rms_error(value, expected), rel_rms_error(baseline, expected)
+        print(case.name, getattr(tuning, "dq_pass", tuning), name, f"{error:.2e}/{default_error:.2e}")
+        assert error <= max(TOLERANCE[torch.bfloat16], 2 * default_error), (name, error,
+                                                                            default_error)
