@@ -232,8 +232,8 @@ INCOHERENT_TUNING = Tuning(main_walk_limit_per_slot=4.0, dq_pass="dkdv_atomic",
                            index_lse_split=True)
 # Each query tile's route by its union: the tiles of long walks key-outer in the forward and
 # their rows' dQ from the dK/dV pass's atomic adds (the rest as the default: the walks, the
-# Gluon dK/dV), and the index log-sum-exp split. Opt-in: 1-2% slower than the default
-# on coherent selections (docs/BENCHMARKS.md, "The adaptive tuning").
+# Gluon dK/dV), and the index log-sum-exp split. Opt-in: 1.5-5% slower than the default on
+# coherent and mid selections, each lever a part (docs/BENCHMARKS.md, "The adaptive tuning").
 ADAPTIVE_TUNING = Tuning(main_walk_limit_per_slot=4.0, dq_pass="hard_atomic",
                          index_lse_split=True)
 TUNINGS = {"default": DEFAULT_TUNING, "incoherent": INCOHERENT_TUNING,
