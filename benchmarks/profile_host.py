@@ -81,7 +81,7 @@ def host_ms(step, calls: int = 30) -> float:
 def registered_operator():
     """msa_attention through the registered ``openmsa::msa_forward`` operator while inside."""
     chooser = msa_module.msa_operator
-    msa_module.msa_operator = lambda *inputs: msa_forward
+    msa_module.msa_operator = lambda *inputs, tuning=None: msa_forward
     try:
         yield
     finally:

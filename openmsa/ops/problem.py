@@ -109,6 +109,12 @@ class SparseAttentionProblem:
         if block_work is not None:  # given when the forward built it already
             self.block_work = block_work
 
+    def union_bound(self, work: QueryTileWork) -> int:
+        """The most blocks a tile's union of ``work`` can hold, known on the host: the union's
+        width, and no more than the key blocks of the keys' whole packing (a sequence holds at
+        most ceil(T / block_size)). A walk limit at least this large leaves no tile."""
+        return min(work.union.shape[-1], -(-self.num_keys // self.block_size))
+
     @functools.cached_property
     def index_tile_work(self) -> QueryTileWork:
         """The index log-sum-exp's walk lists when it runs alone (``index_log_sum_exp``): tiles

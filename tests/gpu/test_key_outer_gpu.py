@@ -334,12 +334,18 @@ NAMED_TUNING_ROUTES = [dataclasses.replace(TUNING, dq_pass=dq_pass, index_lse_sp
 @pytest.mark.parametrize("tuning", ["adaptive", *NAMED_TUNING_ROUTES],
                          ids=["adaptive", "hard_atomic", "dkdv_atomic"])
 @pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c.name)
-def test_bf16_sparse_attention_under_a_named_tuning_within_twice_the_default_error(case,
-                                                                                  tuning):
+def test_bf16_sparse_attention_under_a_named_tuning_within_twice_the_default_error(
+        case, tuning, monkeypatch):
     """``sparse_attention(tuning=...)`` (a sharing layer's main attention) in bf16 on random
-    selections, whose tiles take the tuning's key-outer routes: out, dq, dk and dv against the
-    fp32 reference, within twice the error of the default routes (or bf16's tolerance)."""
+    selections: out, dq, dk and dv against the fp32 reference, within twice the error of the
+    default routes (or bf16's tolerance). The tunings of one block a slot take their key-outer
+    routes; "adaptive" (4 x top_k blocks a tile) at 4k tokens walks every tile, as no union
+    of 32 blocks can pass its limit."""
     import openmsa
+    limits = []
+    original = key_outer.hard_rows
+    monkeypatch.setattr(key_outer, "hard_rows",
+                        lambda p, limit, **kw: limits.append(limit) or original(p, limit, **kw))
     inputs, cu = random_inputs(case, torch.bfloat16, "cuda", seed=3)
     q, k, v = (t.detach().requires_grad_() for t in inputs[:3])
     run = dict(case.options, return_indices=True, cu_seqlens=cu)
@@ -356,6 +362,7 @@ def test_bf16_sparse_attention_under_a_named_tuning_within_twice_the_default_err
     exact = run_sparse(torch.float32, backend="reference")
     default = run_sparse(torch.bfloat16)
     tuned = run_sparse(torch.bfloat16, tuning=tuning)
+    assert bool(limits) == (tuning != "adaptive"), limits
     for name, value, baseline, expected in zip(("out", "dq", "dk", "dv"), tuned, default, exact):
         error, default_error = rel_rms_error(value, expected), rel_rms_error(baseline, expected)
         print(case.name, getattr(tuning, "dq_pass", tuning), name, f"{error:.2e}/{default_error:.2e}")

@@ -767,8 +767,51 @@ def test_walk_limit_follows_the_tuning():
         return key_outer_module.walk_limit(problem)
 
     slots = SparseAttentionProblem(q, k, ids, cu, 64, 0.1).query_work.union.shape[-1]
+    assert slots > 7
     assert limit(0.0) == 0 and limit(1.0) == 3 and limit(0.5) == 1
     assert limit(slots / 3) == 0 and limit(1.0, all_causal=True) == 0
+    # 400 packed keys hold 7 blocks of 64 at most: no union passes a limit of 7.
+    assert limit(2.0) == 6 and limit(2.5) == 0
+
+
+def test_key_outer_windows_hold_no_more_rows_than_the_queries():
+    """A partials budget past the problem's size: one window of every query row, its
+    partials sized by the rows, not by the budget."""
+    inputs, cu = random_inputs(KEY_OUTER_CASE, torch.float32, "cpu", seed=2)
+    q, k, _, index_q, index_k = (t.detach().reshape(-1, *t.shape[-2:]) for t in inputs)
+    ids = select_module.select_blocks_fwd(index_q, index_k, cu, top_k=2, block_size=64,
+                                          index_softmax_scale=0.3, num_local_blocks=1,
+                                          num_sink_blocks=0)
+    tuning = Tuning(main_walk_limit_per_slot=1.0, key_outer_partial_bytes=1 << 40)
+    problem = SparseAttentionProblem(q, k, ids, cu, 64, 0.1, tuning=tuning)
+    hard = torch.ones(problem.total, problem.num_index_heads, dtype=torch.int8)
+    rows, windows, counts, _ = key_outer_module._windows(
+        problem, 4 * q.shape[-1], hard, problem.block_work_of_rows(hard))
+    assert rows == problem.total and windows == [(0, problem.total)]
+    assert counts.tolist() == [problem.total * problem.num_index_heads]
+
+
+def test_index_lse_split_walks_alone_where_no_union_passes_the_limit(monkeypatch):
+    """``index_log_sum_exp_key_outer`` at a walk limit no tile's union can pass (the keys'
+    blocks) builds no list of left rows and returns the walk's bits; one block less, the
+    split runs (its list built) and agrees."""
+    inputs, cu = random_inputs(KEY_OUTER_CASE, torch.float32, "cpu", seed=5)
+    q, k, _, index_q, index_k = (t.detach().reshape(-1, *t.shape[-2:]) for t in inputs)
+    ids, row_max = select_module.select_blocks_fwd(
+        index_q, index_k, cu, top_k=2, block_size=64, index_softmax_scale=0.3,
+        num_local_blocks=1, num_sink_blocks=0, return_max=True)
+    problem = SparseAttentionProblem(q, k, ids, cu, 64, 0.1, index_k, 0.3)
+    blocks = -(-q.shape[0] // 64)
+    assert problem.union_bound(problem.index_tile_work) == blocks
+    built = count_calls(monkeypatch, SparseAttentionProblem, {"block_work_of_rows": "list"})
+    walked = attention_module.index_log_sum_exp(index_q, index_k, row_max, problem)
+    alone = attention_module.index_log_sum_exp_key_outer(index_q, index_k, row_max, problem,
+                                                         walk_limit=blocks)
+    assert built == [] and torch.equal(alone, walked)
+    split = attention_module.index_log_sum_exp_key_outer(index_q, index_k, row_max, problem,
+                                                         walk_limit=blocks - 1)
+    assert built == ["list"]
+    torch.testing.assert_close(split, walked, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("window_rows", [1, 7, 64, 1000])

@@ -236,9 +236,12 @@ def index_log_sum_exp_key_outer(index_q, index_k, index_max, p: SparseAttentionP
     over a key-block list of their pairs alone (one more list build; a program per segment,
     each pair's terms summed into its slot, a row's slots added in slot order). So the cost
     follows the kept pairs where unions are large and stays the walk's where they are small,
-    and the result is reproducible run to run (no atomics)."""
+    and the result is reproducible run to run (no atomics). Where no tile's union can pass
+    the limit (short sequences), the walk alone runs."""
     if walk_limit is None:
         walk_limit = INDEX_WALK_LIMIT_PER_SLOT * p.top_k
+    if walk_limit >= p.union_bound(p.index_tile_work):
+        return index_log_sum_exp(index_q, index_k, index_max, p)
     walked = torch.full((p.total, p.num_index_heads), float("nan"), dtype=torch.float32,
                         device=index_q.device)
     if walk_limit > 0:

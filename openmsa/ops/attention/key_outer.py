@@ -50,12 +50,13 @@ __all__ = ["dkdv_with_hard_atomic_dq", "key_outer_dq", "key_outer_forward", "wal
 def walk_limit(p: SparseAttentionProblem) -> int:
     """The most blocks a query tile's walk (forward and dQ) takes before its rows go key-outer;
     0: every tile walks (warmup keeps every causal block, so its tiles never go; nor where no
-    union can pass the limit)."""
+    union can pass the limit: short sequences then skip the key-outer passes' lists, launches
+    and partials)."""
     per_slot = p.tuning.main_walk_limit_per_slot
     if per_slot <= 0 or p.all_causal:
         return 0
     limit = max(1, int(per_slot * p.top_k))
-    return limit if limit < p.query_work.union.shape[-1] else 0
+    return limit if limit < p.union_bound(p.query_work) else 0
 
 
 @triton.jit
@@ -369,7 +370,7 @@ def _windows(p: SparseAttentionProblem, bytes_per_slot: int, hard: torch.Tensor,
     costs its launches only, nothing waits for the GPU) and each window's pairs of each
     segment of the key-block list ``work`` (``window_bounds``)."""
     per_row = p.num_index_heads * p.top_k * p.gq * bytes_per_slot
-    rows = max(1, p.tuning.key_outer_partial_bytes // per_row)
+    rows = min(p.total, max(1, p.tuning.key_outer_partial_bytes // per_row))
     windows = [(start, min(start + rows, p.total)) for start in range(0, p.total, rows)]
     padded = torch.nn.functional.pad(hard, (0, 0, 0, len(windows) * rows - p.total))
     counts = padded.view(len(windows), -1).sum(1, dtype=torch.int32)
