@@ -113,7 +113,7 @@ class SparseAttentionProblem:
         """The most blocks a tile's union of ``work`` can hold, known on the host: the union's
         width, and no more than the key blocks of the keys' whole packing (a sequence holds at
         most ceil(T / block_size)). A walk limit at least this large leaves no tile."""
-        return min(work.union.shape[-1], -(-self.num_keys // self.block_size))
+        return min(work.union.shape[-1], triton.cdiv(self.num_keys, self.block_size))
 
     @functools.cached_property
     def index_tile_work(self) -> QueryTileWork:
