@@ -11,6 +11,13 @@ order), and the value alone (no gradient wanted: evaluation under ``torch.no_gra
 the query-side walk without its gradient, and building the key-block list plus the one-pass
 kernel. The selection's neighbours' Jaccard and 8-token union are given beside the times.
 ``--sweep`` also times the one-pass kernel at 32/64/128 pairs per step and 1/2 pipeline stages.
+
+    python benchmarks/bench_kl.py --out DIR --exp-split [--max-seqlen S]
+
+times the Gluon kernel's two ways with its exponentials (``kl.sm90.SPLIT_EXPONENTIALS``: every
+second head's on the FMA units, or all on the special function unit), alone and in a one-layer
+training step next to dense SDPA's step in the same run, at short and long contexts on the
+three selection kinds, and how far the results of the two settings lie apart.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import triton.testing
 from openmsa.bench.selection import SELECTION_KINDS, index_inputs, selection_statistics
 from openmsa.ops.attention import sparse_attention_fwd
 from openmsa.ops.kl import kl_key_walk, kl_query_side
+from openmsa.ops.kl import sm90 as kl_sm90
 from openmsa.ops.layout import all_causal_block_ids, batch_cu_seqlens
 from openmsa.ops.problem import SparseAttentionProblem, query_tile_shape
 from openmsa.ops.worklists import build_causal_query_tile_work
@@ -79,10 +87,97 @@ def problem_for(seqlen, heads, kv_heads, index_heads, head_dim, warmup, kind, ge
     return tensors, problem, fresh_problem, ids
 
 
+# (name, S, H, Hkv, Hi): the exponentials' split where it matters, at short contexts and long.
+EXP_SPLIT_SHAPES = [
+    ("H64/Hkv4/Hi4", 4096, 64, 4, 4),
+    ("H64/Hkv4/Hi4", 8192, 64, 4, 4),
+    ("H16/Hkv2/Hi4", 8192, 16, 2, 4),
+    ("H16/Hkv2/Hi4", 16384, 16, 2, 4),
+    ("H64/Hkv4/Hi4", 32768, 64, 4, 4),
+    ("H64/Hkv4/Hi4", 131072, 64, 4, 4),
+]
+
+
+def exp_split_main(args, kinds) -> None:
+    from openmsa import msa_attention
+    from openmsa.bench.run import dense_baseline, make_inputs
+    from openmsa.bench.timing import median_ms
+
+    settings = {"split": True, "unit": False}
+    rows = []
+    plan = [(shape, kind) for shape in EXP_SPLIT_SHAPES if shape[1] <= args.max_seqlen
+            for kind in kinds]
+    dense = {}
+    for number, ((name, seqlen, heads, kv_heads, index_heads), kind) in enumerate(plan, 1):
+        print(f"[{number}/{len(plan)}] {name} S={seqlen} {kind}", flush=True)
+        generator = torch.Generator(device="cuda").manual_seed(seqlen)
+        tensors, p, _, ids = problem_for(seqlen, heads, kv_heads, index_heads, 128, False,
+                                         kind, generator)
+        row = dict(shape=name, seqlen=seqlen, selection=kind, **selection_statistics(ids))
+        results = {}
+        for setting, split in settings.items():
+            kl_sm90.SPLIT_EXPONENTIALS = split
+            results[setting] = kl_key_walk(*tensors, p, True, True)
+        row["split_vs_unit_rel_rms"] = dict(
+            kl=rel_rms_error(p.kl_mean(results["split"][1]), p.kl_mean(results["unit"][1])),
+            d_index_q=rel_rms_error(results["split"][2], results["unit"][2]),
+            d_index_k=rel_rms_error(results["split"][0], results["unit"][0]))
+        for round_ in range(2):  # interleaved: the machine's drift hits both settings
+            for setting, split in settings.items():
+                kl_sm90.SPLIT_EXPONENTIALS = split
+                ms = bench(lambda: kl_key_walk(*tensors, p, True, True))
+                row[f"kl_{setting}_ms"] = min(ms, row.get(f"kl_{setting}_ms", ms))
+        del tensors, p, results
+        inputs = make_inputs(dict(heads=heads, kv_heads=kv_heads, index_heads=index_heads,
+                                  head_dim=128), seqlen, kind)
+        dout = torch.randn_like(inputs[0])
+        one = torch.ones((), device="cuda")
+
+        def msa_step():
+            out, kl = msa_attention(*inputs, top_k=16, block_size=128)
+            torch.autograd.grad((out, kl), inputs, (dout, one))
+
+        for setting, split in settings.items():
+            kl_sm90.SPLIT_EXPONENTIALS = split
+            row[f"step_{setting}_ms"] = median_ms(msa_step)
+        kl_sm90.SPLIT_EXPONENTIALS = True
+        key = (name, seqlen)
+        if key not in dense:
+            dense[key] = dense_baseline(*inputs[:3], dout, median_ms)
+        row.update(dense[key])
+        for setting in settings:
+            if "dense_fwd_bwd_ms" in row:
+                row[f"{setting}_vs_dense"] = row["dense_fwd_bwd_ms"] / row[f"step_{setting}_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del inputs, dout
+        torch.cuda.empty_cache()
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=triton.__version__, date=time.strftime("%Y-%m-%d"), rows=rows)
+    with open(os.path.join(args.out, "bench_kl_exp_split.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"\nGluon KL kernel alone and the one-layer step (ms), {result['gpu']}, bf16, top 16 of "
+          "128: split = every second head's exponentials on the FMA units, unit = all on the "
+          "special function unit; dense = SDPA's step, same run")
+    print(f"{'shape':>13} {'S':>7} {'selection':>9} {'Jacc':>5} {'union':>6} {'KL unit':>8} "
+          f"{'KL split':>8} {'step unit':>9} {'step split':>10} {'dense':>8} {'x unit':>6} "
+          f"{'x split':>7} {'rel rms':>8}")
+    for r in rows:
+        dense_ms = r.get("dense_fwd_bwd_ms", float("nan"))
+        print(f"{r['shape']:>13} {r['seqlen']:>7} {r['selection']:>9} {r['jaccard']:>5.2f} "
+              f"{r['union_8']:>6.1f} {r['kl_unit_ms']:>8.3f} {r['kl_split_ms']:>8.3f} "
+              f"{r['step_unit_ms']:>9.2f} {r['step_split_ms']:>10.2f} {dense_ms:>8.1f} "
+              f"{r.get('unit_vs_dense', float('nan')):>6.2f} "
+              f"{r.get('split_vs_dense', float('nan')):>7.2f} "
+              f"{max(r['split_vs_unit_rel_rms'].values()):>8.1e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--exp-split", action="store_true",
+                        help="time the Gluon kernel's exponentials split against unsplit")
     parser.add_argument("--max-seqlen", type=int, default=131072)
     parser.add_argument("--kinds", default=",".join(SELECTION_KINDS),
                         help="selection kinds of the sparse shapes, comma-separated")
@@ -92,6 +187,8 @@ def main() -> None:
         if kind not in SELECTION_KINDS:
             parser.error(f"--kinds: expected some of {SELECTION_KINDS}, received {kind!r}")
     os.makedirs(args.out, exist_ok=True)
+    if args.exp_split:
+        return exp_split_main(args, kinds)
     rows = []
     plan = [(shape, kind) for shape in SHAPES if shape[1] <= args.max_seqlen
             for kind in (["all causal"] if shape[6] else kinds)]

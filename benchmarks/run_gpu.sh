@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU run: GPU tests, bf16 check against the reference, benchmarks. Prints short tables last.
 #   bash benchmarks/run_gpu.sh OUTDIR [PARTS]   PARTS: all (default) or a comma-separated list
-#   of select, attention, kl, msa (the benchmark scripts), fp8 (bench_fp8_index.py), sharing
+#   of select, attention, kl, msa (the benchmark scripts), kl-exp-split (bench_kl.py --exp-split:
+#   the Gluon KL kernel's exponentials split or not, alone and in the step, next to dense; its
+#   lengths up to OPENMSA_MAX_SEQLEN, default 131072), fp8 (bench_fp8_index.py), sharing
 #   (bench_sharing.py), decode (openmsa bench --decode), train, sharing-train (the GPU preset with
 #   OPENMSA_TRAIN_LAYERS layers, default 2, every layer selecting against layer 0 selecting for
 #   all, without and with --share-index-kl, side by side, for each seed of OPENMSA_TRAIN_SEEDS,
@@ -39,7 +41,7 @@ set -u
 out=${1:?usage: run_gpu.sh OUTDIR [all|PART,PART...]}
 parts=",${2:-all},"
 wants() {
-  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer|short|megatron|study|study-wait|learn-probe|compare)$ ]] \
+  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(kl-exp-split|train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer|short|megatron|study|study-wait|learn-probe|compare)$ ]] \
     && return 0
   [[ "$parts" == *",$1,"* ]] || { [[ "$parts" == *",cli,"* ]] && [[ "$1" =~ ^(train|bench)$ ]]; }
 }
@@ -65,6 +67,10 @@ if wants attention; then
 fi
 if wants kl; then
   python3 benchmarks/bench_kl.py --out "$out" 2>&1 | tee "$out/bench_kl.log" | tail -8
+fi
+if wants kl-exp-split; then
+  python3 benchmarks/bench_kl.py --out "$out" --exp-split --max-seqlen "${OPENMSA_MAX_SEQLEN:-131072}" \
+    2>&1 | tee "$out/bench_kl_exp_split.log" | tail -20
 fi
 if wants msa; then
   python3 benchmarks/bench_msa.py --out "$out" 2>&1 | tee "$out/bench_msa.log" | tail -9

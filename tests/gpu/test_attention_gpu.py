@@ -6,6 +6,8 @@ import os
 
 import pytest
 import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from openmsa import msa_attention, select_blocks, sparse_attention
 from openmsa.ops import sm90
@@ -230,9 +232,13 @@ def test_hopper_dkdv_matches_the_triton_dkdv(case, query_range):
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("query_range", [False, True])
 @pytest.mark.parametrize("query_side,with_value", [(True, True), (True, False), (False, False)])
-def test_hopper_kl_matches_the_triton_kl(case, query_range, query_side, with_value):
+@pytest.mark.parametrize("split_exponentials", [True, False], ids=["split_exp", "unit_exp"])
+def test_hopper_kl_matches_the_triton_kl(case, query_range, query_side, with_value,
+                                         split_exponentials, monkeypatch):
     """The Gluon KL kernel against the Triton one: the same sums (per step the heads in the
-    same order), up to fp32 rounding and the order of the atomic adds."""
+    same order), up to fp32 rounding, the order of the atomic adds and, with the exponentials
+    split, the cubic's 1e-4 on every second head."""
+    monkeypatch.setattr(kl_sm90, "SPLIT_EXPONENTIALS", split_exponentials)
     q, k, v, index_q, index_k, cu, start, ids, index_max = _hopper_inputs(case, query_range,
                                                                           seed=14)
     scale = q.shape[-1] ** -0.5
@@ -251,3 +257,26 @@ def test_hopper_kl_matches_the_triton_kl(case, query_range, query_side, with_val
         else:
             assert torch.isfinite(value).all(), name
             assert rel_rms_error(value, expected) < 1e-3, (name, rel_rms_error(value, expected))
+
+
+@gluon.jit
+def _exp2_fma_kernel(X, Y, BLOCK: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    offsets = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=layout)
+    gl.store(Y + offsets, kl_sm90._exp2_fma(gl.load(X + offsets)))
+
+
+def test_exp2_on_the_fma_units_within_its_cubics_error():
+    """``kl.sm90._exp2_fma`` against torch.exp2 over [-140, 20]: relative error at most 1.1e-4
+    where 2^x is a normal float, and below 2^-126 nothing above 2^-125 (never NaN)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("Gluon kernels here need a Hopper GPU or newer")
+    x = torch.linspace(-140.0, 20.0, 2**20, device="cuda")
+    y = torch.empty_like(x)
+    _exp2_fma_kernel[(x.numel() // 1024,)](x, y, BLOCK=1024, num_warps=4)
+    expected = torch.exp2(x.double())
+    normal = x >= -126
+    assert torch.isfinite(y).all()
+    relative = ((y.double() - expected) / expected)[normal].abs().max().item()
+    assert relative < 1.1e-4, relative
+    assert (y[~normal] >= 0).all() and (y[~normal] <= 2.0**-125).all()

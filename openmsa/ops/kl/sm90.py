@@ -82,13 +82,42 @@ def _kl_unit_issue(unit, io_tokens, row_tokens, Q, LSE, IQ, LSE_INDEX, PAIR_TOKE
             _step_tokens(PAIR_TOKEN, next_pair, last, 1, PAIRS, PAIRS, row_layout))
 
 
+# 2^f = 1 + f (C1 + f (C2 + f C3)) on [-1/2, 1/2], relative error 1.0e-4 (fitted for the
+# relative error with the constant fixed at 1): far under the bf16 rounding of (s - t).
+EXP2_C1 = gl.constexpr(0.6932828426361084)
+EXP2_C2 = gl.constexpr(0.24220985174179077)
+EXP2_C3 = gl.constexpr(0.05500836670398712)
+ROUNDING_SHIFT = gl.constexpr(12582912.0)  # 1.5 * 2^23: x + it holds round(x) in its low bits
+
+# Every second head's exponentials on the FMA units (with an even GQ): the special function
+# unit, which does the rest, bounds the kernel at wide groups. benchmarks/bench_kl.py
+# --exp-split times both settings.
+SPLIT_EXPONENTIALS = True
+
+
+@gluon.jit
+def _exp2_fma(x):
+    """2^x on the FMA units, not the special function unit: round(x) goes into the exponent
+    bits, 2^(x - round(x)) is a cubic. Below 2^-126 it gives about 2^-126, not 0 (a
+    probability nothing here can tell from 0); above 2^127 garbage, which only the causal mask
+    sees (a kept score is at most its log-sum-exp)."""
+    x = gl.maximum(x, -126.0)
+    shifted = x + ROUNDING_SHIFT
+    frac = x - (shifted - ROUNDING_SHIFT)
+    mantissa = gl.fma(gl.fma(gl.fma(frac, EXP2_C3, EXP2_C2), frac, EXP2_C1), frac, 1.0)
+    bits = mantissa.to(gl.int32, bitcast=True) + (shifted.to(gl.int32, bitcast=True) << 23)
+    return bits.to(gl.float32, bitcast=True)
+
+
 @gluon.jit
 def _kl_add_head(teacher, scores, outstanding: gl.constexpr, lse_smem, scale_log2,
-                 cols_layout: gl.constexpr):
+                 cols_layout: gl.constexpr, ON_FMA: gl.constexpr):
     """teacher + one head's probabilities, once its product is done (``outstanding`` later
-    products may still run)."""
+    products may still run); with ``ON_FMA`` their exponentials on the FMA units."""
     scores = warpgroup_mma_wait(num_outstanding=outstanding, deps=(scores,))
     lse = lse_smem.load(cols_layout)
+    if ON_FMA:
+        return teacher + _exp2_fma(scores * scale_log2 - lse[None, :])
     return teacher + gl.exp2(scores * scale_log2 - lse[None, :])
 
 
@@ -164,7 +193,7 @@ def _kl_hopper_kernel(
     HI: gl.constexpr, GQ: gl.constexpr, KV_GROUP: gl.constexpr, INDEX_GROUP: gl.constexpr,
     PAIRS: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
     SEGMENT_PAIRS: gl.constexpr, QUERY_SIDE: gl.constexpr, WITH_VALUE: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, EXP_SPLIT: gl.constexpr,
 ):
     """kl.kernels._kl_kernel's work (the KL of one segment of the key-block list, PAIRS pairs a
     step) on Hopper, index head dim = head dim. A step is GQ units, one per main head of the
@@ -177,7 +206,9 @@ def _kl_hopper_kernel(
     d index_k += (s - t) index_q in registers, with QUERY_SIDE d index_q = (s - t)^T index_k
     (from shared memory, transposed) by atomic adds and, with WITH_VALUE, the program's
     terms of the value, summed, into KL_PARTS[program] (0 for padding). d index_k goes to DIK
-    as the Triton kernel's does."""
+    as the Triton kernel's does. With EXP_SPLIT (GQ even) the last head of each pair takes
+    its exponentials on the FMA units (``_exp2_fma``), the other on the special function
+    unit: that unit alone bounds some 20% of the kernel at GQ 16."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     # Slots of index_q rows: the gathers run STAGES - 2 units ahead, so up to that many units'
     # steps past the current one arrive before it ends.
@@ -272,11 +303,11 @@ def _kl_hopper_kernel(
                     PAIRS, HEAD_DIM, STAGES, STEP_SLOTS, io_layout, row_layout)
                 teacher = _kl_add_head(teacher, previous, 1,
                                        lse_smem.index((unit + g - 1) % STAGES), scale_log2,
-                                       cols_layout)
+                                       cols_layout, False)
                 previous = scores
             teacher = _kl_add_head(teacher, previous, 0,
                                    lse_smem.index((unit + CHUNK - 1) % STAGES), scale_log2,
-                                   cols_layout)
+                                   cols_layout, EXP_SPLIT)
         d_index_k, value_keys = _kl_step_end(
             teacher, d_index_k, value_keys, step, first, last, diagonal_steps, key_pos,
             query_base, index_head, index_scale, ik_smem, iq_smem, lse_index_smem, token_smem,
@@ -331,4 +362,4 @@ def kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, d_index_k, valu
         GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"], INDEX_GROUP=shared["INDEX_GROUP"],
         PAIRS=pairs, BLOCK=p.block_size, HEAD_DIM=p.head_dim,
         SEGMENT_PAIRS=work.segment_pairs, QUERY_SIDE=query_side, WITH_VALUE=with_value,
-        STAGES=KL_STAGES, num_warps=NUM_WARPS)
+        STAGES=KL_STAGES, EXP_SPLIT=SPLIT_EXPONENTIALS and shared["GQ"] % 2 == 0, num_warps=NUM_WARPS)
