@@ -14,8 +14,10 @@ Stages (each skips work whose output exists, so a stage cut short by a time limi
   (a GPU runs small models side by side);
 - ``adapt``: per seed, the dense checkpoint converted and its index branch trained by the KL
   alone (``openmsa train --adapt-index``);
-- ``eval``: ``openmsa eval`` on every checkpoint (dense and MSA attention with its weights);
-- ``report``: ``study.json`` (every checkpoint's accuracy and recalls per task, length and mode,
+- ``eval``: ``openmsa eval --resume`` on every checkpoint (dense and MSA attention with its
+  weights; a cut evaluation goes on from the samples it finished);
+- ``report``: from each evaluation's eval.json, or, where an evaluation never finished, from
+  the lengths its samples file completes (named in the output); ``study.json`` (every checkpoint's accuracy and recalls per task, length and mode,
   and per length the means over seeds of the comparisons the quality issue asks:
   MSA-trained in MSA attention against dense-trained in dense attention, and the adapted model
   in MSA attention against its dense self) and ``study.png``; prints a table last.
@@ -33,6 +35,9 @@ import shlex
 import subprocess
 import sys
 import time
+
+from openmsa.eval.command import SAMPLES_FILE, read_samples_file
+from openmsa.eval.run import summarize
 
 VARIANTS = {"fp8": ["--index-precision", "fp8"], "share2": ["--share-index-every", "2"]}
 
@@ -96,7 +101,8 @@ def _jobs_eval(args):
         out = os.path.join(args.out, f"seed{seed}", f"eval_{name}")
         command = [sys.executable, "-m", "openmsa.cli", "eval", "--model", folder, "--lengths",
                    args.lengths, "--samples", str(args.samples), "--seed", str(seed),
-                   "--batch", str(args.eval_batch), "--out", out, *args.device_args]
+                   "--batch", str(args.eval_batch), "--out", out, "--resume",
+                   *args.device_args]
         jobs.append((os.path.join(args.out, f"seed{seed}", f"eval_{name}.log"), command,
                      os.path.join(out, "eval.json")))
     return jobs
@@ -132,14 +138,37 @@ def run_jobs(jobs, parallel: int, stage: str) -> None:
                   flush=True)
 
 
+def _summary(folder: str):
+    """(summary rows, "" or what an unfinished evaluation lacks) of the evaluation in
+    ``folder``: its eval.json, else the lengths of its samples file (the records an
+    interrupted ``openmsa eval`` kept) that every task and mode finished; None if neither."""
+    path = os.path.join(folder, "eval.json")
+    if os.path.exists(path):
+        return json.load(open(path))["summary"], ""
+    path = os.path.join(folder, SAMPLES_FILE)
+    if not os.path.exists(path):
+        return None
+    settings, records = read_samples_file(path)
+    wanted = settings["samples"] * len(settings["modes"])
+    finished = [length for length in settings["lengths"]
+                if all(sum(r["task"] == task and r["length"] == length for r in records)
+                       == wanted for task in settings["tasks"])]
+    missing = [length for length in settings["lengths"] if length not in finished]
+    rows = summarize([r for r in records if r["length"] in finished])
+    return rows, ("unfinished: no " + ", ".join(map(str, missing)) + " tokens") if missing else ""
+
+
 def report(args) -> dict:
     """study.json and study.png from the eval.json files."""
-    rows = []
+    rows, partial = [], []
     for seed, name, _ in checkpoints(args):
-        path = os.path.join(args.out, f"seed{seed}", f"eval_{name}", "eval.json")
-        if not os.path.exists(path):
+        folder = os.path.join(args.out, f"seed{seed}", f"eval_{name}")
+        summary = _summary(folder)
+        if summary is None:
             continue
-        for row in json.load(open(path))["summary"]:
+        if summary[1]:
+            partial.append(f"seed{seed}/{name}: {summary[1]}")
+        for row in summary[0]:
             rows.append(dict(row, seed=seed, checkpoint=name))
 
     def accuracy(name, mode, task, length, key="accuracy"):
@@ -174,10 +203,12 @@ def report(args) -> dict:
     study = dict(preset=args.preset, training_length=LM_PRESETS[args.preset].seqlen,
                  seeds=args.seeds, variants=args.variants,
                  lengths=lengths, samples=args.samples, rows=rows, means=means,
-                 comparisons=comparisons)
+                 comparisons=comparisons, unfinished_evaluations=partial)
     with open(os.path.join(args.out, "study.json"), "w") as handle:
         json.dump(study, handle, indent=1)
     _plot(study, curves, tasks, os.path.join(args.out, "study.png"))
+    for line in partial:
+        print(f"evaluation from its samples file, {line}")
     for field, metric in (("points", "accuracy"), ("token_points", "answer-token accuracy")):
         print(f"\n{f'comparison ({metric} points, mean of seeds, average of tasks)':<74} "
               + " ".join(f"{length:>7}" for length in lengths))

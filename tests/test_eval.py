@@ -241,6 +241,66 @@ def test_eval_command_smoke_writes_json_and_plot(tmp_path, capsys):
         main(["eval", "--smoke", "--samples", "0"])
 
 
+def _without_timings(records):
+    return [{key: value for key, value in record.items() if key != "seconds"}
+            for record in records]
+
+
+def test_an_interrupted_eval_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """Cut after its third group (a KeyboardInterrupt in the fourth), ``openmsa eval`` has the
+    three groups' records in its samples file; ``--resume`` runs only the other groups (a last
+    line cut mid-write dropped) and gives what an uncut run gives."""
+    from openmsa.cli import main
+    from openmsa.eval import run as eval_run
+
+    command = ["eval", "--smoke", "--tasks", "niah_single,variable_tracking", "--lengths",
+               "300,512", "--samples", "2"]
+    assert main(command + ["--out", str(tmp_path / "whole")]) == 0
+    whole = json.loads((tmp_path / "whole" / "eval.json").read_text())["samples"]
+    assert len(whole) == 2 * 2 * 2 * 2
+
+    real_batch = eval_run.evaluate_batch
+    calls = []
+
+    def counting_batch(*args, **kwargs):
+        calls.append(args[2][0].task)
+        if limit is not None and len(calls) > limit:
+            raise KeyboardInterrupt
+        return real_batch(*args, **kwargs)
+
+    monkeypatch.setattr(eval_run, "evaluate_batch", counting_batch)
+    limit = 3 * 2  # three groups of one sample, each in two modes
+    cut = tmp_path / "cut"
+    with pytest.raises(KeyboardInterrupt):
+        main(command + ["--out", str(cut)])
+    lines = (cut / "samples.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["settings"]["samples"] == 2
+    assert len(lines) == 1 + 3 * 2
+    with open(cut / "samples.jsonl", "a") as handle:
+        handle.write('{"task": "niah_sin')  # a record cut mid-write
+    calls.clear()
+    limit = None
+    assert main(command + ["--out", str(cut), "--resume"]) == 0
+    assert len(calls) == (8 - 3) * 2
+    resumed = json.loads((cut / "eval.json").read_text())["samples"]
+    assert _without_timings(resumed) == _without_timings(whole)
+    assert len((cut / "samples.jsonl").read_text().splitlines()) == 1 + 16
+    with pytest.raises(SystemExit, match=r"other settings \(samples differ\)"):
+        main(command[:-1] + ["3", "--out", str(cut), "--resume"])
+
+
+def test_finished_records_keep_only_the_groups_they_complete():
+    from openmsa.eval.run import EvalSettings, finished_records
+
+    settings = EvalSettings(tasks=("niah_single",), lengths=(300,), samples=4, batch=2)
+    records = [dict(task="niah_single", length=300, sample=index, mode=mode)
+               for index in range(4) for mode in ("dense", "msa")]
+    assert finished_records(settings, records) == records
+    # Sample 3's msa record missing: the group of samples 2 and 3 runs again whole.
+    assert finished_records(settings, records[:-1]) == records[:4]
+    assert finished_records(settings, records[::-1]) == records
+
+
 def test_lm_batches_label_only_the_answer_and_eos():
     from openmsa.train.batches import BatchSpec, make_batch
 

@@ -128,3 +128,31 @@ def test_train_one_model_of_an_lm_preset(tmp_path):
     with pytest.raises(SystemExit, match="--data-workers: expected 0 or more"):
         main(["train", "--preset", "ruler-tiny", "--data-workers", "-1", "--out",
               str(tmp_path)])
+
+
+def test_report_takes_an_unfinished_evaluation_from_the_lengths_its_samples_file_completes(
+        study, tmp_path, capsys):
+    """An evaluation cut at 512 tokens (no eval.json): the report takes its 256-token cells
+    from the samples file, leaves 512 out and says so."""
+    settings = dict(tasks=["niah_single", "common_words"], lengths=[256, 512], samples=2,
+                    modes=["dense", "msa"])
+    for name in ("dense", "msa", "adapted", "msa_share2"):
+        folder = tmp_path / "seed0" / f"eval_{name}"
+        folder.mkdir(parents=True)
+        lines = [json.dumps({"settings": settings})]
+        for length, samples in ((256, 2), (512, 1)):  # 512: one of two samples done
+            for task in settings["tasks"]:
+                for sample in range(samples):
+                    for mode in settings["modes"]:
+                        score = 1.0 if (name, mode) == ("msa", "msa") else 0.5
+                        lines.append(json.dumps(dict(task=task, length=length, sample=sample,
+                                                     mode=mode, score=score,
+                                                     token_accuracy=score)))
+        (folder / "samples.jsonl").write_text("\n".join(lines) + "\n" + '{"task": "ni')
+    result = study.report(_args(tmp_path, seeds=[0]))
+    points = {(c["comparison"], c["length"]): c["points"] for c in result["comparisons"]}
+    assert points == {("msa-trained (MSA) - dense-trained (dense)", 256): pytest.approx(50),
+                      ("adapted (MSA) - adapted (dense)", 256): pytest.approx(0),
+                      ("msa_share2 (MSA) - dense-trained (dense)", 256): pytest.approx(0)}
+    assert result["unfinished_evaluations"][0] == "seed0/dense: unfinished: no 512 tokens"
+    assert "evaluation from its samples file, seed0/msa" in capsys.readouterr().out

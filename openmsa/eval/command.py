@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -20,6 +21,9 @@ DEFAULTS = dict(lengths="4k,8k,16k", samples=8, top_k=16, block_size=128, num_lo
                 local_block_dilation=1, num_sink_blocks=0, index_precision="input",
                 share_index_every=1)
 SMOKE = dict(DEFAULTS, lengths="512,1024", samples=1, top_k=2, block_size=64)
+# Each sample's records, appended as they finish (the first line: the run's settings), so that
+# an interrupted run keeps what it did and ``--resume`` goes on from there.
+SAMPLES_FILE = "samples.jsonl"
 MSA_OPTIONS = ("top_k", "block_size", "num_local_blocks", "local_block_dilation",
                "num_sink_blocks", "index_precision", "share_index_every")
 
@@ -78,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="the model's dtype (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--out", default="runs/eval", help="folder for eval.json and the plot")
+    parser.add_argument("--resume", action="store_true",
+                        help=f"take the finished samples of an interrupted run from OUT/"
+                        f"{SAMPLES_FILE} (its settings must equal these) and run the rest")
 
 
 def _progress():
@@ -97,10 +104,43 @@ def _progress():
     return show
 
 
+def read_samples_file(path: str) -> tuple[dict, list[dict]]:
+    """The settings and the records of ``path`` (a run's samples file, perhaps cut short); a
+    last line cut mid-write is dropped."""
+    with open(path) as handle:
+        lines = handle.read().split("\n")
+    try:
+        settings = json.loads(lines[0])["settings"]
+    except (ValueError, KeyError, TypeError):
+        raise SystemExit(f"openmsa eval: {path} does not start with a settings line")
+    records = []
+    for number, line in enumerate(lines[1:], 2):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number < len(lines):  # only a last line with no newline can be cut mid-write
+                raise SystemExit(f"openmsa eval: {path} line {number} is not JSON")
+    return settings, records
+
+
+def _read_samples(path: str, header: dict) -> list[dict]:
+    """The records of ``path``, an interrupted run's samples file, whose settings must be
+    ``header``."""
+    written, records = read_samples_file(path)
+    if written != header:
+        differ = sorted(key for key in set(written) | set(header)
+                        if written.get(key) != header.get(key))
+        raise SystemExit(f"openmsa eval: --resume: {path} was written with other settings "
+                         f"({', '.join(differ)} differ); run without --resume to start again")
+    return records
+
+
 def run(args) -> int:
     from .report import plot, print_table, write_json
-    from .run import (EvalSettings, checkpoint_msa_options, evaluate, load_model, smoke_model,
-                      summarize)
+    from .run import (EvalSettings, checkpoint_msa_options, evaluate, finished_records,
+                      load_model, smoke_model, summarize)
 
     if args.model is not None and not os.path.isdir(args.model):
         raise SystemExit(f"openmsa eval: --model: expected a local Hugging Face model folder, "
@@ -137,14 +177,31 @@ def run(args) -> int:
           f"lengths {', '.join(map(str, settings.lengths))}, {settings.samples} samples each "
           f"({settings.batch} at a time), "
           f"dense and MSA attention with the same weights", flush=True)
-    results = evaluate(model, tokenizer, settings, device, _progress())
+    header = json.loads(json.dumps(dict(asdict(settings), model=name, device=str(device),
+                                        dtype=str(dtype), msa_options=msa_options)))
+    os.makedirs(args.out, exist_ok=True)
+    samples_path = os.path.join(args.out, SAMPLES_FILE)
+    earlier = []
+    if args.resume and os.path.exists(samples_path):
+        earlier = finished_records(settings, _read_samples(samples_path, header))
+        print(f"resuming: {len(earlier)} finished records from {samples_path}", flush=True)
+    with open(samples_path, "w") as handle:
+        # Rewritten whole first: the earlier records, then each group's as it finishes.
+        handle.write(json.dumps({"settings": header}) + "\n")
+        for record in earlier:
+            handle.write(json.dumps(record) + "\n")
+        handle.flush()
+
+        def append(records):
+            for record in records:
+                handle.write(json.dumps(record) + "\n")
+            handle.flush()
+
+        results = evaluate(model, tokenizer, settings, device, _progress(), earlier, append)
     rows = summarize(results)
     print()
     print_table(rows)
-    os.makedirs(args.out, exist_ok=True)
-    write_json(os.path.join(args.out, "eval.json"),
-               dict(asdict(settings), model=name, device=str(device), dtype=str(dtype),
-                    msa_options=msa_options), rows, results)
+    write_json(os.path.join(args.out, "eval.json"), header, rows, results)
     picture = plot(rows, os.path.join(args.out, "accuracy.png"), f"openmsa eval: {name}")
     print(f"wrote {os.path.join(args.out, 'eval.json')}" + (f", {picture}" if picture else ""))
     return 0

@@ -265,21 +265,52 @@ def evaluate_sample(model, tokenizer, sample: Sample, mode: str, device, prompt=
                           None if prompt is None else [prompt])[0]
 
 
-def evaluate(model, tokenizer, settings: EvalSettings, device, progress=None) -> list[dict]:
+def sample_groups(settings: EvalSettings) -> list[tuple[str, int, list[int]]]:
+    """(task, length, sample indices) of each group of samples ``evaluate`` runs together, in
+    its order."""
+    return [(task, length, list(range(first, min(first + settings.batch, settings.samples))))
+            for length in settings.lengths for task in settings.tasks
+            for first in range(0, settings.samples, settings.batch)]
+
+
+def _by_key(records) -> dict:
+    return {(r["task"], r["length"], r["sample"], r["mode"]): r for r in records}
+
+
+def finished_records(settings: EvalSettings, earlier: list[dict]) -> list[dict]:
+    """The records of ``earlier`` (an interrupted run's) in the groups of ``settings`` that
+    they complete, in ``evaluate``'s order; any others are dropped (their groups run again)."""
+    known = _by_key(earlier)
+    finished = []
+    for task, length, indices in sample_groups(settings):
+        keys = [(task, length, index, mode) for index in indices for mode in settings.modes]
+        if all(key in known for key in keys):
+            finished.extend(known[key] for key in keys)
+    return finished
+
+
+def evaluate(model, tokenizer, settings: EvalSettings, device, progress=None,
+             earlier: list[dict] | None = None, on_group=None) -> list[dict]:
     """Every (task, length, sample, mode) of ``settings``, ``settings.batch`` samples of a task
     and length at a time (made equally long by ``equal_length_prompts``);
-    ``progress(done, total, record)`` after each."""
+    ``progress(done, total, record)`` after each. ``earlier``: records of an interrupted run
+    of the same settings; a group of samples all of whose records are there is taken from
+    them, not run again (a group only partly there runs again whole). ``on_group(records)``:
+    after each group that ran, with its new records (``openmsa eval`` appends them to its
+    samples file)."""
     for task in settings.tasks:
         if task not in TASKS:
             raise ValueError(f"tasks: expected names from {TASKS}, received {task!r}")
     if not isinstance(settings.batch, int) or settings.batch < 1:
         raise ValueError(f"batch: expected an int >= 1, received {settings.batch!r}")
-    groups = [(task, length, list(range(first, min(first + settings.batch, settings.samples))))
-              for length in settings.lengths for task in settings.tasks
-              for first in range(0, settings.samples, settings.batch)]
     total = len(settings.lengths) * len(settings.tasks) * settings.samples * len(settings.modes)
+    known = _by_key(earlier or ())
     results = []
-    for task, length, indices in groups:
+    for task, length, indices in sample_groups(settings):
+        keys = [(task, length, index, mode) for index in indices for mode in settings.modes]
+        if all(key in known for key in keys):
+            results.extend(known[key] for key in keys)
+            continue
         samples = [make_sample(task, tokenizer, length, settings.seed * 100_003 + index)
                    for index in indices]
         # Encoded once for both modes.
@@ -287,12 +318,16 @@ def evaluate(model, tokenizer, settings: EvalSettings, device, progress=None) ->
             tokenizer, [encode_prompt(tokenizer, sample) for sample in samples])
         by_mode = [evaluate_batch(model, tokenizer, samples, mode, device, prompts)
                    for mode in settings.modes]
+        new = []
         for position, index in enumerate(indices):
             for mode_results in by_mode:
-                results.append(dict(mode_results[position], length=length, sample=index,
-                                    inserted_tokens=inserted[position]))
+                new.append(dict(mode_results[position], length=length, sample=index,
+                                inserted_tokens=inserted[position]))
+                results.append(new[-1])
                 if progress:
                     progress(len(results), total, results[-1])
+        if on_group:
+            on_group(new)
     return results
 
 
