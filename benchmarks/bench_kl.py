@@ -87,6 +87,15 @@ def problem_for(seqlen, heads, kv_heads, index_heads, head_dim, warmup, kind, ge
     return tensors, problem, fresh_problem, ids
 
 
+def write_result(out: str, name: str, rows: list[dict]) -> dict:
+    """The run's rows with the GPU and versions, written as ``out/name``."""
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=triton.__version__, date=time.strftime("%Y-%m-%d"), rows=rows)
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(result, f, indent=2)
+    return result
+
+
 # (name, S, H, Hkv, Hi): the exponentials' split where it matters, at short contexts and long.
 EXP_SPLIT_SHAPES = [
     ("H64/Hkv4/Hi4", 4096, 64, 4, 4),
@@ -152,10 +161,7 @@ def exp_split_main(args, kinds) -> None:
         print(json.dumps(row), flush=True)
         del inputs, dout
         torch.cuda.empty_cache()
-    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=triton.__version__, date=time.strftime("%Y-%m-%d"), rows=rows)
-    with open(os.path.join(args.out, "bench_kl_exp_split.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    result = write_result(args.out, "bench_kl_exp_split.json", rows)
     print(f"\nGluon KL kernel alone and the one-layer step (ms), {result['gpu']}, bf16, top 16 of "
           "128: split = every second head's exponentials on the FMA units, unit = all on the "
           "special function unit; dense = SDPA's step, same run")
@@ -232,10 +238,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del tensors, p
         torch.cuda.empty_cache()
-    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=triton.__version__, date=time.strftime("%Y-%m-%d"), rows=rows)
-    with open(os.path.join(args.out, "bench_kl.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    result = write_result(args.out, "bench_kl.json", rows)
     print(f"\nKL kernels, {result['gpu']}, bf16, top_k=16 block=128 (warmup: every causal "
           "block); value alone: query-side walk / key-block list + one-pass kernel")
     print(f"{'shape':>13} {'S':>7} {'selection':>10} {'Jacc':>5} {'union':>6} {'query ms':>9} "
