@@ -17,10 +17,11 @@ Stages (each skips work whose output exists, so a stage cut short by a time limi
 - ``eval``: ``openmsa eval --resume`` on every checkpoint (dense and MSA attention with its
   weights; a cut evaluation goes on from the samples it finished);
 - ``report``: from each evaluation's eval.json, or, where an evaluation never finished, from
-  the lengths its samples file completes (named in the output); ``study.json`` (every checkpoint's accuracy and recalls per task, length and mode,
-  and per length the means over seeds of the comparisons the quality issue asks:
-  MSA-trained in MSA attention against dense-trained in dense attention, and the adapted model
-  in MSA attention against its dense self) and ``study.png``; prints a table last.
+  the lengths its samples file completes (named in the output); ``study.json`` (every
+  checkpoint's accuracy and recalls per task, length and mode, and per length the means over
+  seeds of the comparisons the quality issue asks: MSA-trained in MSA attention against
+  dense-trained in dense attention, and the adapted model in MSA attention against its dense
+  self) and ``study.png``; prints a table last.
 
 Logs of every process go to ROOT/seedS/*.log. The training runs share the host's cores for
 their batch-generating workers (``--data-workers``).
@@ -37,7 +38,7 @@ import sys
 import time
 
 from openmsa.eval.command import SAMPLES_FILE, read_samples_file
-from openmsa.eval.run import summarize
+from openmsa.eval.run import EvalSettings, finished_records, summarize
 
 VARIANTS = {"fp8": ["--index-precision", "fp8"], "share2": ["--share-index-every", "2"]}
 
@@ -148,12 +149,15 @@ def _summary(folder: str):
     path = os.path.join(folder, SAMPLES_FILE)
     if not os.path.exists(path):
         return None
-    settings, records = read_samples_file(path)
-    wanted = settings["samples"] * len(settings["modes"])
-    finished = [length for length in settings["lengths"]
-                if all(sum(r["task"] == task and r["length"] == length for r in records)
-                       == wanted for task in settings["tasks"])]
-    missing = [length for length in settings["lengths"] if length not in finished]
+    written, records = read_samples_file(path)
+    settings = EvalSettings(**{key: tuple(value) if isinstance(value, list) else value
+                               for key, value in written.items()
+                               if key in EvalSettings.__dataclass_fields__})
+    records = finished_records(settings, records)
+    wanted = len(settings.tasks) * settings.samples * len(settings.modes)
+    finished = [length for length in settings.lengths
+                if sum(r["length"] == length for r in records) == wanted]
+    missing = [length for length in settings.lengths if length not in finished]
     rows = summarize([r for r in records if r["length"] in finished])
     return rows, ("unfinished: no " + ", ".join(map(str, missing)) + " tokens") if missing else ""
 

@@ -188,15 +188,13 @@ def run(args) -> int:
     with open(samples_path, "w") as handle:
         # Rewritten whole first: the earlier records, then each group's as it finishes.
         handle.write(json.dumps({"settings": header}) + "\n")
-        for record in earlier:
-            handle.write(json.dumps(record) + "\n")
-        handle.flush()
 
         def append(records):
             for record in records:
                 handle.write(json.dumps(record) + "\n")
             handle.flush()
 
+        append(earlier)
         results = evaluate(model, tokenizer, settings, device, _progress(), earlier, append)
     rows = summarize(results)
     print()

@@ -277,15 +277,20 @@ def _by_key(records) -> dict:
     return {(r["task"], r["length"], r["sample"], r["mode"]): r for r in records}
 
 
+def _group_records(known: dict, task: str, length: int, indices: list[int], modes):
+    """The records of one group of samples in ``known`` (``_by_key``), in ``evaluate``'s
+    order, or None unless every one of them is there."""
+    keys = [(task, length, index, mode) for index in indices for mode in modes]
+    return [known[key] for key in keys] if all(key in known for key in keys) else None
+
+
 def finished_records(settings: EvalSettings, earlier: list[dict]) -> list[dict]:
     """The records of ``earlier`` (an interrupted run's) in the groups of ``settings`` that
     they complete, in ``evaluate``'s order; any others are dropped (their groups run again)."""
     known = _by_key(earlier)
     finished = []
     for task, length, indices in sample_groups(settings):
-        keys = [(task, length, index, mode) for index in indices for mode in settings.modes]
-        if all(key in known for key in keys):
-            finished.extend(known[key] for key in keys)
+        finished.extend(_group_records(known, task, length, indices, settings.modes) or ())
     return finished
 
 
@@ -307,9 +312,9 @@ def evaluate(model, tokenizer, settings: EvalSettings, device, progress=None,
     known = _by_key(earlier or ())
     results = []
     for task, length, indices in sample_groups(settings):
-        keys = [(task, length, index, mode) for index in indices for mode in settings.modes]
-        if all(key in known for key in keys):
-            results.extend(known[key] for key in keys)
+        done = _group_records(known, task, length, indices, settings.modes)
+        if done is not None:
+            results.extend(done)
             continue
         samples = [make_sample(task, tokenizer, length, settings.seed * 100_003 + index)
                    for index in indices]

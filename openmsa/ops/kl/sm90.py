@@ -362,4 +362,5 @@ def kl_key_walk_parts(q, k, index_q, index_k, lse, lse_index, p, d_index_k, valu
         GQ=shared["GQ"], KV_GROUP=shared["KV_GROUP"], INDEX_GROUP=shared["INDEX_GROUP"],
         PAIRS=pairs, BLOCK=p.block_size, HEAD_DIM=p.head_dim,
         SEGMENT_PAIRS=work.segment_pairs, QUERY_SIDE=query_side, WITH_VALUE=with_value,
-        STAGES=KL_STAGES, EXP_SPLIT=SPLIT_EXPONENTIALS and shared["GQ"] % 2 == 0, num_warps=NUM_WARPS)
+        STAGES=KL_STAGES, EXP_SPLIT=SPLIT_EXPONENTIALS and shared["GQ"] % 2 == 0,
+        num_warps=NUM_WARPS)
