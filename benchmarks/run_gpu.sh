@@ -28,6 +28,9 @@
 #   after the other in one call: before and after a change, each with its own dense; a folder
 #   holds another commit's package, made here with tools/tree_copy.sh and carried to the
 #   machine; OPENMSA_COMPARE_ARGS, default "--seqlens 32k,128k --no-flex --no-fla"),
+#   tunings (benchmarks/profile_tunings.py: the step and its kernels under each named tuning
+#   against the first, every selection kind; OPENMSA_TUNINGS_ARGS adds arguments, e.g.
+#   "--seqlens 32768 --tunings default,adaptive"),
 #   learn-probe (benchmarks/probe_lm_learning.py --preset ruler-gpu: the study's dense model on
 #   its curriculum through the 1024-token phase, accuracy of all six tasks at 1024 tokens and
 #   of the first phase's at its length: does it learn? OPENMSA_PROBE_ARGS adds arguments, e.g.
@@ -41,7 +44,7 @@ set -u
 out=${1:?usage: run_gpu.sh OUTDIR [all|PART,PART...]}
 parts=",${2:-all},"
 wants() {
-  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(kl-exp-split|train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer|short|megatron|study|study-wait|learn-probe|compare)$ ]] \
+  [ "$parts" = ",all," ] && [[ ! "$1" =~ ^(kl-exp-split|train|bench|fp8|sharing|decode|sharing-train|decode-kernels|key-outer|short|megatron|study|study-wait|learn-probe|compare|tunings)$ ]] \
     && return 0
   [[ "$parts" == *",$1,"* ]] || { [[ "$parts" == *",cli,"* ]] && [[ "$1" =~ ^(train|bench)$ ]]; }
 }
@@ -91,6 +94,10 @@ fi
 if wants key-outer; then
   python3 benchmarks/bench_key_outer.py --out "$out" ${OPENMSA_KEY_OUTER_ARGS:-} 2>&1 \
     | tee "$out/bench_key_outer.log" | tail -30
+fi
+if wants tunings; then
+  python3 benchmarks/profile_tunings.py --out "$out" ${OPENMSA_TUNINGS_ARGS:-} 2>&1 \
+    | tee "$out/profile_tunings.log" | tail -40
 fi
 if wants train; then
   python3 -m openmsa.cli train --preset gpu --out "$out/train" 2>&1 | tee "$out/openmsa_train.log" | tail -3

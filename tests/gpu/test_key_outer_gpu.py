@@ -368,3 +368,50 @@ def test_bf16_sparse_attention_under_a_named_tuning_within_twice_the_default_err
         print(case.name, getattr(tuning, "dq_pass", tuning), name, f"{error:.2e}/{default_error:.2e}")
         assert error <= max(TOLERANCE[torch.bfloat16], 2 * default_error), (name, error,
                                                                             default_error)
+
+
+@pytest.mark.parametrize("kind", ["coherent", "random"])
+def test_adaptive_routes_run_only_where_a_tile_walks_long(kind, monkeypatch):
+    """``tuning="adaptive"`` at 16k tokens (H16/Hkv2/Hi4, top 16 of 128-token blocks): on
+    coherent selections no tile's union passes its limits (64 blocks main, 48 index), so none
+    of its routes runs and out, kl and the main gradients are bitwise the default's (the index
+    gradients' atomic adds vary in their last bits, so those within 1e-5); on random
+    selections every route runs, within 1e-2 of the default (the key-outer dQ's bf16 partials
+    alone put dq 2.5e-3 from the walk's; each route's error against the reference is the
+    other tests')."""
+    import openmsa
+    from openmsa.bench.selection import index_inputs
+
+    passes = []
+    for name in ("key_outer_forward", "dkdv_with_hard_atomic_dq", "index_log_sum_exp_key_outer"):
+        original = getattr(attention_module, name)
+        monkeypatch.setattr(attention_module, name,
+                            lambda *a, _f=original, _n=name, **kw: passes.append(_n) or _f(*a, **kw))
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 16384, h, 128, device="cuda", generator=generator).bfloat16()
+               for h in (16, 2, 2))
+    index_q, index_k = index_inputs(kind, 16384, 4, 128, generator)
+    inputs = (q, k, v, index_q[None], index_k[None])
+    dout = torch.randn_like(q)
+
+    def step(tuning):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        out, kl = openmsa.msa_attention(*leaves, top_k=16, block_size=128, tuning=tuning)
+        return (out, kl) + torch.autograd.grad((out, kl), leaves, (dout, torch.ones_like(kl)))
+
+    default = step(None)
+    assert passes == []
+    adaptive = step("adaptive")
+    names = ("out", "kl", "dq", "dk", "dv", "d index_q", "d index_k")
+    if kind == "coherent":
+        assert passes == [], passes
+        for name, got, want in zip(names, adaptive, default):
+            if name.startswith("d index"):
+                assert rel_rms_error(got.float(), want.float()) < 1e-5, name
+            else:
+                assert torch.equal(got, want), name
+    else:
+        assert sorted(passes) == sorted(["key_outer_forward", "index_log_sum_exp_key_outer",
+                                         "dkdv_with_hard_atomic_dq"]), passes
+        for name, got, want in zip(names, adaptive, default):
+            assert rel_rms_error(got.float(), want.float()) < 1e-2, name
