@@ -3,9 +3,11 @@ kernel (GPU only).
 
     python benchmarks/profile_tunings.py --out DIR [--seqlens 32768,131072]
         [--kinds coherent,mid,random] [--tunings default,adaptive] [--heads 64,4,4]
+        [--rounds 4]
 
 For each length and selection kind: the eager one-layer step (``msa_attention`` with the KL
-value, forward and backward through autograd) under each of ``--tunings``, dense SDPA's step in
+value, forward and backward through autograd) under each of ``--tunings`` (the median of
+``--rounds`` timings, the tunings taking turns in alternating order), dense SDPA's step in
 the same run, the selection's neighbours' Jaccard and 8-token union, and the GPU time and
 launch count of every kernel in one step (torch profiler). The table printed last lists each
 tuning's step and the kernels whose time differs from the first tuning's by more than
@@ -25,8 +27,8 @@ from openmsa import msa_attention
 from openmsa.bench.run import dense_baseline
 from openmsa.bench.selection import SELECTION_KINDS, index_inputs, selection_statistics
 from openmsa.bench.timing import median_ms
-from openmsa.ops.attention.routes import configured_index_walk_limit, configured_walk_limit
-from openmsa.ops.configs import TUNINGS
+from openmsa.ops.attention.key_outer import walk_limit
+from openmsa.ops.configs import INDEX_WALK_LIMIT_PER_SLOT, TUNINGS
 from openmsa.ops.layout import batch_cu_seqlens
 from openmsa.ops.problem import SparseAttentionProblem
 from openmsa.ops.select import select_blocks_fwd
@@ -62,16 +64,19 @@ def long_walk_shares(q, k, ids, cu, index_k, tuning: str) -> dict:
     limits (0 where a limit is not configured): the tiles its long-walk routes take."""
     p = SparseAttentionProblem(q, k, ids, cu, BLOCK, DIM ** -0.5, index_k, DIM ** -0.5,
                                tuning=TUNINGS[tuning])
+    index_limit = INDEX_WALK_LIMIT_PER_SLOT * TOP_K if p.tuning.index_lse_split else 0
+    if index_limit >= p.union_bound(p.index_tile_work):
+        index_limit = 0  # no index tile can pass it: the split walks alone
     shares = {}
-    for name, work, limit in (("main", p.query_work, configured_walk_limit(p)),
-                              ("index", p.index_tile_work, configured_index_walk_limit(p))):
+    for name, work, limit in (("main", p.query_work, walk_limit(p)),
+                              ("index", p.index_tile_work, index_limit)):
         valid = work.schedule[:, 0] >= 0
         passed = (work.union_count[valid] > limit).float().mean() if limit else 0.0
         shares[f"{name}_long_walk_share"] = float(passed)
     return shares
 
 
-def measure(seqlen: int, kind: str, heads, tunings) -> list[dict]:
+def measure(seqlen: int, kind: str, heads, tunings, rounds: int) -> list[dict]:
     num_heads, kv_heads, index_heads = heads
     generator = torch.Generator(device="cuda").manual_seed(seqlen)
     q, k, v = (torch.randn(1, seqlen, h, DIM, device="cuda", generator=generator).bfloat16()
@@ -85,21 +90,35 @@ def measure(seqlen: int, kind: str, heads, tunings) -> list[dict]:
     inputs = [t.clone().requires_grad_() for t in (q, k, v, index_q[None], index_k[None])]
     dout, one = torch.randn_like(q), torch.ones((), device="cuda")
     dense = dense_baseline(*inputs[:3], dout, median_ms)
+    steps = {name: _step(inputs, dout, one, name) for name in tunings}
+    # The tunings take turns, in alternating order, so that neither is always timed on a GPU
+    # the other has warmed: within one call the same kernel on the same inputs read 7-16%
+    # slower when timed later (benchmarks/records/long-walk-routes.json).
+    times = {name: [] for name in tunings}
+    for turn in range(rounds):
+        for name in (tunings if turn % 2 == 0 else tunings[::-1]):
+            times[name].append(median_ms(steps[name]))
     rows = []
     for name in tunings:
-        def step():
-            out, kl = msa_attention(*inputs, top_k=TOP_K, block_size=BLOCK, tuning=name)
-            torch.autograd.grad((out, kl), inputs, (dout, one))
-
         row = dict(seqlen=seqlen, selection=kind, heads=list(heads), tuning=name, **statistics,
                    **long_walk_shares(q[0], k[0], ids, cu, index_k, name),
-                   step_ms=median_ms(step), kernels=step_kernels(step), **dense)
+                   step_ms=sorted(times[name])[len(times[name]) // 2], round_ms=times[name],
+                   kernels=step_kernels(steps[name]), **dense)
         row["step_x_dense"] = dense["dense_fwd_bwd_ms"] / row["step_ms"]
         rows.append(row)
         print(json.dumps({key: value for key, value in row.items() if key != "kernels"}),
               flush=True)
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
     return rows
+
+
+def _step(inputs, dout, one, tuning: str):
+    """One eager training step of ``msa_attention`` under ``tuning``."""
+    def step():
+        out, kl = msa_attention(*inputs, top_k=TOP_K, block_size=BLOCK, tuning=tuning)
+        torch.autograd.grad((out, kl), inputs, (dout, one))
+
+    return step
 
 
 def table(rows, min_us: float) -> str:
@@ -136,8 +155,12 @@ def main() -> None:
     parser.add_argument("--tunings", default="default,adaptive")
     parser.add_argument("--heads", default="64,4,4", help="H,Hkv,Hi")
     parser.add_argument("--min-us", type=float, default=30.0)
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="timings of each tuning, taking turns in alternating order")
     args = parser.parse_args()
     tunings = args.tunings.split(",")
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected 1 or more, received {args.rounds}")
     for name in tunings:
         if name not in TUNINGS:
             parser.error(f"--tunings: expected names of {sorted(TUNINGS)}, received {name!r}")
@@ -152,7 +175,7 @@ def main() -> None:
     rows = []
     for seqlen in (int(s) for s in args.seqlens.split(",")):
         for kind in kinds:
-            rows += measure(seqlen, kind, heads, tunings)
+            rows += measure(seqlen, kind, heads, tunings, args.rounds)
     with open(os.path.join(args.out, "profile_tunings.json"), "w") as f:
         json.dump(dict(command="python benchmarks/profile_tunings.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),

@@ -106,8 +106,6 @@ class SparseAttentionProblem:
                            PRECISION=_precision(q))
         self.all_causal = all_causal
         self.tuning = tuning
-        # What a pass has read back from the device about its lists (``attention.routes``).
-        self.host_cache: dict = {}
         if block_work is not None:  # given when the forward built it already
             self.block_work = block_work
 

@@ -10,7 +10,6 @@ import torch
 import openmsa
 from openmsa.ops import attention as attention_module
 from openmsa.ops.attention import key_outer as key_outer_module
-from openmsa.ops.attention import routes as routes_module
 from openmsa.ops import msa as msa_module
 from openmsa.ops import select as select_module
 from openmsa.ops.configs import DEFAULT_TUNING, INDEX_TILE_TOKENS, Tuning
@@ -753,7 +752,7 @@ def test_key_outer_rows_of_query_ranges_add_up_to_the_full_run(tuning, monkeypat
                                        rtol=1e-5, atol=1e-6, msg=f"{name} of {first}..{end}")
 
 
-def test_configured_walk_limit_follows_the_tuning():
+def test_walk_limit_follows_the_tuning():
     """0 turns the split off, as does a limit no union can pass or warmup's every block."""
     case = CASES[0]
     inputs, cu = random_inputs(case, torch.float32, "cpu", seed=1)
@@ -765,7 +764,7 @@ def test_configured_walk_limit_follows_the_tuning():
     def limit(per_slot, all_causal=False):
         problem = SparseAttentionProblem(q, k, ids, cu, 64, 0.1, all_causal=all_causal,
                                          tuning=Tuning(main_walk_limit_per_slot=per_slot))
-        return routes_module.configured_walk_limit(problem)
+        return key_outer_module.walk_limit(problem)
 
     slots = SparseAttentionProblem(q, k, ids, cu, 64, 0.1).query_work.union.shape[-1]
     assert slots > 7
@@ -773,84 +772,6 @@ def test_configured_walk_limit_follows_the_tuning():
     assert limit(slots / 3) == 0 and limit(1.0, all_causal=True) == 0
     # 400 packed keys hold 7 blocks of 64 at most: no union passes a limit of 7.
     assert limit(2.0) == 6 and limit(2.5) == 0
-
-
-def _walk_problem(widen: bool, tuning: Tuning, with_index: bool = False):
-    """400 packed tokens (two sequences of 200), two index heads of two main heads each, three
-    slots, blocks of 16: every token keeps its own block alone (unions of one to four blocks
-    over a tile's 64 tokens, main and index), or with ``widen`` tokens 192-199 of sequence 0
-    also blocks j and j + 4 (j = 0..7): a union of 13 blocks in their tile."""
-    inputs, _ = random_inputs(CASES[0], torch.float32, "cpu", seed=1)
-    q, k, _, _, index_k = (t.detach().reshape(-1, *t.shape[-2:])[:400] for t in inputs)
-    cu = torch.tensor([0, 200, 400], dtype=torch.int32)
-    position = torch.arange(400) % 200
-    ids = torch.full((400, 2, 3), -1, dtype=torch.int32)
-    ids[:, :, 0] = (position // 16)[:, None].to(torch.int32)
-    if widen:
-        j = torch.arange(8, dtype=torch.int32)
-        ids[192 + j, :, 1] = j[:, None]
-        ids[192 + j, :, 2] = j[:, None] + 4
-    index = (index_k, 0.3) if with_index else ()
-    return SparseAttentionProblem(q, k, ids, cu, 16, 0.1, *index, tuning=tuning)
-
-
-def test_walk_limit_is_zero_where_no_tile_passes_it(monkeypatch):
-    """The configured limit (6 blocks) holds only where some tile's union passes it, read once
-    per problem; while a CUDA graph is captured (nothing can be read) it always holds."""
-    tuning = Tuning(main_walk_limit_per_slot=2.0)
-    narrow, wide = _walk_problem(False, tuning), _walk_problem(True, tuning)
-    assert routes_module.configured_walk_limit(narrow) == 6
-    assert int(narrow.query_work.union_count.max()) == 4
-    assert int(wide.query_work.union_count.max()) == 13
-    assert key_outer_module.walk_limit(narrow) == 0 and key_outer_module.walk_limit(wide) == 6
-    assert routes_module.long_walks(narrow) == routes_module.LongWalks(main=False, index=False)
-    assert routes_module.long_walks(wide) is routes_module.long_walks(wide)  # read once
-    monkeypatch.setattr(routes_module, "_capturing", lambda device: True)
-    assert key_outer_module.walk_limit(_walk_problem(False, tuning)) == 6
-    assert key_outer_module.walk_limit(_walk_problem(False, Tuning())) == 0
-
-
-def test_index_walk_limit_holds_where_an_index_tile_passes_it(monkeypatch):
-    """``Tuning.index_lse_split``: the index tiles (64 tokens) at 3 x top_k = 9 blocks; the
-    split counts only where a tile's union passes that, and never without the split or the
-    index branch, whatever the main limit does."""
-    split = Tuning(main_walk_limit_per_slot=2.0, index_lse_split=True)
-    narrow = _walk_problem(False, split, with_index=True)
-    wide = _walk_problem(True, split, with_index=True)
-    assert routes_module.configured_index_walk_limit(narrow) == 9
-    assert routes_module.long_walks(narrow) == routes_module.LongWalks(main=False, index=False)
-    assert routes_module.long_walks(wide) == routes_module.LongWalks(main=True, index=True)
-    index_only = Tuning(index_lse_split=True)
-    assert routes_module.long_walks(_walk_problem(True, index_only, with_index=True)) == \
-        routes_module.LongWalks(main=False, index=True)
-    assert routes_module.long_walks(_walk_problem(True, split)) == \
-        routes_module.LongWalks(main=True, index=False)  # no index branch
-    monkeypatch.setattr(routes_module, "_capturing", lambda device: True)
-    assert routes_module.long_walks(_walk_problem(False, index_only, with_index=True)) == \
-        routes_module.LongWalks(main=False, index=True)
-
-
-def test_tuning_without_long_walks_runs_the_default_kernels(monkeypatch):
-    """Where no tile passes the walk limit (every slot a forced local block: unions of at
-    most two blocks, the limit's two), a tuning with the key-outer routes and the hard rows'
-    atomic dQ runs none of them and gives the default tuning's bits; with index inputs
-    that select freely, it runs them."""
-    tuning = dataclasses.replace(KEY_OUTER_TUNING, dq_pass="hard_atomic", index_lse_split=True)
-    plain = dataclasses.replace(tuning, main_walk_limit_per_slot=0.0, dq_pass="walk",
-                                index_lse_split=False)
-    passes = count_calls(monkeypatch, attention_module, {
-        "key_outer_forward": "forward", "key_outer_dq": "dq",
-        "dkdv_with_hard_atomic_dq": "hard_atomic_dq"})
-    local = dict(num_local_blocks=2)
-    got, _, _ = kernel_and_reference(KEY_OUTER_CASE, torch.float32, seed=4, tuning=tuning,
-                                     **local)
-    assert passes == [], passes
-    default, _, _ = kernel_and_reference(KEY_OUTER_CASE, torch.float32, seed=4, tuning=plain,
-                                         **local)
-    for name in QUANTITY_NAMES:
-        assert torch.equal(got[name], default[name]), name
-    kernel_and_reference(KEY_OUTER_CASE, torch.float32, seed=4, tuning=tuning)
-    assert passes == ["forward", "hard_atomic_dq"], passes
 
 
 def test_key_outer_windows_hold_no_more_rows_than_the_queries():

@@ -26,7 +26,6 @@ from .backward import (attention_delta, reduce_dkdv_parts, triton_backward_atomi
 from .forward import index_log_sum_exp, index_log_sum_exp_key_outer, triton_forward
 from .key_outer import (dkdv_with_hard_atomic_dq, hard_atomic_bytes, key_outer_dq,
                         key_outer_forward, walk_limit)
-from .routes import long_walks
 
 __all__ = ["attention_backward", "attention_delta", "attention_dkdv", "attention_dq",
            "index_log_sum_exp", "index_log_sum_exp_key_outer", "sparse_attention_fwd"]
@@ -58,7 +57,7 @@ def sparse_attention_fwd(q, k, v, index_q, index_k, p: SparseAttentionProblem,
             key_outer_forward(q, k, v, p, limit, out, lse, use_hopper)
         if not p.with_index:
             return out, lse, None
-        if index_max is not None and long_walks(p).index:
+        if p.tuning.index_lse_split and index_max is not None:
             return out, lse, index_log_sum_exp_key_outer(index_q, index_k, index_max, p)
         return out, lse, index_log_sum_exp(index_q, index_k, index_max, p)
     out, lse, lse_index = triton_forward(q, k, v, index_q, index_k, p, index_max, num_warps,

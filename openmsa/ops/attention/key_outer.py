@@ -41,7 +41,6 @@ from ..problem import LOG2_E, SparseAttentionProblem
 from ..tiles import _block_keys, _load_rows, _query_tile, _segment
 from ..worklists import BlockWork
 from . import sm90_key_outer
-from .routes import configured_walk_limit, long_walks
 from .backward import (_over_heads, _pair_rows, dq_from_sum, new_dkdv_parts,
                        reduce_dkdv_parts)
 
@@ -50,11 +49,14 @@ __all__ = ["dkdv_with_hard_atomic_dq", "key_outer_dq", "key_outer_forward", "wal
 
 def walk_limit(p: SparseAttentionProblem) -> int:
     """The most blocks a query tile's walk (forward and dQ) takes before its rows go key-outer;
-    0: every tile walks: no limit is configured (``routes.configured_walk_limit``), or no tile
-    of this step's lists passes it (``routes.long_walks``), so that the key-outer passes'
-    lists, launches and partials run only where a tile needs them."""
-    limit = configured_walk_limit(p)
-    return limit if limit and long_walks(p).main else 0
+    0: every tile walks (warmup keeps every causal block, so its tiles never go; nor where no
+    union can pass the limit: short sequences then skip the key-outer passes' lists, launches
+    and partials)."""
+    per_slot = p.tuning.main_walk_limit_per_slot
+    if per_slot <= 0 or p.all_causal:
+        return 0
+    limit = max(1, int(per_slot * p.top_k))
+    return limit if limit < p.union_bound(p.query_work) else 0
 
 
 @triton.jit
