@@ -26,7 +26,7 @@ import torch
 from openmsa import msa_attention
 from openmsa.bench.run import dense_baseline
 from openmsa.bench.selection import SELECTION_KINDS, index_inputs, selection_statistics
-from openmsa.bench.timing import median_ms
+from openmsa.bench.timing import kernel_profile, median_ms
 from openmsa.ops.attention.key_outer import walk_limit
 from openmsa.ops.configs import INDEX_WALK_LIMIT_PER_SLOT, TUNINGS
 from openmsa.ops.layout import batch_cu_seqlens
@@ -37,26 +37,6 @@ DIM, TOP_K, BLOCK = 128, 16, 128
 
 
 PROFILED_STEPS = 5  # a kernel's time in one step varies by several percent: the mean of five
-
-
-def step_kernels(fn) -> dict:
-    """{kernel name: [GPU ms, launches]} per call of ``fn``, the mean over PROFILED_STEPS calls
-    (after one call that compiles)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        for _ in range(PROFILED_STEPS):
-            fn()
-        torch.cuda.synchronize()
-    kernels = {}
-    for event in profile.key_averages():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue  # operators: their time is their kernels'
-        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if total > 0:
-            kernels[event.key[:70]] = [total / 1000 / PROFILED_STEPS,
-                                       event.count / PROFILED_STEPS]
-    return kernels
 
 
 def long_walk_shares(q, k, ids, cu, index_k, tuning: str) -> dict:
@@ -103,7 +83,7 @@ def measure(seqlen: int, kind: str, heads, tunings, rounds: int) -> list[dict]:
         row = dict(seqlen=seqlen, selection=kind, heads=list(heads), tuning=name, **statistics,
                    **long_walk_shares(q[0], k[0], ids, cu, index_k, name),
                    step_ms=sorted(times[name])[len(times[name]) // 2], round_ms=times[name],
-                   kernels=step_kernels(steps[name]), **dense)
+                   kernels=kernel_profile(steps[name], PROFILED_STEPS), **dense)
         row["step_x_dense"] = dense["dense_fwd_bwd_ms"] / row["step_ms"]
         rows.append(row)
         print(json.dumps({key: value for key, value in row.items() if key != "kernels"}),

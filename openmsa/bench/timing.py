@@ -73,19 +73,27 @@ def graphed(fn):
     return captured(fn)[0].replay
 
 
-def kernel_times(fn, top=16):
-    """Milliseconds per GPU kernel name for one call of ``fn`` (torch profiler), the ``top``
-    longest."""
+def kernel_profile(fn, calls: int = 1) -> dict:
+    """{GPU kernel name: (milliseconds, launches)} per call of ``fn``, the mean over ``calls``
+    calls under the torch profiler (after one call that compiles)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        fn()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
-    times = {}
+    kernels = {}
     for event in profile.key_averages():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue  # operators: their time is their kernels'
         total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         if total > 0:
-            times[event.key[:60]] = total / 1000
+            kernels[event.key[:60]] = (total / 1000 / calls, event.count / calls)
+    return kernels
+
+
+def kernel_times(fn, top=16):
+    """Milliseconds per GPU kernel name for one call of ``fn`` (torch profiler), the ``top``
+    longest."""
+    times = {name: ms for name, (ms, _) in kernel_profile(fn).items()}
     return dict(sorted(times.items(), key=lambda item: -item[1])[:top])
