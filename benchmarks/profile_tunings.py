@@ -8,8 +8,9 @@ kernel (GPU only).
 For each length and selection kind: the eager one-layer step (``msa_attention`` with the KL
 value, forward and backward through autograd) under each of ``--tunings`` (the median of
 ``--rounds`` timings, the tunings taking turns in alternating order), dense SDPA's step in
-the same run, the selection's neighbours' Jaccard and 8-token union, and the GPU time and
-launch count of every kernel in one step (torch profiler). The table printed last lists each
+the same run, the selection's neighbours' Jaccard and 8-token union, the shares of tiles past
+the tuning's walk limits, and the GPU time and launch count of every kernel per step (torch
+profiler, the mean of ``PROFILED_STEPS`` steps). The table printed last lists each
 tuning's step and the kernels whose time differs from the first tuning's by more than
 ``--min-us`` microseconds: a tuning's fixed costs on selections it does not help show there.
 Writes ``DIR/profile_tunings.json``.
@@ -34,8 +35,6 @@ from openmsa.ops.problem import SparseAttentionProblem
 from openmsa.ops.select import select_blocks_fwd
 
 DIM, TOP_K, BLOCK = 128, 16, 128
-
-
 PROFILED_STEPS = 5  # a kernel's time in one step varies by several percent: the mean of five
 
 
