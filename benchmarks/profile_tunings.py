@@ -2,7 +2,7 @@
 kernel (GPU only).
 
     python benchmarks/profile_tunings.py --out DIR [--seqlens 32768,131072]
-        [--kinds coherent,mid,random] [--tunings default,adaptive] [--heads 64,4,4]
+        [--kinds coherent,mid,random] [--tunings default,adaptive,auto] [--heads 64,4,4]
         [--rounds 4]
 
 For each length and selection kind: the eager one-layer step (``msa_attention`` with the KL
@@ -29,6 +29,7 @@ from openmsa.bench.run import dense_baseline
 from openmsa.bench.selection import SELECTION_KINDS, index_inputs, selection_statistics
 from openmsa.bench.timing import kernel_profile, median_ms
 from openmsa.ops.attention.key_outer import walk_limit
+from openmsa.ops.auto_tuning import AutoTuning
 from openmsa.ops.configs import INDEX_WALK_LIMIT_PER_SLOT, TUNINGS
 from openmsa.ops.layout import batch_cu_seqlens
 from openmsa.ops.problem import SparseAttentionProblem
@@ -40,9 +41,10 @@ PROFILED_STEPS = 5  # a kernel's time in one step varies by several percent: the
 
 def long_walk_shares(q, k, ids, cu, index_k, tuning: str) -> dict:
     """The shares of main query tiles and of index tiles whose unions pass ``tuning``'s walk
-    limits (0 where a limit is not configured): the tiles its long-walk routes take."""
+    limits (0 where a limit is not configured): the tiles its long-walk routes take ("auto":
+    the adaptive tuning's, which it runs past its threshold)."""
     p = SparseAttentionProblem(q, k, ids, cu, BLOCK, DIM ** -0.5, index_k, DIM ** -0.5,
-                               tuning=TUNINGS[tuning])
+                               tuning=TUNINGS["adaptive" if tuning == "auto" else tuning])
     index_limit = INDEX_WALK_LIMIT_PER_SLOT * TOP_K if p.tuning.index_lse_split else 0
     if index_limit >= p.union_bound(p.index_tile_work):
         index_limit = 0  # no index tile can pass it: the split walks alone
@@ -92,7 +94,11 @@ def measure(seqlen: int, kind: str, heads, tunings, rounds: int) -> list[dict]:
 
 
 def _step(inputs, dout, one, tuning: str):
-    """One eager training step of ``msa_attention`` under ``tuning``."""
+    """One eager training step of ``msa_attention`` under ``tuning`` ("auto": an AutoTuning
+    of the case's own, which its first steps' measurements settle)."""
+    if tuning == "auto":
+        tuning = AutoTuning()
+
     def step():
         out, kl = msa_attention(*inputs, top_k=TOP_K, block_size=BLOCK, tuning=tuning)
         torch.autograd.grad((out, kl), inputs, (dout, one))
@@ -141,8 +147,9 @@ def main() -> None:
     if args.rounds < 1:
         parser.error(f"--rounds: expected 1 or more, received {args.rounds}")
     for name in tunings:
-        if name not in TUNINGS:
-            parser.error(f"--tunings: expected names of {sorted(TUNINGS)}, received {name!r}")
+        if name not in TUNINGS and name != "auto":
+            parser.error(f"--tunings: expected names of {sorted(TUNINGS)} or auto, received "
+                         f"{name!r}")
     kinds = args.kinds.split(",")
     for kind in kinds:
         if kind not in SELECTION_KINDS:

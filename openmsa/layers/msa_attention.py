@@ -7,7 +7,8 @@ from torch import nn
 
 from ..context_parallel import (MODES, context_parallel_msa_attention,
                                 context_parallel_sparse_attention, shard_sequence)
-from ..ops.configs import Tuning, resolve_tuning
+from ..ops.auto_tuning import AutoTuning, route
+from ..ops.configs import Tuning
 from ..ops.msa import msa_attention, sparse_attention
 from ..ops.validate import (check_index_precision, check_local_block_dilation,
                             query_positions_from_offsets)
@@ -43,8 +44,10 @@ class MSAAttention(nn.Module):
     ``block_size``, ``num_local_blocks``, ``local_block_dilation``, ``num_sink_blocks``,
     ``backend``, ``deterministic``, ``index_precision`` (``"fp8"``: selection on fp8 index
     scores) and ``tuning`` (``"adaptive"``, ``"incoherent"``: routes for selections whose
-    neighbours keep different blocks, as a new index branch makes) are passed to
-    ``msa_attention`` (``tuning`` also to a sharing layer's ``sparse_attention``).
+    neighbours keep different blocks, as a new index branch makes; ``"auto"``: an
+    ``AutoTuning`` of the layer's own, which runs the adaptive tuning while its previous
+    selections walked long) are passed to ``msa_attention`` (``tuning`` also to a sharing
+    layer's ``sparse_attention``).
 
     Index sharing (SPEC section 9): ``share_index_from=layer`` builds a layer without an index
     branch (no index projections) that attends over the blocks ``layer`` (an earlier layer of
@@ -71,7 +74,8 @@ class MSAAttention(nn.Module):
                  index_precision: str = "input", context_parallel_group=None,
                  context_parallel_mode: str = "head",
                  share_index_from: "MSAAttention | None" = None, local_block_dilation: int = 1,
-                 share_index_kl: bool = False, tuning: Tuning | str | None = None):
+                 share_index_kl: bool = False,
+                 tuning: Tuning | AutoTuning | str | None = None):
         super().__init__()
         # With a process group, hidden_states is this rank's shard of the sequence and the
         # attention runs across the group (openmsa.context_parallel): head mode
@@ -81,7 +85,9 @@ class MSAAttention(nn.Module):
                              f"{context_parallel_mode!r}")
         check_index_precision(index_precision)  # here, not at the first forward
         check_local_block_dilation(local_block_dilation)
-        resolve_tuning(tuning)
+        if isinstance(tuning, str) and tuning == "auto":
+            tuning = AutoTuning()  # the layer's own measurement of its selections
+        route(tuning, traced=False)  # validated here, not at the first forward
         self.context_parallel_group = context_parallel_group
         self.context_parallel_mode = context_parallel_mode
         head_dim = head_dim or hidden_size // num_heads

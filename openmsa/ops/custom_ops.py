@@ -209,13 +209,19 @@ def msa_operator(*inputs: torch.Tensor, tuning: Tuning = DEFAULT_TUNING):
     return _eager_msa_forward(tuning)
 
 
+def is_traced(inputs) -> bool:
+    """Whether a tracer or a mode must see the registered operators on ``inputs`` (their
+    tensors): torch.compile and export, fake or meta tensors, a dispatch mode, tensor
+    subclasses."""
+    return (torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
+            or any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta
+                   for t in inputs))
+
+
 def _needs_registered_operators(inputs, tuning: Tuning) -> bool:
-    """Whether a tracer or a mode must see the registered operators (torch.compile and export,
-    fake or meta tensors, a dispatch mode, tensor subclasses); they run the default tuning
-    only, so another raises."""
-    traced = (torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
-              or any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta
-                     for t in inputs))
+    """Whether a tracer or a mode must see the registered operators (``is_traced``); they run
+    the default tuning only, so another raises."""
+    traced = is_traced(inputs)
     if traced and tuning != DEFAULT_TUNING:
         raise ValueError("tuning: torch.compile, export, fake or meta tensors and dispatch "
                          "modes run the registered operators, which take the default "

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .configs import Tuning, resolve_tuning
-from .custom_ops import msa_operator, sparse_operator
+from .auto_tuning import AutoTuning, route
+from .configs import Tuning
+from .custom_ops import is_traced, msa_operator, sparse_operator
 from .dense import use_cudnn_dense
 from .interpreter import INTERPRETING, check_interpreter
 from .layout import (ids_from_token_major, ids_to_token_major,
@@ -59,7 +60,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
                   backend: str = "auto", block_indices: torch.Tensor | None = None,
                   kl_value: bool = True, query_start: int | None = None,
                   kl_num_queries: int | None = None, index_precision: str = "input",
-                  local_block_dilation: int = 1, tuning: Tuning | str | None = None):
+                  local_block_dilation: int = 1,
+                  tuning: Tuning | AutoTuning | str | None = None):
     """MiniMax Sparse Attention: returns ``(out, kl)`` (``(out, kl, indices)`` with
     ``return_indices=True``).
 
@@ -114,9 +116,11 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
             makes: faster there, slower on coherent ones; ``configs.INCOHERENT_TUNING``),
             ``"adaptive"`` (each query tile's route by its union: the long walks' rows
             key-outer, their dQ by the dK/dV pass's atomic adds; ``configs.ADAPTIVE_TUNING``)
-            or a ``configs.Tuning``. Eager calls only: under torch.compile, export or a dispatch
-            mode the registered operators run the default, and another tuning raises. The
-            reference backend ignores it.
+            a ``configs.Tuning``, or an ``AutoTuning`` (the default or the adaptive tuning
+            by the share of long walks its previous calls' selections measured, read without
+            a synchronization; one per layer). Eager calls only: under torch.compile, export
+            or a dispatch mode the registered operators run the default, and another tuning
+            raises. The reference backend ignores it.
 
     Returns:
         ``out`` with q's shape and dtype; ``kl``, a float32 0-dim tensor holding the exact
@@ -146,7 +150,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         return_indices=return_indices, backend=backend, query_start=query_start,
         kl_num_queries=kl_num_queries, kl_value=kl_value, index_precision=index_precision,
         local_block_dilation=local_block_dilation)
-    tuning = resolve_tuning(tuning)
+    auto, tuning = route(tuning, is_traced((q, k, v, index_q, index_k)))
     if block_indices is not None:
         validate_block_indices(block_indices, problem, cu_seqlens, q.device)
     if not _use_kernels(backend, q.device, index_precision):
@@ -155,15 +159,16 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         return _return(out, kl if kl_value else kl - kl.detach(), block_ids, return_indices)
     return msa_kernels(msa_operator(q, k, v, index_q, index_k, tuning=tuning), q, k, v,
                        index_q, index_k, problem, cu_seqlens, max_seqlen, block_indices,
-                       kl_value, deterministic, return_indices, tuning)
+                       kl_value, deterministic, return_indices, tuning, auto)
 
 
 def msa_kernels(operator, q, k, v, index_q, index_k, problem, cu_seqlens, max_seqlen,
                 block_indices, kl_value: bool, deterministic: bool, return_indices: bool,
-                tuning: Tuning):
+                tuning: Tuning, auto: AutoTuning | None = None):
     """``msa_attention`` on validated inputs, on the kernels of ``operator``
     (``custom_ops.msa_operator``'s choice, or a ``custom_ops.tuned_msa_forward`` for
-    tests) running ``tuning``."""
+    tests) running ``tuning``; ``auto``: the AutoTuning that measures the call's query
+    tiles for the next call's route."""
     _check_gpu_head_dims(q.device, q=problem.head_dim, index_q=problem.index_head_dim)
     cu = packed_offsets(cu_seqlens, problem.batch, problem.num_keys, q.device)
     ids = None if block_indices is None else ids_to_token_major(block_indices, problem.packed)
@@ -179,6 +184,9 @@ def msa_kernels(operator, q, k, v, index_q, index_k, problem, cu_seqlens, max_se
         problem.num_sink_blocks, warmup, longest, kl_value, index_grad, problem.query_start,
         problem.kl_num_queries, dense_batch, deterministic, problem.index_precision,
         problem.local_block_dilation)
+    if auto is not None and not warmup:
+        schedule, _, _, union_count = query_work
+        auto.observe(schedule, union_count, problem.top_k)
     # The operator's ids are its own tensor (int32, also when the caller gave int64 ids).
     block_ids = None if warmup else ids_from_token_major(token_major_ids, problem.packed,
                                                          problem.batch, problem.seqlen)
@@ -221,6 +229,12 @@ class HandedOnSelection:
                        tuning)
         setattr(block_ids, cls.ATTRIBUTE, cls(block_ids._version, key, cu_seqlens,
                                               token_major_ids, query_work, block_work))
+
+    @classmethod
+    def tuning_of(cls, block_ids) -> Tuning | None:
+        """The tuning of the call that selected ``block_ids`` (None: none attached)."""
+        selection = getattr(block_ids, cls.ATTRIBUTE, None)
+        return None if selection is None else selection.key[-1]
 
     @classmethod
     def of(cls, block_ids, q, k, cu_seqlens, num_heads, block_size, query_start, tuning):
@@ -274,7 +288,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      max_seqlen: int | None = None, backend: str = "auto", warmup: bool = False,
                      num_index_heads: int | None = None, deterministic: bool = False,
                      query_start: int | None = None,
-                     tuning: Tuning | str | None = None) -> torch.Tensor:
+                     tuning: Tuning | AutoTuning | str | None = None) -> torch.Tensor:
     """The main attention alone, over given kept blocks (SPEC section 3, steps 5-6): what a
     layer that shares another layer's selection runs (SPEC section 9).
 
@@ -290,15 +304,19 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernels run as the custom operators ``openmsa::sparse_forward`` / ``sparse_backward``, so
     ``torch.compile`` traces them. ``tuning``: the kernels' routes, as ``msa_attention``'s
     (another than the default runs eagerly, outside the operators, and raises under a tracer
-    or mode). Ids that ``msa_attention(..., return_indices=True)`` returned
+    or mode; an ``AutoTuning`` runs the route of the call that selected handed-on ids, else its
+    latest reading, and measures nothing). Ids that ``msa_attention(..., return_indices=True)``
+    returned
     on the kernels, unchanged since and used on the same problem, come with the work lists that
     forward built: they are reused and the ids' values not checked again
     (``HandedOnSelection``); other ids are checked, which synchronizes the host (skipped under
     CUDA-graph capture and torch.compile).
     """
-    tuning = resolve_tuning(tuning)
+    auto, tuning = route(tuning, is_traced((q, k, v)))
     handed_on = None
     if isinstance(block_indices, torch.Tensor) and not warmup:
+        if auto is not None:
+            tuning = HandedOnSelection.tuning_of(block_indices) or tuning
         handed_on = HandedOnSelection.of(block_indices, q, k, cu_seqlens, q.shape[-2],
                                          block_size, query_start or 0, tuning)
     problem = validate_sparse_args(q, k, v, block_indices, block_size=block_size,
@@ -343,7 +361,7 @@ def naive_msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
     reference; float64 inputs are accepted.
     """
     check_backend(backend)
-    resolve_tuning(tuning)  # validated, as msa_attention does
+    route(tuning, traced=False)  # validated, as msa_attention does
     problem = validate_msa_args(
         q, k, v, index_q, index_k, top_k=top_k, block_size=block_size,
         softmax_scale=softmax_scale, index_softmax_scale=index_softmax_scale,
