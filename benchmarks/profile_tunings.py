@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--seqlens", default="32768,131072")
     parser.add_argument("--kinds", default=",".join(SELECTION_KINDS))
-    parser.add_argument("--tunings", default="default,adaptive")
+    parser.add_argument("--tunings", default="default,adaptive,auto")
     parser.add_argument("--heads", default="64,4,4", help="H,Hkv,Hi")
     parser.add_argument("--min-us", type=float, default=30.0)
     parser.add_argument("--rounds", type=int, default=4,

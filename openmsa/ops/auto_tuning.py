@@ -60,8 +60,8 @@ class AutoTuning:
         return self._tuning
 
     def _read_finished(self) -> None:
-        if self._pending is None:
-            return
+        if self._pending is None or _capturing():
+            return  # querying an event is not allowed while a graph is captured
         counts, event = self._pending
         if event is not None and not event.query():
             return  # still in flight: the previous route holds
@@ -75,7 +75,7 @@ class AutoTuning:
         """Queues the measurement of a selection's query tiles (``QueryTileWork``'s schedule
         ``[E, 2]``, -1 rows padding, and union counts ``[E, Hi]``) against ``incoherent``'s
         walk limit for ``top_k`` slots."""
-        if union_count.is_cuda and torch.cuda.is_current_stream_capturing():
+        if union_count.is_cuda and _capturing():
             return
         limit = max(1, int(self.incoherent.main_walk_limit_per_slot * top_k))
         valid = schedule[:, 0] >= 0
@@ -100,6 +100,10 @@ class AutoTuning:
         route = "default" if self._tuning == DEFAULT_TUNING else "incoherent"
         return (f"AutoTuning(threshold={self.threshold}, "
                 f"long_walk_share={self.long_walk_share}, next={route!r})")
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def route(tuning, traced: bool) -> tuple[AutoTuning | None, Tuning]:

@@ -12,7 +12,7 @@ from openmsa.ops import attention as attention_module
 from openmsa.ops.attention import key_outer as key_outer_module
 from openmsa.ops import msa as msa_module
 from openmsa.ops import select as select_module
-from openmsa.ops.configs import DEFAULT_TUNING, INDEX_TILE_TOKENS, Tuning
+from openmsa.ops.configs import DEFAULT_TUNING, INDEX_TILE_TOKENS, Tuning, resolve_tuning
 from openmsa.ops.layout import ids_to_token_major, packed_offsets, packed_tokens
 from openmsa.ops.problem import SparseAttentionProblem
 from openmsa.ops.worklists import build_block_work
@@ -863,7 +863,7 @@ def test_sparse_attention_runs_the_tuning_it_is_given(tuning, route, monkeypatch
     _, _, ids = openmsa.msa_attention(q, k, v, *inputs[3:], backend="triton", **run)
     block_size = run["block_size"]
     sparse = dict(block_size=block_size, cu_seqlens=cu_seqlens)
-    resolved = msa_module.resolve_tuning(tuning)
+    resolved = resolve_tuning(tuning)
     assert msa_module.HandedOnSelection.of(ids, q, k, cu_seqlens, q.shape[-2], block_size, 0,
                                            resolved) is None
     assert msa_module.HandedOnSelection.of(ids, q, k, cu_seqlens, q.shape[-2], block_size, 0,
