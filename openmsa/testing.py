@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .ops.configs import Tuning, resolve_tuning
+from .ops.auto_tuning import route
+from .ops.configs import Tuning
 from .ops.custom_ops import tuned_msa_forward
 from .ops.msa import msa_kernels, naive_msa_attention
 from .ops.naive import naive_msa_forward
@@ -132,7 +133,7 @@ def _reference_computing_in_input_dtype(q, k, v, index_q, index_k, *, cu_seqlens
     """The reference with every matmul and softmax in the inputs' dtype (FlashAttention's
     baseline: what the same math costs in that precision). ``tuning`` is validated and, as in
     ``naive_msa_attention``, changes nothing: the reference has no kernel routes."""
-    resolve_tuning(tuning)
+    route(tuning, traced=False)
     problem = validate_msa_args(q, k, v, index_q, index_k, **msa_options(
         dict(options, cu_seqlens=cu_seqlens, return_indices=return_indices, backend="reference")))
     return naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens, block_indices,

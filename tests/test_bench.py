@@ -274,9 +274,15 @@ def test_bench_step_options_carry_the_tuning():
     assert step_options(args) == dict(msa_options(args), tuning="incoherent")
     assert "tuning" not in msa_options(args)
     assert parser.parse_args([]).tuning == "default"
+    # "auto": a fresh AutoTuning for each timed case (each selection kind measures its own).
+    from openmsa import AutoTuning
+
+    auto = parser.parse_args(["--tuning", "auto"])
+    first, second = step_options(auto)["tuning"], step_options(auto)["tuning"]
+    assert isinstance(first, AutoTuning) and first is not second
 
 
-@pytest.mark.parametrize("tuning", ["adaptive", "incoherent"])
+@pytest.mark.parametrize("tuning", ["adaptive", "incoherent", "auto"])
 def test_bench_correctness_check_runs_with_each_tuning(tuning):
     """``measure``'s check before timing: ``compare_with_reference`` on the timed step's
     options, ``--tuning`` among them (the references take a tuning and run no routes)."""

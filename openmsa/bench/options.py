@@ -12,5 +12,9 @@ def msa_options(args) -> dict:
 
 def step_options(args) -> dict:
     """``msa_attention``'s options of a timed training step: the selection options and the
-    kernels' routes (``--tuning``)."""
-    return dict(msa_options(args), tuning=args.tuning)
+    kernels' routes (``--tuning``; "auto": a new ``AutoTuning``, each call's route from the
+    previous call's measurement)."""
+    from ..ops.auto_tuning import AutoTuning
+
+    return dict(msa_options(args),
+                tuning=AutoTuning() if args.tuning == "auto" else args.tuning)

@@ -97,10 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "a trained index branch), mid (neighbours' Jaccard about 0.5), random")
     parser.add_argument("--index-precision", choices=INDEX_PRECISIONS, default="input",
                         help="selection's index scores: input (bf16) or fp8")
-    parser.add_argument("--tuning", choices=sorted(TUNINGS), default="default",
+    parser.add_argument("--tuning", choices=sorted(TUNINGS) + ["auto"], default="default",
                         help="the MSA step's kernel routes (msa_attention's tuning): incoherent "
                         "for selections whose neighbours keep different blocks, adaptive: each "
-                        "query tile's route by its union")
+                        "query tile's route by its union, auto: either by the previous step's "
+                        "long walks")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     parser.add_argument("--no-fla", action="store_true",
                         help="skip flash-linear-attention's NSA kernels (pip install fla-core)")
@@ -288,10 +289,14 @@ def measure(row, args, selection: str, dense: dict) -> dict:
     result["selection_ms"] = bench(lambda: select_blocks(index_q, index_k, **options))
 
     def attention_step():
-        out = sparse_attention(q, k, v, ids, block_size=args.block_size, tuning=args.tuning)
+        out = sparse_attention(q, k, v, ids, block_size=args.block_size, tuning=step["tuning"])
         torch.autograd.grad(out, (q, k, v), dout)
 
     result["main_attention_fwd_bwd_ms"] = bench(attention_step)
+    if args.tuning == "auto":  # the route the timed steps settled on
+        result["auto_long_walk_share"] = step["tuning"].long_walk_share
+        result["auto_route"] = ("default" if step["tuning"].tuning == TUNINGS["default"]
+                                else "adaptive")
     result["kl_fwd_bwd_ms"] = (result["msa_fwd_bwd_ms"] - result["selection_ms"]
                                - result["main_attention_fwd_bwd_ms"])
     result.update(selection_statistics(ids[0].permute(1, 0, 2)))

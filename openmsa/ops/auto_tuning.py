@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .configs import ADAPTIVE_TUNING, DEFAULT_TUNING, Tuning, resolve_tuning
+from .configs import ADAPTIVE_TUNING, DEFAULT_TUNING, TUNINGS, Tuning, resolve_tuning
 
 
 class AutoTuning:
@@ -40,10 +40,11 @@ class AutoTuning:
         if (not isinstance(threshold, (int, float)) or isinstance(threshold, bool)
                 or not 0.0 <= threshold < 1.0):
             raise ValueError(f"threshold: expected a number in [0, 1), received {threshold!r}")
-        try:
-            incoherent = resolve_tuning(incoherent)
-        except ValueError as error:
-            raise ValueError(f"incoherent: {str(error).removeprefix('tuning: ')}") from None
+        if not (isinstance(incoherent, Tuning)
+                or isinstance(incoherent, str) and incoherent in TUNINGS):
+            raise ValueError(f"incoherent: expected a configs.Tuning or one of "
+                             f"{sorted(TUNINGS)}, received {incoherent!r}")
+        incoherent = resolve_tuning(incoherent)
         if incoherent.main_walk_limit_per_slot <= 0:
             raise ValueError("incoherent: expected a tuning with a walk limit "
                              "(main_walk_limit_per_slot > 0), which says what walks long")

@@ -249,5 +249,6 @@ def resolve_tuning(tuning) -> Tuning:
         return tuning
     if isinstance(tuning, str) and tuning in TUNINGS:
         return TUNINGS[tuning]
-    raise ValueError(f"tuning: expected None, a configs.Tuning or one of {sorted(TUNINGS)}, "
+    raise ValueError(f"tuning: expected None, a configs.Tuning, an openmsa.AutoTuning or one "
+                     f"of {sorted(TUNINGS)}, "
                      f"received {tuning!r}")

@@ -710,7 +710,8 @@ def test_tuning_is_checked_and_eager_only():
     inputs, cu_seqlens = random_inputs(CASES[1], torch.float32, "cpu", seed=5)
     run = dict(CASES[1].options, cu_seqlens=cu_seqlens)
     for fn in (openmsa.msa_attention, msa_module.naive_msa_attention):
-        with pytest.raises(ValueError, match="^tuning: expected None, a configs.Tuning or one"):
+        with pytest.raises(ValueError,
+                           match="^tuning: expected None, a configs.Tuning, an openmsa.AutoTuning"):
             fn(*inputs, tuning="fast", **run)
     with pytest.raises(ValueError, match="^tuning: expected"):
         MSAAttention(64, 4, 2, tuning=Tuning)
