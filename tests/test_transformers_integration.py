@@ -153,6 +153,25 @@ def test_converted_layers_select_with_the_given_index_precision():
     assert not torch.equal(logits["input"], logits["fp8"])
 
 
+def test_converted_layers_take_the_tuning_auto_each_its_own():
+    """``convert_to_msa(tuning=...)``: a name reaches every layer's calls, "auto" makes one
+    AutoTuning a layer (sharing layers included), a bad tuning fails naming ``tuning``."""
+    model = tiny_model("llama", layers=3)
+    convert_to_msa(model, top_k=2, block_size=64, backend="reference", tuning="auto",
+                   share_index_every=2)
+    tunings = [layer.self_attn.options["tuning"] for layer in model.model.layers]
+    assert all(isinstance(t, openmsa.AutoTuning) for t in tunings)
+    assert len({id(t) for t in tunings}) == 3
+    tokens = torch.randint(101, (1, 200), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(tokens, use_cache=False)
+    model = tiny_model("llama")
+    convert_to_msa(model, top_k=2, block_size=64, backend="reference", tuning="adaptive")
+    assert all(layer.self_attn.options["tuning"] == "adaptive" for layer in model.model.layers)
+    with pytest.raises(ValueError, match="^tuning: expected None"):
+        convert_to_msa(tiny_model("llama"), tuning="fast")
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_converted_model_with_index_sharing_runs_forward_and_backward(family):
     """share_index_every=2 on 3 layers: layers 0 and 2 select, layer 1 attends over layer 0's

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..layers.msa_attention import rotate_half
+from ..ops.auto_tuning import AutoTuning, route
 from ..ops.decode import msa_decode
 from ..ops.msa import msa_attention, sparse_attention
 from ..ops.validate import check_index_precision, check_local_block_dilation
@@ -51,8 +52,11 @@ class HFMSAAttention(nn.Module):
     def __init__(self, original: nn.Module, *, top_k: int, block_size: int,
                  num_local_blocks: int, num_sink_blocks: int, backend: str,
                  index_precision: str = "input", share_index_from: "HFMSAAttention | None" = None,
-                 local_block_dilation: int = 1, share_index_kl: bool = False):
+                 local_block_dilation: int = 1, share_index_kl: bool = False, tuning=None):
         super().__init__()
+        if isinstance(tuning, str) and tuning == "auto":
+            tuning = AutoTuning()  # the layer's own measurement of its selections
+        route(tuning, traced=False)
         config = original.config
         self.config, self.layer_idx = config, original.layer_idx
         self.head_dim = original.head_dim
@@ -67,7 +71,7 @@ class HFMSAAttention(nn.Module):
         self.options = dict(top_k=top_k, block_size=block_size,
                             num_local_blocks=num_local_blocks, num_sink_blocks=num_sink_blocks,
                             local_block_dilation=local_block_dilation, backend=backend,
-                            index_precision=index_precision)
+                            index_precision=index_precision, tuning=tuning)
         self.warmup = False
         self.last_kl = None
         # An empty dict here asks the next forward to record its last query token's selection
@@ -223,21 +227,23 @@ class HFMSAAttention(nn.Module):
         if self.warmup:
             return sparse_attention(q, k, v, warmup=True, num_index_heads=self.num_kv_heads,
                                     **options)
-        return sparse_attention(q, k, v, ids, **options)
+        return sparse_attention(q, k, v, ids, tuning=self.options["tuning"], **options)
 
 
 def convert_to_msa(model: nn.Module, *, top_k: int = 16, block_size: int = 128,
                    num_local_blocks: int = 1, num_sink_blocks: int = 0,
                    backend: str = "auto", index_precision: str = "input",
                    share_index_every: int = 1, local_block_dilation: int = 1,
-                   share_index_kl: bool = False) -> int:
+                   share_index_kl: bool = False, tuning=None) -> int:
     """Replaces every Llama / Qwen3 attention module of ``model`` in place; returns how many.
     The options are ``msa_attention``'s (``index_precision="fp8"``: selection on fp8 index
     scores). ``share_index_every=N``: the attention modules 0, N, 2N, ... (in the model's
     order) get an index branch, the others share the selection of the nearest one before them
     (default 1: every layer selects). ``share_index_kl=True``: the sharing layers' attention
     also teaches the index branch they read (their KL, over their kept tokens, reaches its
-    index projections and counts in ``msa_kl``)."""
+    index projections and counts in ``msa_kl``). ``tuning``: the kernels' routes, as
+    ``msa_attention``'s; ``"auto"`` gives every layer an ``AutoTuning`` of its own (a freshly
+    converted index branch may select incoherently: the adaptive tuning's case)."""
     _require_transformers()
     check_index_precision(index_precision)
     check_local_block_dilation(local_block_dilation)
@@ -261,7 +267,7 @@ def convert_to_msa(model: nn.Module, *, top_k: int = 16, block_size: int = 128,
             module, top_k=top_k, block_size=block_size, num_local_blocks=num_local_blocks,
             num_sink_blocks=num_sink_blocks, backend=backend, index_precision=index_precision,
             share_index_from=source, local_block_dilation=local_block_dilation,
-            share_index_kl=share_index_kl and source is not None))
+            share_index_kl=share_index_kl and source is not None, tuning=tuning))
         setattr(parent, child, converted[-1])
     return len(targets)
 
