@@ -306,9 +306,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (another than the default runs eagerly, outside the operators, and raises under a tracer
     or mode; an ``AutoTuning`` runs the route of the call that selected handed-on ids, else its
     latest reading, and measures nothing). Ids that ``msa_attention(..., return_indices=True)``
-    returned
-    on the kernels, unchanged since and used on the same problem, come with the work lists that
-    forward built: they are reused and the ids' values not checked again
+    returned on the kernels, unchanged since and used on the same problem, come with the work
+    lists that forward built: they are reused and the ids' values not checked again
     (``HandedOnSelection``); other ids are checked, which synchronizes the host (skipped under
     CUDA-graph capture and torch.compile).
     """
