@@ -29,7 +29,7 @@ from openmsa.bench.run import dense_baseline
 from openmsa.bench.selection import SELECTION_KINDS, index_inputs, selection_statistics
 from openmsa.bench.timing import kernel_profile, median_ms
 from openmsa.ops.attention.key_outer import walk_limit
-from openmsa.ops.auto_tuning import AutoTuning
+from openmsa.ops.auto_tuning import own_tuning
 from openmsa.ops.configs import INDEX_WALK_LIMIT_PER_SLOT, TUNINGS
 from openmsa.ops.layout import batch_cu_seqlens
 from openmsa.ops.problem import SparseAttentionProblem
@@ -96,8 +96,7 @@ def measure(seqlen: int, kind: str, heads, tunings, rounds: int) -> list[dict]:
 def _step(inputs, dout, one, tuning: str):
     """One eager training step of ``msa_attention`` under ``tuning`` ("auto": an AutoTuning
     of the case's own, which its first steps' measurements settle)."""
-    if tuning == "auto":
-        tuning = AutoTuning()
+    tuning = own_tuning(tuning)
 
     def step():
         out, kl = msa_attention(*inputs, top_k=TOP_K, block_size=BLOCK, tuning=tuning)

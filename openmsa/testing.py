@@ -133,7 +133,7 @@ def _reference_computing_in_input_dtype(q, k, v, index_q, index_k, *, cu_seqlens
     """The reference with every matmul and softmax in the inputs' dtype (FlashAttention's
     baseline: what the same math costs in that precision). ``tuning`` is validated and, as in
     ``naive_msa_attention``, changes nothing: the reference has no kernel routes."""
-    route(tuning, traced=False)
+    route(tuning)
     problem = validate_msa_args(q, k, v, index_q, index_k, **msa_options(
         dict(options, cu_seqlens=cu_seqlens, return_indices=return_indices, backend="reference")))
     return naive_msa_forward(q, k, v, index_q, index_k, problem, cu_seqlens, block_indices,

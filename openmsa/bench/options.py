@@ -14,7 +14,6 @@ def step_options(args) -> dict:
     """``msa_attention``'s options of a timed training step: the selection options and the
     kernels' routes (``--tuning``; "auto": a new ``AutoTuning``, each call's route from the
     previous call's measurement)."""
-    from ..ops.auto_tuning import AutoTuning
+    from ..ops.auto_tuning import own_tuning
 
-    return dict(msa_options(args),
-                tuning=AutoTuning() if args.tuning == "auto" else args.tuning)
+    return dict(msa_options(args), tuning=own_tuning(args.tuning))

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..layers.msa_attention import rotate_half
-from ..ops.auto_tuning import AutoTuning, route
+from ..ops.auto_tuning import own_tuning
 from ..ops.decode import msa_decode
 from ..ops.msa import msa_attention, sparse_attention
 from ..ops.validate import check_index_precision, check_local_block_dilation
@@ -54,9 +54,7 @@ class HFMSAAttention(nn.Module):
                  index_precision: str = "input", share_index_from: "HFMSAAttention | None" = None,
                  local_block_dilation: int = 1, share_index_kl: bool = False, tuning=None):
         super().__init__()
-        if isinstance(tuning, str) and tuning == "auto":
-            tuning = AutoTuning()  # the layer's own measurement of its selections
-        route(tuning, traced=False)
+        tuning = own_tuning(tuning)
         config = original.config
         self.config, self.layer_idx = config, original.layer_idx
         self.head_dim = original.head_dim

@@ -7,7 +7,7 @@ from torch import nn
 
 from ..context_parallel import (MODES, context_parallel_msa_attention,
                                 context_parallel_sparse_attention, shard_sequence)
-from ..ops.auto_tuning import AutoTuning, route
+from ..ops.auto_tuning import AutoTuning, own_tuning
 from ..ops.configs import Tuning
 from ..ops.msa import msa_attention, sparse_attention
 from ..ops.validate import (check_index_precision, check_local_block_dilation,
@@ -85,9 +85,7 @@ class MSAAttention(nn.Module):
                              f"{context_parallel_mode!r}")
         check_index_precision(index_precision)  # here, not at the first forward
         check_local_block_dilation(local_block_dilation)
-        if isinstance(tuning, str) and tuning == "auto":
-            tuning = AutoTuning()  # the layer's own measurement of its selections
-        route(tuning, traced=False)  # validated here, not at the first forward
+        tuning = own_tuning(tuning)  # validated here, not at the first forward
         self.context_parallel_group = context_parallel_group
         self.context_parallel_mode = context_parallel_mode
         head_dim = head_dim or hidden_size // num_heads

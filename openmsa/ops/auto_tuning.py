@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .configs import ADAPTIVE_TUNING, DEFAULT_TUNING, TUNINGS, Tuning, resolve_tuning
+from .custom_ops import is_traced
 
 
 class AutoTuning:
@@ -107,12 +108,12 @@ def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def route(tuning, traced: bool) -> tuple[AutoTuning | None, Tuning]:
+def route(tuning, inputs=()) -> tuple[AutoTuning | None, Tuning]:
     """``msa_attention``'s ``tuning`` argument as (its AutoTuning or None, the Tuning this call
-    runs); ``traced``: the call runs under a tracer or mode (torch.compile, export, fake
-    tensors, a dispatch mode), where an AutoTuning raises."""
+    runs); an AutoTuning raises where ``inputs`` (the call's tensors) run under a tracer or
+    mode (torch.compile, export, fake tensors, a dispatch mode)."""
     if isinstance(tuning, AutoTuning):
-        if traced:
+        if is_traced(inputs):
             raise ValueError("tuning: an AutoTuning reads its previous call's selection on the "
                              "host, eagerly only; under torch.compile, export, fake or meta "
                              "tensors and dispatch modes leave tuning=None")
@@ -122,3 +123,12 @@ def route(tuning, traced: bool) -> tuple[AutoTuning | None, Tuning]:
                          "openmsa.AutoTuning() (one per layer), or build the layer as "
                          "MSAAttention(tuning='auto')")
     return None, resolve_tuning(tuning)
+
+
+def own_tuning(tuning):
+    """A layer's ``tuning`` argument, validated: ``"auto"`` becomes an AutoTuning of the
+    layer's own (each layer's selection has its own coherence), anything else stays."""
+    if isinstance(tuning, str) and tuning == "auto":
+        tuning = AutoTuning()
+    route(tuning)
+    return tuning

@@ -6,7 +6,7 @@ import torch
 
 from .auto_tuning import AutoTuning, route
 from .configs import Tuning
-from .custom_ops import is_traced, msa_operator, sparse_operator
+from .custom_ops import msa_operator, sparse_operator
 from .dense import use_cudnn_dense
 from .interpreter import INTERPRETING, check_interpreter
 from .layout import (ids_from_token_major, ids_to_token_major,
@@ -150,7 +150,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: to
         return_indices=return_indices, backend=backend, query_start=query_start,
         kl_num_queries=kl_num_queries, kl_value=kl_value, index_precision=index_precision,
         local_block_dilation=local_block_dilation)
-    auto, tuning = route(tuning, is_traced((q, k, v, index_q, index_k)))
+    auto, tuning = route(tuning, (q, k, v, index_q, index_k))
     if block_indices is not None:
         validate_block_indices(block_indices, problem, cu_seqlens, q.device)
     if not _use_kernels(backend, q.device, index_precision):
@@ -311,7 +311,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (``HandedOnSelection``); other ids are checked, which synchronizes the host (skipped under
     CUDA-graph capture and torch.compile).
     """
-    auto, tuning = route(tuning, is_traced((q, k, v)))
+    auto, tuning = route(tuning, (q, k, v))
     handed_on = None
     if isinstance(block_indices, torch.Tensor) and not warmup:
         if auto is not None:
@@ -360,7 +360,7 @@ def naive_msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
     reference; float64 inputs are accepted.
     """
     check_backend(backend)
-    route(tuning, traced=False)  # validated, as msa_attention does
+    route(tuning)  # validated, as msa_attention does
     problem = validate_msa_args(
         q, k, v, index_q, index_k, top_k=top_k, block_size=block_size,
         softmax_scale=softmax_scale, index_softmax_scale=index_softmax_scale,
