@@ -7,6 +7,7 @@ MSA model (fp8 indexing, index sharing), all evaluated by ``openmsa eval`` at ch
         [--lengths 4k,8k,16k,32k,64k] [--samples 10] [--eval-batch 1] [--adapt-steps 300]
         [--device cuda]
         [--train-args "--grad-clip 1 --lr-schedule cosine"]
+        [--only-variants] [--merge EARLIER/study.json,...]
 
 Stages (each skips work whose output exists, so a stage cut short by a time limit resumes):
 - ``train``: per seed, the dense model and the MSA model (``openmsa train --models dense`` /
@@ -22,6 +23,11 @@ Stages (each skips work whose output exists, so a stage cut short by a time limi
   seeds of the comparisons the quality issue asks: MSA-trained in MSA attention against
   dense-trained in dense attention, and the adapted model in MSA attention against its dense
   self) and ``study.png``; prints a table last.
+
+``--only-variants`` trains and evaluates the variants' models alone, and ``--merge`` joins the
+rows of earlier study.json files (the same preset and samples a cell; this run's evaluations win
+for a seed and checkpoint both hold) to the report: a call too short for the whole study adds
+the variants to the base models another call evaluated.
 
 Logs of every process go to ROOT/seedS/*.log. The training runs share the host's cores for
 their batch-generating workers (``--data-workers``).
@@ -57,7 +63,7 @@ def _jobs_train(args) -> list[tuple[str, list[str], str]]:
     jobs = []
     for seed in args.seeds:
         root = os.path.join(args.out, f"seed{seed}")
-        runs = [("dense", root, []), ("msa", root, [])]
+        runs = [] if args.only_variants else [("dense", root, []), ("msa", root, [])]
         runs += [("msa", os.path.join(root, variant), VARIANTS[variant])
                  for variant in args.variants]
         for kind, out, extra in runs:
@@ -75,7 +81,7 @@ def _jobs_train(args) -> list[tuple[str, list[str], str]]:
 
 def _jobs_adapt(args):
     jobs = []
-    for seed in args.seeds:
+    for seed in [] if args.only_variants else args.seeds:
         root = os.path.join(args.out, f"seed{seed}")
         command = [sys.executable, "-m", "openmsa.cli", "train", "--preset", args.preset,
                    "--adapt-index", os.path.join(root, "dense"), "--steps",
@@ -85,12 +91,15 @@ def _jobs_adapt(args):
     return jobs
 
 
-def checkpoints(args) -> list[tuple[int, str, str]]:
-    """(seed, name, folder) of every checkpoint the study trains."""
+def checkpoints(args, base: bool = True) -> list[tuple[int, str, str]]:
+    """(seed, name, folder) of every checkpoint the study trains; ``base=False``: the
+    variants' alone."""
     found = []
     for seed in args.seeds:
         root = os.path.join(args.out, f"seed{seed}")
-        found += [(seed, name, os.path.join(root, name)) for name in ("dense", "msa", "adapted")]
+        if base:
+            found += [(seed, name, os.path.join(root, name))
+                      for name in ("dense", "msa", "adapted")]
         found += [(seed, f"msa_{variant}", os.path.join(root, variant, "msa"))
                   for variant in args.variants]
     return found
@@ -98,7 +107,7 @@ def checkpoints(args) -> list[tuple[int, str, str]]:
 
 def _jobs_eval(args):
     jobs = []
-    for seed, name, folder in checkpoints(args):
+    for seed, name, folder in checkpoints(args, base=not args.only_variants):
         out = os.path.join(args.out, f"seed{seed}", f"eval_{name}")
         command = [sys.executable, "-m", "openmsa.cli", "eval", "--model", folder, "--lengths",
                    args.lengths, "--samples", str(args.samples), "--seed", str(seed),
@@ -162,6 +171,23 @@ def _summary(folder: str):
     return rows, ("unfinished: no " + ", ".join(map(str, missing)) + " tokens") if missing else ""
 
 
+def _merged_rows(args, evaluated) -> list[dict]:
+    """The rows of the earlier study.json files of ``args.merge`` (another call's evaluations
+    of the same preset and samples a cell; or records of benchmarks/records holding one
+    under "study"), but those of the (seed, checkpoint)s in
+    ``evaluated``, which this run's evaluations give."""
+    rows = []
+    for path in args.merge:
+        earlier = json.load(open(path))
+        earlier = earlier.get("study", earlier)  # a record of benchmarks/records holds one
+        for key in ("preset", "samples"):
+            if earlier[key] != getattr(args, key):
+                raise SystemExit(f"--merge: {path} holds a study of {key} {earlier[key]!r}, "
+                                 f"this one of {getattr(args, key)!r}")
+        rows += [r for r in earlier["rows"] if (r["seed"], r["checkpoint"]) not in evaluated]
+    return rows
+
+
 def report(args) -> dict:
     """study.json and study.png from the eval.json files."""
     rows, partial = [], []
@@ -174,6 +200,7 @@ def report(args) -> dict:
             partial.append(f"seed{seed}/{name}: {summary[1]}")
         for row in summary[0]:
             rows.append(dict(row, seed=seed, checkpoint=name))
+    rows += _merged_rows(args, {(r["seed"], r["checkpoint"]) for r in rows})
 
     def accuracy(name, mode, task, length, key="accuracy"):
         values = [r[key] for r in rows if (r["checkpoint"], r["mode"], r["task"], r["length"])
@@ -205,7 +232,8 @@ def report(args) -> dict:
     from openmsa.train.lm import LM_PRESETS
 
     study = dict(preset=args.preset, training_length=LM_PRESETS[args.preset].seqlen,
-                 seeds=args.seeds, variants=args.variants,
+                 seeds=sorted({r["seed"] for r in rows} | set(args.seeds)),
+                 variants=args.variants, merged=args.merge,
                  lengths=lengths, samples=args.samples, rows=rows, means=means,
                  comparisons=comparisons, unfinished_evaluations=partial)
     with open(os.path.join(args.out, "study.json"), "w") as handle:
@@ -276,7 +304,19 @@ def main() -> None:
                         help="samples of a task and length generated together (openmsa eval "
                         "--batch)")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--only-variants", action="store_true",
+                        help="train and evaluate the variants' MSA models alone (no dense, MSA "
+                        "or adapted model: their evaluations come from --merge)")
+    parser.add_argument("--merge", default="",
+                        help="comma-separated study.json files of earlier calls (same preset "
+                        "and --samples) whose evaluations the report joins to this run's")
     args = parser.parse_args()
+    args.merge = [path for path in args.merge.split(",") if path]
+    missing = [path for path in args.merge if not os.path.exists(path)]
+    if missing:
+        raise SystemExit(f"--merge: no file {', '.join(missing)}")
+    if args.only_variants and not args.variants:
+        raise SystemExit("--only-variants: name the variants with --variants")
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.train_args = shlex.split(args.train_args)
     args.variants = [v for v in args.variants.split(",") if v]

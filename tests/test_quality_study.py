@@ -25,7 +25,8 @@ def study():
 def _args(out, **overrides):
     settings = dict(out=str(out), preset="ruler-tiny", seeds=[0, 1], variants=["share2"],
                     steps=None, adapt_steps=5, lengths="256,512", samples=2,
-                    device_args=["--device", "cpu"], parallel=4, train_args=[], eval_batch=1)
+                    device_args=["--device", "cpu"], parallel=4, train_args=[], eval_batch=1,
+                    only_variants=False, merge=[])
     return SimpleNamespace(**dict(settings, **overrides))
 
 
@@ -113,6 +114,48 @@ def test_report_compares_msa_training_and_the_adapted_model_over_seeds(study, tm
     assert points[("msa_share2 (MSA) - dense-trained (dense)", 512)] == pytest.approx(-45)
     saved = json.load(open(tmp_path / "study.json"))
     assert saved["training_length"] == 320 and len(saved["rows"]) == 2 * 4 * 4
+
+
+def test_only_variants_runs_the_variants_models_alone(study, tmp_path):
+    args = _args(tmp_path, only_variants=True, variants=["fp8", "share2"], seeds=[1])
+    trained = [output for _, _, output in study._jobs_train(args)]
+    assert trained == [str(tmp_path / "seed1" / v / "msa") for v in ("fp8", "share2")]
+    fp8 = study._jobs_train(args)[0][1]
+    assert fp8[fp8.index("--index-precision") + 1] == "fp8"
+    assert study._jobs_adapt(args) == []
+    evaluated = [os.path.basename(os.path.dirname(out)) for _, _, out in study._jobs_eval(args)]
+    assert evaluated == ["eval_msa_fp8", "eval_msa_share2"]
+
+
+def test_report_merges_an_earlier_studys_rows_and_this_runs_win(study, tmp_path):
+    """The base models from an earlier call's study.json (as a record holds it), the variant
+    from this run; the earlier file's stale variant rows give way to this run's."""
+    earlier = tmp_path / "earlier"
+    for name, dense, msa in (("dense", 0.8, 0.1), ("msa", 0.6, 0.7), ("adapted", 0.8, 0.5),
+                             ("msa_share2", 0.0, 0.0)):
+        _eval_json(str(earlier / "seed0" / f"eval_{name}"),
+                   {("average", 256, "dense"): dense, ("average", 256, "msa"): msa})
+    first = study.report(_args(earlier, seeds=[0]))
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps(dict(command="...", study=first)))
+    now = tmp_path / "now"
+    _eval_json(str(now / "seed0" / "eval_msa_share2"),
+               {("average", 256, "dense"): 0.5, ("average", 256, "msa"): 0.4})
+    result = study.report(_args(now, seeds=[0], only_variants=True, merge=[str(record)]))
+    points = {(c["comparison"], c["length"]): c["points"] for c in result["comparisons"]}
+    assert points[("msa_share2 (MSA) - dense-trained (dense)", 256)] == pytest.approx(-40)
+    assert points[("msa-trained (MSA) - dense-trained (dense)", 256)] == pytest.approx(-10)
+    assert len(result["rows"]) == 4 * 2 and result["merged"] == [str(record)]
+    with pytest.raises(SystemExit, match="--merge: .* samples 2, this one of 3"):
+        study.report(_args(now, seeds=[0], samples=3, merge=[str(record)]))
+
+
+def test_bad_only_variants_and_merge_arguments_are_named(study, tmp_path, monkeypatch):
+    for argv, message in ((["--only-variants"], "--only-variants: name the variants"),
+                          (["--merge", str(tmp_path / "none.json")], "--merge: no file")):
+        monkeypatch.setattr(sys, "argv", ["quality_study.py", "--out", str(tmp_path), *argv])
+        with pytest.raises(SystemExit, match=message):
+            study.main()
 
 
 def test_train_one_model_of_an_lm_preset(tmp_path):
