@@ -236,6 +236,7 @@ def report(args) -> dict:
                  variants=args.variants, merged=args.merge,
                  lengths=lengths, samples=args.samples, rows=rows, means=means,
                  comparisons=comparisons, unfinished_evaluations=partial)
+    os.makedirs(args.out, exist_ok=True)  # a report of merged studies alone has no folder
     with open(os.path.join(args.out, "study.json"), "w") as handle:
         json.dump(study, handle, indent=1)
     _plot(study, curves, tasks, os.path.join(args.out, "study.png"))

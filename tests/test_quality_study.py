@@ -146,6 +146,8 @@ def test_report_merges_an_earlier_studys_rows_and_this_runs_win(study, tmp_path)
     assert points[("msa_share2 (MSA) - dense-trained (dense)", 256)] == pytest.approx(-40)
     assert points[("msa-trained (MSA) - dense-trained (dense)", 256)] == pytest.approx(-10)
     assert len(result["rows"]) == 4 * 2 and result["merged"] == [str(record)]
+    study.report(_args(tmp_path / "fresh", seeds=[0], merge=[str(record)]))
+    assert (tmp_path / "fresh" / "study.json").exists()  # a merged report alone: no folder yet
     with pytest.raises(SystemExit, match="--merge: .* samples 2, this one of 3"):
         study.report(_args(now, seeds=[0], samples=3, merge=[str(record)]))
 
