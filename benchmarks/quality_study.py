@@ -80,8 +80,10 @@ def _jobs_train(args) -> list[tuple[str, list[str], str]]:
 
 
 def _jobs_adapt(args):
+    if args.only_variants:  # no dense model to adapt
+        return []
     jobs = []
-    for seed in [] if args.only_variants else args.seeds:
+    for seed in args.seeds:
         root = os.path.join(args.out, f"seed{seed}")
         command = [sys.executable, "-m", "openmsa.cli", "train", "--preset", args.preset,
                    "--adapt-index", os.path.join(root, "dense"), "--steps",
@@ -312,12 +314,6 @@ def main() -> None:
                         help="comma-separated study.json files of earlier calls (same preset "
                         "and --samples) whose evaluations the report joins to this run's")
     args = parser.parse_args()
-    args.merge = [path for path in args.merge.split(",") if path]
-    missing = [path for path in args.merge if not os.path.exists(path)]
-    if missing:
-        raise SystemExit(f"--merge: no file {', '.join(missing)}")
-    if args.only_variants and not args.variants:
-        raise SystemExit("--only-variants: name the variants with --variants")
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.train_args = shlex.split(args.train_args)
     args.variants = [v for v in args.variants.split(",") if v]
@@ -325,6 +321,12 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--variants: expected names from {', '.join(VARIANTS)}, received "
                          f"{', '.join(unknown)}")
+    args.merge = [path for path in args.merge.split(",") if path]
+    missing = [path for path in args.merge if not os.path.exists(path)]
+    if missing:
+        raise SystemExit(f"--merge: no file {', '.join(missing)}")
+    if args.only_variants and not args.variants:
+        raise SystemExit("--only-variants: name the variants with --variants")
     args.device_args = ["--device", args.device] if args.device else []
     stages = args.stages.split(",")
     for stage, jobs in (("train", _jobs_train), ("adapt", _jobs_adapt), ("eval", _jobs_eval)):
